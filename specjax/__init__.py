@@ -1,0 +1,31 @@
+"""specjax: lossless speculative decoding in JAX.
+
+    import jax, specjax as sj
+    target = sj.init_model(sj.ModelConfig(...), jax.random.key(0))
+    out = sj.generate(target, [[1, 5, 9]], sampling=sj.SamplingParams(temperature=0.7),
+                      spec=sj.SpecConfig(method="draft_model", num_speculative_tokens=4),
+                      draft=draft, key=jax.random.key(42))
+"""
+
+# Configuration
+from .config import ModelConfig, SamplingParams, SpecConfig
+
+# Models and caches
+from .model import Model, init_model, logits, forward
+from .cache import KVCache
+
+# Generation
+from .engine import generate, Generation
+from .stats import Stats
+
+# Building blocks (pure functions, usable on their own)
+from . import sampling, verify, theory, draft
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelConfig", "SamplingParams", "SpecConfig",
+    "Model", "init_model", "logits", "forward", "KVCache",
+    "generate", "Generation", "Stats",
+    "sampling", "verify", "theory", "draft",
+]

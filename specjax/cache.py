@@ -1,0 +1,81 @@
+"""The KV cache: fixed-capacity buffers plus per-row lengths.
+
+Contract (DESIGN.md): entries at index >= ``length[b]`` are garbage and invisible to attention,
+except the slots of the chunk being written, which see each other through the intra-chunk mask.
+Rollback is ``length = new_length``; nothing is zeroed or copied. Capacity S is static and chosen
+by the engine, which refuses on the host any request that could write past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from .config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: Array  # [L, B, S, K, D]
+    v: Array  # [L, B, S, K, D]
+    length: Array  # [B] int32: valid entries per row
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, capacity: int) -> "KVCache":
+        shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads,
+                 config.head_dim)
+        zeros = jnp.zeros(shape, jnp.dtype(config.dtype))
+        return cls(k=zeros, v=zeros, length=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def rollback(self, length: Array) -> "KVCache":
+        """Keep the first ``length[b]`` entries of each row. Also used to advance after a write."""
+        return dataclasses.replace(self, length=jnp.asarray(length, jnp.int32))
+
+
+def write(buffer: Array, new: Array, start: Array) -> Array:
+    """Write new [B, T, ...] into buffer [B, S, ...] at per-row offsets start [B].
+
+    The engine guarantees start + T <= S on the host; ``dynamic_update_slice`` would otherwise
+    clamp the offset and silently overwrite valid entries.
+    """
+    def one(buf, x, s):
+        return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), s, axis=0)
+    return jax.vmap(one)(buffer, new, start)
+
+
+def attention_mask(length: Array, chunk_mask: Array, capacity: int) -> Array:
+    """Which cache slots each new token may attend to: [B, T, S] bool.
+
+    The chunk's T tokens are written at slots length[b] .. length[b] + T - 1. A query sees every
+    slot before length[b] (the history) and, inside its own chunk, the slots chunk_mask allows::
+
+        history      chunk (causal chunk_mask, T = 3)      garbage
+        0 .. len-1   len  len+1 len+2                      len+3 .. S-1
+        1 1 1 1      1    0     0                          0 0 0
+        1 1 1 1      1    1     0                          0 0 0
+        1 1 1 1      1    1     1                          0 0 0
+
+    chunk_mask is [T, T] or [B, T, T] (a tree's ancestor mask later); True = may attend.
+    """
+    B, T = length.shape[0], chunk_mask.shape[-1]
+    chunk_mask = jnp.broadcast_to(chunk_mask, (B, T, T))
+    slot = jnp.arange(capacity)[None, :]  # [1, S]
+    offset = slot - length[:, None]  # [B, S]: index of the slot inside the chunk
+    in_chunk = (offset >= 0) & (offset < T)
+    gathered = jnp.take_along_axis(
+        chunk_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, capacity)),
+        axis=2)  # [B, T, S]
+    return (offset < 0)[:, None, :] | (in_chunk[:, None, :] & gathered)
+
+
+def causal_mask(T: int) -> Array:
+    """[T, T] lower-triangular mask: token i sees tokens 0..i of its chunk."""
+    return jnp.tril(jnp.ones((T, T), bool))

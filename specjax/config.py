@@ -1,0 +1,166 @@
+"""Frozen configuration dataclasses.
+
+Everything here is hashable: a config that fixes a shape (vocabulary, layer count, γ) is a static
+argument of the compiled programs, so two calls with equal configs share one program. Values that
+vary per call (temperature, top-k, top-p, max_new_tokens) are copied into arrays by the engine and
+never cause a recompile.
+
+Every constructor validates its fields and raises ``ValueError`` naming the bad value, so bad input
+fails before anything is traced or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-family decoder. Field names follow Hugging Face's ``config.json``."""
+
+    vocab_size: int  # number of token ids; logits are [.., V]
+    hidden_size: int  # model width E
+    intermediate_size: int  # SwiGLU width F
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # query heads H
+    num_key_value_heads: int | None = None  # kv heads K (grouped-query attention); None = H
+    head_dim: int | None = None  # D; None = hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048  # longest prompt + generation the model accepts
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rms_norm_eps: float = 1e-6  # epsilon inside RMSNorm
+    tie_word_embeddings: bool = False  # LM head reuses the input embedding matrix
+    attention_bias: bool = False  # bias on q/k/v/o projections (Qwen2 has it on q/k/v)
+    dtype: str = "float32"  # parameter and activation dtype; norms, softmax and logits are float32
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "max_position_embeddings"):
+            _require_int("ModelConfig", name, getattr(self, name), 1)
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        _require_int("ModelConfig", "num_key_value_heads", self.num_key_value_heads, 1)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"ModelConfig.hidden_size ({self.hidden_size}) is not divisible by "
+                    f"num_attention_heads ({self.num_attention_heads}); set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        _require_int("ModelConfig", "head_dim", self.head_dim, 2)
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, LM head included (once when tied)."""
+        E, F, V, D = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        H, K = self.num_attention_heads, self.num_key_value_heads
+        attn = E * D * (H + 2 * K) + H * D * E
+        if self.attention_bias:
+            attn += D * (H + 2 * K) + E
+        layer = attn + 3 * E * F + 2 * E
+        head = 0 if self.tie_word_embeddings else E * V
+        return V * E + self.num_hidden_layers * layer + E + head
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How each token is drawn. Applied in the order temperature, top-k, top-p (as in HF/vLLM).
+
+    The same processing serves the draft (q), the target (p), recovered and bonus tokens and the
+    autoregressive baseline, so speculation never changes which distribution is sampled.
+    """
+
+    temperature: float = 1.0  # 0 = greedy (argmax through an explicit mask)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = off
+    max_new_tokens: int = 64  # tokens generated per row, EOS included
+    eos_token_id: int | tuple[int, ...] | None = None  # a row stops after emitting any of these
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+            raise ValueError(f"SamplingParams.temperature must be a number >= 0, got {t!r}")
+        _require_int("SamplingParams", "top_k", self.top_k, 0)
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
+        _require_int("SamplingParams", "max_new_tokens", self.max_new_tokens, 1)
+        eos = self.eos_token_id
+        if eos is not None:
+            ids = (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else tuple(eos)
+            for i in ids:
+                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                    raise ValueError(f"SamplingParams.eos_token_id entries must be ints >= 0, "
+                                     f"got {eos!r}")
+            if not ids:
+                ids = None
+            object.__setattr__(self, "eos_token_id", ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.eos_token_id or ()
+
+
+METHODS = ("draft_model",)
+"""Draft methods this version knows; ``SpecConfig.method`` must be one of them."""
+
+NEEDS_DRAFT_MODEL = ("draft_model",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """Speculative decoding settings, in vLLM's ``--speculative-config`` vocabulary."""
+
+    method: str = "draft_model"  # which proposer makes the drafts
+    num_speculative_tokens: int = 4  # γ: drafts per round; the target verifies γ + 1 positions
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"SpecConfig.method {self.method!r} is unknown; known methods: "
+                             f"{', '.join(METHODS)}")
+        _require_int("SpecConfig", "num_speculative_tokens", self.num_speculative_tokens, 1)
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.method in NEEDS_DRAFT_MODEL
+
+    @classmethod
+    def parse(cls, spec: "SpecConfig | Mapping[str, Any] | str | None") -> "SpecConfig | None":
+        """Accept a SpecConfig, a dict, a JSON string (vLLM style), or None (no speculation)."""
+        if spec is None or isinstance(spec, SpecConfig):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {spec!r} ({e})") from None
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"spec must be a SpecConfig, dict, JSON string or None, got {spec!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        return cls(**spec)

@@ -1,0 +1,38 @@
+"""Proposers: one file each, one protocol.
+
+A proposer is a frozen (hashable) dataclass: it is part of the compiled program's static
+configuration, chosen when the program is built, never by string dispatch inside traced code. Its
+parameters (if any) are passed in as arguments, and its state (a draft cache, say) is a pytree
+threaded through the decode loop. It never sees the verifier.
+
+Protocol::
+
+    gamma: int                                   # drafts per round (static)
+    init(params, prompts [B, P], prompt_lengths [B], capacity) -> state
+    propose(params, state, history [B, S], length [B], keys [B], sampling, filters)
+        -> (Draft, state)
+
+``history[b, :length[b] + 1]`` is the row's whole sequence so far (prompt and generated tokens);
+``history[b, length[b]]`` is the last token, which the target has not yet seen. The engine never
+tells a proposer what was accepted: the next ``propose`` sees it through ``length`` and ``history``
+and rolls its own state back accordingly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    tokens: Array  # [B, G] int32
+    probs: Array | None  # [B, G, V] float32 distributions the tokens were drawn from; None = point mass
+
+
+from .model import DraftModelProposer  # noqa: E402
+
+__all__ = ["Draft", "DraftModelProposer"]

@@ -1,0 +1,336 @@
+"""``generate``: prefill, then speculative rounds under one ``lax.while_loop``.
+
+Loop invariant, per row b::
+
+    history[b, :length[b] + 1]   the sequence so far (prompt, then generated tokens)
+    cache.length[b] == length[b] every token but the last is in the target cache
+    history[b, length[b]]        the last token, which the next round feeds first
+
+A round feeds the target the chunk [last, d_1 .. d_γ] at positions length .. length + γ, verifies,
+writes the num_accepted + 1 new tokens into history after the last one and advances length by
+what was emitted. Each row moves by its own count; done rows stay frozen. With ``spec=None`` the
+same round runs with γ = 0 (no proposer): plain autoregressive decoding, our baseline.
+
+Shapes that are fixed per program (static, part of the compile key): batch B, prompt bucket P,
+capacity S (cache and history), γ, the model configs, and whether top-k / top-p filters are
+compiled in. Everything else (prompt lengths, max_new_tokens, temperature, top-k, top-p, EOS ids,
+keys) is an array, so nearby request sizes share a compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from . import cache as kv
+from . import model as model_lib
+from . import sampling as sampling_lib
+from . import verify
+from .cache import KVCache
+from .config import SamplingParams, SpecConfig
+from .draft import DraftModelProposer
+from .model import Model
+from .sampling import Filters, SamplingArrays
+from .stats import Counters, Stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one compiled program."""
+
+    target: Any  # ModelConfig of the target
+    proposer: Any  # a proposer (see specjax.draft), or None for autoregressive decoding
+    capacity: int  # S: cache and history slots per row
+    filters: Filters  # which sampling filters are compiled in
+
+    @property
+    def gamma(self) -> int:
+        return 0 if self.proposer is None else self.proposer.gamma
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    history: Array  # [B, S] int32: prompt then generated tokens
+    length: Array  # [B] int32: position of the last token == target cache length
+    num_generated: Array  # [B] int32
+    done: Array  # [B] bool
+    cache: KVCache  # target cache
+    draft_state: Any  # the proposer's state (a draft cache), or None
+    counters: Counters
+    step: Array  # [] int32: rounds run so far
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Per-call arrays (never part of the compile key)."""
+
+    keys: Array  # [B] typed PRNG keys, one per row
+    sampling: SamplingArrays  # [B] each
+    max_new_tokens: Array  # [B] int32
+    eos: Array  # [E] int32 (-1 = none)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    tokens: np.ndarray  # [B, max_new_tokens] int32, -1 after each row's end
+    lengths: np.ndarray  # [B] int32: generated tokens per row (EOS included)
+    stats: Stats
+
+
+def _emit(state: LoopState, tokens: Array, num_accepted: Array, request: Request
+          ) -> tuple[Array, Array, Array]:
+    """How many of a round's tokens each row keeps: EOS and max_new_tokens cut the round short.
+
+    tokens [B, T] (−1 padded), num_accepted [B]. Returns (n_emit [B], hit_eos [B], history).
+    """
+    T = tokens.shape[1]
+    index = jnp.arange(T)[None, :]
+    offered = index < (num_accepted + 1)[:, None]
+    is_eos = jnp.any(tokens[:, :, None] == request.eos[None, None, :], axis=-1) & offered
+    eos_cut = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, T)
+    n_emit = jnp.minimum(jnp.minimum(num_accepted + 1, eos_cut),
+                         request.max_new_tokens - state.num_generated)
+    n_emit = jnp.where(state.done, 0, n_emit)
+    hit_eos = jnp.any(is_eos & (index < n_emit[:, None]), axis=1)
+    history = kv.write(state.history, tokens, state.length + 1)
+    return n_emit, hit_eos, history
+
+
+def _prefill(plan: Plan, target_params, draft_params, prompts: Array, prompt_lengths: Array,
+             request: Request) -> LoopState:
+    """Run the prompts [B, P] (right-padded) through target and proposer; draw the first token."""
+    B, P = prompts.shape
+    S = plan.capacity
+    target = Model(plan.target, target_params)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    logits, _, cache = model_lib.forward(target, prompts, positions, KVCache.init(plan.target, B, S))
+    rows = jnp.arange(B)
+    last_logits = logits[rows, prompt_lengths - 1]  # [B, V]
+    probs = sampling_lib.process_logits(last_logits, request.sampling, plan.filters)
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(request.keys)
+    first = sampling_lib.sample(keys, probs)
+    history = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
+    history = history.at[rows, prompt_lengths].set(first)
+    draft_state = None
+    if plan.proposer is not None:
+        draft_state = plan.proposer.init(draft_params, prompts, prompt_lengths, S)
+    done = jnp.any(first[:, None] == request.eos[None, :], axis=1) | (request.max_new_tokens <= 1)
+    return LoopState(
+        history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
+        done=done, cache=cache.rollback(prompt_lengths), draft_state=draft_state,
+        counters=Counters.zeros(plan.gamma), step=jnp.zeros((), jnp.int32))
+
+
+def _round(plan: Plan, target_params, draft_params, request: Request,
+           state: LoopState) -> LoopState:
+    """One speculative round (γ = 0: one autoregressive step) for every row."""
+    B = state.length.shape[0]
+    G = plan.gamma
+    round_keys = jax.vmap(jax.random.fold_in, (0, None))(request.keys, state.step + 1)
+    draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(round_keys), 1, 0)
+    last = state.history[jnp.arange(B), state.length]
+    if plan.proposer is None:
+        draft_tokens, draft_probs = jnp.zeros((B, 0), jnp.int32), None
+        draft_state = state.draft_state
+    else:
+        draft, draft_state = plan.proposer.propose(
+            draft_params, state.draft_state, state.history, state.length, draft_keys,
+            request.sampling, plan.filters)
+        draft_tokens, draft_probs = draft.tokens, draft.probs
+    chunk = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, G+1]
+    positions = state.length[:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
+    logits, _, cache = model_lib.forward(Model(plan.target, target_params), chunk, positions,
+                                         state.cache.rollback(state.length))
+    target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
+    verdict = verify.rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs)
+
+    n_emit, hit_eos, history = _emit(state, verdict.tokens, verdict.num_accepted, request)
+    length = state.length + n_emit
+    num_generated = state.num_generated + n_emit
+    return LoopState(
+        history=history, length=length, num_generated=num_generated,
+        done=state.done | hit_eos | (num_generated >= request.max_new_tokens),
+        cache=cache.rollback(length), draft_state=draft_state,
+        counters=state.counters.update(~state.done, verdict.num_accepted),
+        step=state.step + 1)
+
+
+def _decode(plan: Plan, target_params, draft_params, request: Request,
+            state: LoopState) -> LoopState:
+    """Rounds until every row is done; no host sync inside."""
+    body = lambda s: _round(plan, target_params, draft_params, request, s)  # noqa: E731
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+_prefill_jit = jax.jit(_prefill, static_argnums=0)
+_decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=4)
+_EXECUTABLES: dict = {}
+
+
+def compiled_programs() -> int:
+    """How many programs ``generate`` has compiled in this process (for tests and tuning)."""
+    return len(_EXECUTABLES)
+
+
+def _run(fn, plan: Plan, *args) -> tuple[Any, float]:
+    """Call fn(plan, *args) through an ahead-of-time compiled executable cached by plan and
+    argument shapes, so timings never include compilation. Returns (result, compile seconds)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    sig = (fn, plan, treedef, tuple((x.shape, x.dtype) for x in leaves))
+    exe, spent = _EXECUTABLES.get(sig), 0.0
+    if exe is None:
+        t0 = time.perf_counter()
+        exe = fn.lower(plan, *args).compile()
+        spent = time.perf_counter() - t0
+        _EXECUTABLES[sig] = exe
+        log.info("compiled %s for %s in %.1fs", fn.__name__, plan, spent)
+    return exe(*args), spent
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Round a size up to the next of 16, 24, 32, 48, 64, 96, ... (at most 50% padding)."""
+    size = minimum
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
+def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    rows = []
+    for b, row in enumerate(prompts):
+        if isinstance(row, (str, bytes)):
+            raise ValueError(f"prompt {b} is a string; pass token ids (lists of ints)")
+        arr = np.asarray(row)
+        if arr.ndim != 1:
+            raise ValueError(f"prompt {b} must be a flat list of token ids, got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError(f"prompt {b} is empty: every prompt needs at least one token")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {b} must hold integer token ids, got dtype {arr.dtype}")
+        bad = arr[(arr < 0) | (arr >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt {b} has token id {int(bad[0])} outside [0, {vocab_size})")
+        rows.append(arr.astype(np.int32))
+    return rows
+
+
+def _as_key(key) -> Array:
+    if key is None:
+        return jax.random.key(0)
+    if isinstance(key, int):
+        return jax.random.key(key)
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key)  # a legacy uint32 [2] key
+
+
+def generate(target: Model, prompts: Sequence[Sequence[int]], *,
+             sampling: SamplingParams | None = None,
+             spec: SpecConfig | dict | str | None = None,
+             draft: Model | None = None,
+             key: Array | int | None = None) -> Generation:
+    """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` is given.
+
+    prompts: B lists of token ids, any lengths (>= 1). sampling: SamplingParams (default:
+    temperature 1, 64 new tokens). spec: SpecConfig, a dict or JSON string in vLLM's style, or None
+    for plain autoregressive decoding. draft: the draft model for method "draft_model" (same
+    vocabulary as the target). key: a PRNG key (or an int seed); each row draws from its own key
+    folded from it, so the same key gives the same output and rows do not depend on each other.
+
+    The output distribution equals autoregressive sampling from the target with the same
+    SamplingParams; with temperature 0 the tokens equal autoregressive greedy decoding.
+    """
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    spec = SpecConfig.parse(spec)
+    cfg = target.config
+    rows = _prompt_rows(prompts, cfg.vocab_size)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    B, longest, max_new = len(rows), int(lengths.max()), sampling.max_new_tokens
+    if longest + max_new > cfg.max_position_embeddings:
+        b = int(lengths.argmax())
+        raise ValueError(
+            f"prompt {b} has {longest} tokens; with max_new_tokens={max_new} that is "
+            f"{longest + max_new} positions, beyond the target's max_position_embeddings="
+            f"{cfg.max_position_embeddings}")
+    for eos in sampling.eos_ids:
+        if eos >= cfg.vocab_size:
+            raise ValueError(f"eos_token_id {eos} is outside [0, {cfg.vocab_size})")
+
+    proposer = None
+    if spec is None:
+        if draft is not None:
+            raise ValueError("a draft model was given but spec is None; pass spec=SpecConfig(...) "
+                             "to speculate, or drop draft=")
+    elif spec.needs_draft_model:
+        if draft is None:
+            raise ValueError(f"method {spec.method!r} needs a draft model: pass draft=")
+        if draft.config.vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
+                f"{cfg.vocab_size}: draft and target must share one vocabulary")
+        proposer = DraftModelProposer(draft.config, spec.num_speculative_tokens)
+    gamma = 0 if proposer is None else proposer.gamma
+
+    P = bucket(longest)
+    needed = longest + max_new + gamma + 1  # the last round may write γ + 1 slots past the end
+    capacity = bucket(max(P, needed))
+    assert capacity >= needed  # never a write past S: dynamic_update_slice would clamp silently
+    plan = Plan(cfg, proposer, capacity,
+                Filters(top_k=sampling.top_k > 0, top_p=sampling.top_p < 1.0))
+
+    padded = np.zeros((B, P), np.int32)
+    for b, r in enumerate(rows):
+        padded[b, :len(r)] = r
+    root = _as_key(key)
+    request = Request(
+        keys=jax.vmap(jax.random.fold_in, (None, 0))(root, jnp.arange(B)),
+        sampling=SamplingArrays(
+            temperature=jnp.full((B,), sampling.temperature, jnp.float32),
+            top_k=jnp.full((B,), sampling.top_k, jnp.int32),
+            top_p=jnp.full((B,), sampling.top_p, jnp.float32)),
+        max_new_tokens=jnp.full((B,), max_new, jnp.int32),
+        eos=jnp.asarray(sampling.eos_ids or (-1,), jnp.int32))
+    draft_params = None if proposer is None else draft.params
+    prompts_dev, lengths_dev = jnp.asarray(padded), jnp.asarray(lengths)
+
+    compile_seconds = 0.0
+    t0 = time.perf_counter()
+    state, spent = _run(_prefill_jit, plan, target.params, draft_params, prompts_dev, lengths_dev,
+                        request)
+    state = jax.block_until_ready(state)
+    compile_seconds += spent
+    prefill_seconds = time.perf_counter() - t0 - spent
+    t0 = time.perf_counter()
+    state, spent = _run(_decode_jit, plan, target.params, draft_params, request, state)
+    state = jax.block_until_ready(state)
+    compile_seconds += spent
+    decode_seconds = time.perf_counter() - t0 - spent
+
+    history, generated = jax.device_get((state.history, state.num_generated))
+    tokens = np.full((B, max_new), -1, np.int32)
+    for b in range(B):
+        n = int(generated[b])
+        tokens[b, :n] = history[b, lengths[b]:lengths[b] + n]
+    stats = Stats.summarise(
+        state.counters, gamma=gamma, draft_calls_per_round=gamma,
+        has_draft_model=proposer is not None, generated_tokens=int(generated.sum()), batch=B,
+        prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
+        compile_seconds=compile_seconds)
+    return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats)

@@ -1,0 +1,86 @@
+"""Acceptance counters accumulated on device inside the loop, summarised on the host once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    """Device-side counts; only rows still generating (active) are counted in a round."""
+
+    rounds: Array  # [] int32: loop iterations (target verify calls)
+    row_rounds: Array  # [] int32: active rows summed over rounds
+    accepted: Array  # [] int32: accepted drafts
+    emitted: Array  # [] int32: sum of num_accepted + 1 (before EOS / max_new_tokens truncation)
+    accepted_at: Array  # [G] int32: active row-rounds whose draft at position k was accepted
+
+    @classmethod
+    def zeros(cls, gamma: int) -> "Counters":
+        z = jnp.zeros((), jnp.int32)
+        return cls(z, z, z, z, jnp.zeros((gamma,), jnp.int32))
+
+    def update(self, active: Array, num_accepted: Array) -> "Counters":
+        """active [B] bool, num_accepted [B] int32."""
+        G = self.accepted_at.shape[0]
+        n = jnp.where(active, num_accepted, 0)
+        at = (jnp.arange(G)[None, :] < n[:, None]) & active[:, None]
+        return Counters(
+            rounds=self.rounds + 1,
+            row_rounds=self.row_rounds + jnp.sum(active, dtype=jnp.int32),
+            accepted=self.accepted + jnp.sum(n, dtype=jnp.int32),
+            emitted=self.emitted + jnp.sum(jnp.where(active, n + 1, 0), dtype=jnp.int32),
+            accepted_at=self.accepted_at + jnp.sum(at, axis=0, dtype=jnp.int32),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """What one ``generate`` call did. Rates are over (row, round) pairs of rows still running."""
+
+    acceptance_rate: float  # accepted drafts / proposed drafts (nan without speculation)
+    mean_accepted_length: float  # tokens per row-round, bonus/recovered included (1.0 without)
+    per_position_acceptance: np.ndarray  # [G]: fraction of row-rounds whose k-th draft was accepted
+    num_rounds: int  # decode loop iterations
+    target_calls: int  # target forwards: prefill + one verify per round
+    draft_calls: int  # draft-model forwards: prefill + γ per round (0 without a draft model)
+    proposed_tokens: int
+    accepted_tokens: int
+    generated_tokens: int  # tokens in the output, all rows
+    prefill_seconds: float  # host-timed prefill and first token (TTFT), compile excluded
+    decode_seconds: float  # host-timed decode loop, compile excluded
+    decode_tokens_per_second: float  # tokens after the first, all rows, per decode second
+    compile_seconds: float  # time spent compiling in this call (0 when programs were cached)
+
+    @classmethod
+    def summarise(cls, counters: Counters, *, gamma: int, draft_calls_per_round: int,
+                  has_draft_model: bool, generated_tokens: int, batch: int,
+                  prefill_seconds: float, decode_seconds: float,
+                  compile_seconds: float) -> "Stats":
+        c = jax.device_get(counters)
+        row_rounds = int(c.row_rounds)
+        proposed = gamma * row_rounds
+        rounds = int(c.rounds)
+        decode_tokens = generated_tokens - batch
+        return cls(
+            acceptance_rate=float(c.accepted) / proposed if proposed else float("nan"),
+            mean_accepted_length=float(c.emitted) / row_rounds if row_rounds else float("nan"),
+            per_position_acceptance=(np.asarray(c.accepted_at, np.float64) / row_rounds
+                                     if row_rounds else np.zeros(gamma)),
+            num_rounds=rounds,
+            target_calls=1 + rounds,
+            draft_calls=(1 + draft_calls_per_round * rounds) if has_draft_model else 0,
+            proposed_tokens=proposed,
+            accepted_tokens=int(c.accepted),
+            generated_tokens=generated_tokens,
+            prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds,
+            decode_tokens_per_second=decode_tokens / decode_seconds if decode_seconds > 0 else 0.0,
+            compile_seconds=compile_seconds,
+        )
