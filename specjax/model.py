@@ -171,6 +171,7 @@ def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model
     return Model(config, variables["params"])
 
 
+@jax.jit
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
             chunk_mask: Array | None = None) -> tuple[Array, Array, KVCache]:
     """Run a chunk of T tokens through the model, reading and extending the cache.

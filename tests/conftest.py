@@ -1,0 +1,77 @@
+"""Tiny models and numpy references shared by the tests."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax import engine
+
+
+def tiny_config(vocab_size=16, hidden_size=16, layers=2, heads=2, kv_heads=1, max_pos=64, **kw):
+    return sj.ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size,
+                          intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=max_pos, **kw)
+
+
+def tiny_model(seed=0, init_std=0.5, **kw) -> sj.Model:
+    """A random model whose next-token distributions are far from uniform (init_std 0.5)."""
+    return sj.init_model(tiny_config(**kw), jax.random.key(seed), init_std=init_std)
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_model(seed=0, vocab_size=32, hidden_size=32, layers=2, heads=4, kv_heads=2,
+                      max_pos=128)
+
+
+@pytest.fixture(scope="session")
+def draft():
+    return tiny_model(seed=1, vocab_size=32, hidden_size=16, layers=1, heads=2, kv_heads=1,
+                      max_pos=128)
+
+
+@pytest.fixture
+def fresh_programs():
+    """Forget every compiled program before and after a test that patches traced code."""
+    engine._EXECUTABLES.clear()
+    jax.clear_caches()
+    yield
+    engine._EXECUTABLES.clear()
+    jax.clear_caches()
+
+
+def ref_process(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """Plain numpy reference of temperature -> top-k -> top-p, written independently of
+    specjax.sampling: logits [..., V] -> probabilities [..., V] (float64)."""
+    logits = np.asarray(logits, np.float64)
+    out = np.empty_like(logits)
+    for idx in np.ndindex(logits.shape[:-1]):
+        x = logits[idx]
+        if temperature == 0:
+            p = np.zeros_like(x)
+            p[int(np.argmax(x))] = 1.0
+            out[idx] = p
+            continue
+        x = x / temperature
+        if 0 < top_k < x.size:
+            kth = np.sort(x)[::-1][top_k - 1]
+            x = np.where(x < kth, -np.inf, x)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        if top_p < 1.0:
+            order = np.argsort(-p, kind="stable")
+            kept, mass = [], 0.0
+            for i in order:  # smallest prefix whose mass reaches top_p
+                if mass >= top_p:
+                    break
+                kept.append(i)
+                mass += p[i]
+            threshold = min(p[i] for i in kept)
+            p = np.where(p >= threshold, p, 0.0)  # ties with the threshold stay
+            p /= p.sum()
+        out[idx] = p
+    return out

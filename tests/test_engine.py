@@ -1,0 +1,214 @@
+"""sj.generate: greedy exactness, per-row independence, limits, EOS, stats, compile reuse, errors."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import specjax as sj
+from conftest import tiny_model
+from specjax import engine
+
+PROMPTS = [[1, 5, 9], [2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+GREEDY = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(target):
+    """The target with perturbed weights: accepts some drafts and rejects others."""
+    leaves, tree = jax.tree.flatten(target.params)
+    keys = jax.random.split(jax.random.key(9), len(leaves))
+    noisy = [x + 0.03 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return sj.Model(target.config, jax.tree.unflatten(tree, noisy))
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(target):
+    return sj.generate(target, PROMPTS, sampling=GREEDY)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+@pytest.mark.parametrize("which", ["small", "noisy"])
+def test_greedy_speculative_equals_autoregressive(target, draft, noisy_draft, greedy_reference,
+                                                  gamma, which):
+    d = draft if which == "small" else noisy_draft
+    out = sj.generate(target, PROMPTS, sampling=GREEDY, draft=d,
+                      spec=sj.SpecConfig(method="draft_model", num_speculative_tokens=gamma))
+    np.testing.assert_array_equal(out.tokens, greedy_reference.tokens)
+    np.testing.assert_array_equal(out.lengths, [40, 40, 40])
+    if which == "noisy":  # the case must exercise both acceptance and rejection
+        assert 0.1 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate
+
+
+def test_greedy_reference_is_autoregressive_greedy(target, greedy_reference):
+    """The baseline itself: each token is the argmax of sj.logits over the sequence so far."""
+    for b, prompt in enumerate(PROMPTS):
+        seq = list(prompt) + list(greedy_reference.tokens[b])
+        logits = np.asarray(sj.logits(target, np.array([seq[:-1]])))[0]
+        np.testing.assert_array_equal(logits[len(prompt) - 1:].argmax(-1),
+                                      greedy_reference.tokens[b])
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_draft_identical_to_target_accepts_everything(target, gamma):
+    out = sj.generate(target, PROMPTS, sampling=sj.SamplingParams(temperature=0, max_new_tokens=31),
+                      spec=sj.SpecConfig(num_speculative_tokens=gamma), draft=target)
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.mean_accepted_length == gamma + 1
+    np.testing.assert_array_equal(out.stats.per_position_acceptance, np.ones(gamma))
+    assert out.stats.num_rounds == -(-30 // (gamma + 1))  # 30 tokens after the first
+
+
+def test_rows_do_not_depend_on_their_neighbours(target, draft):
+    sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=24)
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    key = jax.random.key(5)
+    a = sj.generate(target, [[1, 2, 3], [4, 4]], sampling=sampling, spec=spec, draft=draft, key=key)
+    b = sj.generate(target, [[1, 2, 3], [7, 8, 9, 10, 11, 12]], sampling=sampling, spec=spec,
+                    draft=draft, key=key)
+    np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
+    assert not np.array_equal(a.tokens[1], b.tokens[1])
+
+
+def test_same_key_same_output_other_key_other_output(target, draft):
+    sampling = sj.SamplingParams(temperature=0.9, top_k=10, max_new_tokens=24)
+    spec = {"method": "draft_model", "num_speculative_tokens": 3}
+    run = lambda k: sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=draft,  # noqa
+                                key=jax.random.key(k)).tokens
+    np.testing.assert_array_equal(run(1), run(1))
+    assert not np.array_equal(run(1), run(2))
+
+
+def test_request_that_exactly_fills_the_context_works(target, draft):
+    max_pos = target.config.max_position_embeddings
+    prompt = [[7] * (max_pos - 20), [1, 2]]
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=20)
+    spec = sj.SpecConfig(num_speculative_tokens=4)
+    out = sj.generate(target, prompt, sampling=sampling, spec=spec, draft=draft)
+    ref = sj.generate(target, prompt, sampling=sampling)
+    np.testing.assert_array_equal(out.lengths, [20, 20])
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        sj.generate(target, [[7] * (max_pos - 19)], sampling=sampling, spec=spec, draft=draft)
+
+
+def test_second_call_with_same_shapes_does_not_compile(target, draft):
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    first = sj.generate(target, [[1, 2, 3], [4, 5]], draft=draft, spec=spec,
+                        sampling=sj.SamplingParams(temperature=0.8, max_new_tokens=20))
+    before = engine.compiled_programs()
+    # Other prompts (same bucket), temperature, max_new_tokens, EOS and key: arrays, not shapes.
+    second = sj.generate(target, [[9, 9, 9, 9], [8]], draft=draft, spec=spec, key=3,
+                         sampling=sj.SamplingParams(temperature=0.5, max_new_tokens=17,
+                                                    eos_token_id=4))
+    assert engine.compiled_programs() == before
+    assert second.stats.compile_seconds == 0.0 and first.stats.compile_seconds >= 0.0
+    assert second.tokens.shape == (2, 17)
+
+
+def test_eos_stops_each_row_and_pads(target, draft, greedy_reference):
+    eos = int(greedy_reference.tokens[0, 6])
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=40, eos_token_id=[eos, 31])
+    for kw in (dict(), dict(spec=sj.SpecConfig(num_speculative_tokens=4), draft=draft)):
+        out = sj.generate(target, PROMPTS, sampling=sampling, **kw)
+        for b in range(len(PROMPTS)):
+            ref = list(greedy_reference.tokens[b])
+            stops = [i for i, t in enumerate(ref) if t in (eos, 31)]
+            n = stops[0] + 1 if stops else 40
+            assert out.lengths[b] == n
+            assert list(out.tokens[b, :n]) == ref[:n]
+            assert (out.tokens[b, n:] == -1).all()
+        assert out.lengths[0] <= 7
+
+
+def test_autoregressive_stats(target):
+    out = sj.generate(target, [[1, 2]], sampling=sj.SamplingParams(temperature=0, max_new_tokens=9))
+    s = out.stats
+    assert np.isnan(s.acceptance_rate) and s.mean_accepted_length == 1.0
+    assert s.num_rounds == 8 and s.target_calls == 9 and s.draft_calls == 0
+    assert s.generated_tokens == 9 and s.per_position_acceptance.shape == (0,)
+
+
+def test_speculative_stats_are_consistent(target, noisy_draft):
+    gamma = 4
+    out = sj.generate(target, PROMPTS, sampling=sj.SamplingParams(temperature=0.8,
+                                                                  max_new_tokens=30),
+                      spec=sj.SpecConfig(num_speculative_tokens=gamma), draft=noisy_draft)
+    s = out.stats
+    assert s.draft_calls == 1 + gamma * s.num_rounds and s.target_calls == 1 + s.num_rounds
+    assert 0 < s.acceptance_rate < 1
+    # Per-position acceptance is a survival curve, and its sum is the mean accepted drafts.
+    assert all(np.diff(s.per_position_acceptance) <= 1e-12)
+    np.testing.assert_allclose(s.per_position_acceptance.sum() + 1, s.mean_accepted_length)
+    np.testing.assert_allclose(s.acceptance_rate, s.accepted_tokens / s.proposed_tokens)
+    assert s.decode_tokens_per_second > 0 and s.prefill_seconds > 0
+
+
+def test_max_new_tokens_one(target, draft):
+    out = sj.generate(target, PROMPTS, sampling=sj.SamplingParams(temperature=0, max_new_tokens=1),
+                      spec=sj.SpecConfig(num_speculative_tokens=2), draft=draft)
+    np.testing.assert_array_equal(out.lengths, [1, 1, 1])
+    assert out.stats.num_rounds == 0
+
+
+def test_spec_config_parsing():
+    assert sj.SpecConfig.parse(None) is None
+    want = sj.SpecConfig(method="draft_model", num_speculative_tokens=3)
+    assert sj.SpecConfig.parse({"method": "draft_model", "num_speculative_tokens": 3}) == want
+    assert sj.SpecConfig.parse(json.dumps({"num_speculative_tokens": 3})) == want
+    with pytest.raises(ValueError, match="unknown speculative config keys"):
+        sj.SpecConfig.parse({"num_speculative_tokenz": 3})
+    with pytest.raises(ValueError, match="JSON"):
+        sj.SpecConfig.parse("{num_speculative_tokens: 3")
+
+
+BAD_INPUTS = [
+    ("empty prompt", dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+    ("no prompts", dict(prompts=[]), "prompts is empty"),
+    ("token too big", dict(prompts=[[1, 32]]), "token id 32 outside"),
+    ("negative token", dict(prompts=[[-1, 2]]), "token id -1 outside"),
+    ("string prompt", dict(prompts=["hello"]), "string"),
+    ("too long", dict(prompts=[[1] * 100], sampling=sj.SamplingParams(max_new_tokens=29)),
+     "max_position_embeddings=128"),
+    ("no draft", dict(spec=sj.SpecConfig(), draft=None), "needs a draft model"),
+    ("draft without spec", dict(spec=None), "spec is None"),
+    ("eos out of vocab", dict(sampling=sj.SamplingParams(eos_token_id=99)), "eos_token_id 99"),
+    ("spec not a config", dict(spec=3), "spec must be"),
+]
+
+
+@pytest.mark.parametrize("name,kw,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_before_compiling(target, draft, name, kw, message):
+    args = dict(prompts=[[1, 2]], sampling=sj.SamplingParams(max_new_tokens=4),
+                spec=sj.SpecConfig(num_speculative_tokens=2), draft=draft)
+    args.update(kw)
+    before = engine.compiled_programs()
+    with pytest.raises(ValueError, match=message):
+        sj.generate(target, args.pop("prompts"), **args)
+    assert engine.compiled_programs() == before
+
+
+def test_draft_with_another_vocabulary_is_refused(target):
+    other = tiny_model(seed=2, vocab_size=48)
+    with pytest.raises(ValueError, match="draft vocab_size 48 != target vocab_size 32"):
+        sj.generate(target, [[1]], spec=sj.SpecConfig(), draft=other)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(eos_token_id=[1, -2]), "eos_token_id"),
+])
+def test_bad_sampling_params(kw, message):
+    with pytest.raises(ValueError, match=message):
+        sj.SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(method="medusa2"), "method 'medusa2' is unknown"),
+])
+def test_bad_spec_config(kw, message):
+    with pytest.raises(ValueError, match=message):
+        sj.SpecConfig(**kw)

@@ -1,0 +1,145 @@
+"""The decoder and its cache: incremental decoding equals the full causal forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from conftest import tiny_model
+from specjax import cache as kv
+
+
+def test_attention_mask_matches_brute_force():
+    rng = np.random.default_rng(0)
+    B, T, S = 3, 4, 12
+    length = np.array([0, 5, 8])
+    chunk = rng.random((B, T, T)) < 0.5
+    got = np.asarray(kv.attention_mask(jnp.asarray(length), jnp.asarray(chunk), S))
+    for b in range(B):
+        for i in range(T):
+            for j in range(S):
+                if j < length[b]:
+                    want = True
+                elif j < length[b] + T:
+                    want = chunk[b, i, j - length[b]]
+                else:
+                    want = False
+                assert got[b, i, j] == want, (b, i, j)
+
+
+def test_write_places_rows_at_their_own_offsets():
+    buf = jnp.zeros((2, 8, 1))
+    new = jnp.ones((2, 3, 1)) * jnp.array([1.0, 2.0])[:, None, None]
+    out = np.asarray(kv.write(buf, new, jnp.array([0, 4])))[..., 0]
+    np.testing.assert_array_equal(out, [[1, 1, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 2, 2, 2, 0]])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(tie_word_embeddings=True),
+    dict(attention_bias=True),
+    dict(heads=4, kv_heads=4),
+    dict(heads=4, kv_heads=1, head_dim=6),
+])
+def test_incremental_decoding_equals_full_forward(kw):
+    model = tiny_model(seed=3, **kw)
+    B, T = 2, 9
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, model.config.vocab_size)
+    full = np.asarray(sj.logits(model, tokens))
+    assert full.shape == (B, T, model.config.vocab_size) and full.dtype == np.float32
+    # prefill 4 tokens, then a chunk of 3, then single tokens, in a cache larger than needed
+    cache = sj.KVCache.init(model.config, B, 24)
+    pieces = []
+    for lo, hi in [(0, 4), (4, 7), (7, 8), (8, 9)]:
+        pos = jnp.broadcast_to(jnp.arange(lo, hi), (B, hi - lo))
+        out, hidden, cache = sj.forward(model, tokens[:, lo:hi], pos, cache)
+        assert hidden.shape == (B, hi - lo, model.config.hidden_size)
+        pieces.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5, rtol=1e-5)
+    assert list(np.asarray(cache.length)) == [T, T]
+
+
+def test_stale_entries_past_length_are_invisible():
+    model = tiny_model(seed=4)
+    B = 1
+    tokens = jnp.array([[3, 1, 4, 1, 5]])
+    cache = sj.KVCache.init(model.config, B, 16)
+    pos = jnp.arange(5)[None]
+    _, _, cache = sj.forward(model, tokens, pos, cache)
+    # Roll back to 3 tokens: slots 3, 4 now hold garbage (the K/V of "1, 5").
+    cache = cache.rollback(jnp.array([3]))
+    got, _, _ = sj.forward(model, jnp.array([[9]]), jnp.array([[3]]), cache)
+    want = sj.logits(model, jnp.array([[3, 1, 4, 9]]))[:, -1]
+    np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want), atol=1e-5)
+    # Fill the garbage slots with huge values: still invisible.
+    poisoned = sj.KVCache(cache.k.at[:, :, 3:].set(1e4), cache.v.at[:, :, 3:].set(1e4),
+                          cache.length)
+    got2, _, _ = sj.forward(model, jnp.array([[9]]), jnp.array([[3]]), poisoned)
+    np.testing.assert_allclose(np.asarray(got2), np.asarray(got), atol=1e-6)
+
+
+def test_rows_with_different_lengths_in_one_cache():
+    model = tiny_model(seed=5)
+    a, b = [2, 7, 1, 8, 2, 8], [3, 1, 4]
+    cache = sj.KVCache.init(model.config, 2, 16)
+    prompts = jnp.array([a, b + [0, 0, 0]])
+    _, _, cache = sj.forward(model, prompts, jnp.broadcast_to(jnp.arange(6), (2, 6)), cache)
+    cache = cache.rollback(jnp.array([6, 3]))
+    nxt = jnp.array([[5], [9]])
+    got, _, _ = sj.forward(model, nxt, jnp.array([[6], [3]]), cache)
+    np.testing.assert_allclose(np.asarray(got[0, 0]),
+                               np.asarray(sj.logits(model, jnp.array([a + [5]]))[0, -1]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1, 0]),
+                               np.asarray(sj.logits(model, jnp.array([b + [9]]))[0, -1]), atol=1e-5)
+
+
+def test_tree_mask_sees_only_ancestors():
+    """Seed example: nodes [r, a, b, c, d]; a, b follow r; c, d follow a. Positions are depths."""
+    model = tiny_model(seed=6)
+    hist = [4, 2]
+    r, a, b, c, d = 7, 3, 9, 1, 5
+    cache = sj.KVCache.init(model.config, 1, 16)
+    _, _, cache = sj.forward(model, jnp.array([hist]), jnp.array([[0, 1]]), cache)
+    mask = jnp.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                      [1, 1, 0, 0, 1]], bool)
+    depth = jnp.array([[0, 1, 1, 2, 2]]) + 2
+    got, _, _ = sj.forward(model, jnp.array([[r, a, b, c, d]]), depth, cache, mask)
+    for node, path in [(2, [r, b]), (3, [r, a, c]), (4, [r, a, d])]:
+        want = sj.logits(model, jnp.array([hist + path]))[0, -1]
+        np.testing.assert_allclose(np.asarray(got[0, node]), np.asarray(want), atol=1e-5)
+
+
+def test_causality_and_position_dependence():
+    model = tiny_model(seed=7)
+    x = jnp.array([[1, 2, 3, 4]])
+    y = jnp.array([[1, 2, 3, 9]])
+    np.testing.assert_allclose(np.asarray(sj.logits(model, x)[:, :3]),
+                               np.asarray(sj.logits(model, y)[:, :3]), atol=1e-6)
+    # RoPE is relative: shifting every position leaves logits unchanged, spreading them does not.
+    cache = sj.KVCache.init(model.config, 1, 8)
+    base = np.asarray(sj.logits(model, x))
+    shifted, _, _ = sj.forward(model, x, jnp.arange(4)[None] + 3, cache)
+    spread, _, _ = sj.forward(model, x, jnp.arange(4)[None] * 2, cache)
+    np.testing.assert_allclose(np.asarray(shifted), base, atol=1e-4)
+    assert np.abs(np.asarray(spread) - base)[:, 1:].max() > 1e-3
+
+
+def test_config_validation_and_defaults():
+    cfg = sj.ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2)
+    assert cfg.num_key_value_heads == 2 and cfg.head_dim == 4
+    model = sj.init_model(cfg, jax.random.key(0))
+    n = sum(x.size for x in jax.tree.leaves(model.params))
+    assert n == cfg.num_params
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        sj.ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=3, num_key_value_heads=2, head_dim=4)
+    with pytest.raises(ValueError, match="dtype"):
+        sj.ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, dtype="float8")
+    with pytest.raises(ValueError, match="vocab_size"):
+        sj.ModelConfig(vocab_size=0, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=2)
+    with pytest.raises(ValueError, match="shape"):
+        sj.logits(model, jnp.zeros((3,), jnp.int32))

@@ -1,0 +1,182 @@
+"""Verification rules, checked exactly by enumerating every draft outcome on a tiny vocabulary.
+
+One round followed by plain target sampling up to γ + 1 tokens must give exactly the target's
+joint distribution over those γ + 1 tokens. The enumeration uses the implementation's own
+``acceptance_probs`` and ``recovery_probs``; ``rejection_sample`` is then checked to draw from
+exactly those probabilities.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from conftest import ref_process
+from specjax import verify
+
+V = 4
+PARAMS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.8, 3, 1.0), (1.0, 0, 0.7), (0.6, 3, 0.8), (0.0, 0, 1.0)]
+
+
+class Tables:
+    """Random conditional distributions p(. | prefix), q(. | prefix) for prefixes up to γ."""
+
+    def __init__(self, gamma, sampling, seed=0):
+        rng = np.random.default_rng(seed)
+        self.gamma = gamma
+        self.p = {}
+        self.q = {}
+        for n in range(gamma + 1):
+            for prefix in itertools.product(range(V), repeat=n):
+                self.p[prefix] = ref_process(rng.normal(size=V) * 2, *sampling).astype(np.float32)
+                self.q[prefix] = ref_process(rng.normal(size=V) * 2, *sampling).astype(np.float32)
+
+    def target_joint(self):
+        G = self.gamma
+        joint = np.zeros((V,) * (G + 1))
+        for seq in itertools.product(range(V), repeat=G + 1):
+            joint[seq] = np.prod([float(self.p[seq[:i]][seq[i]]) for i in range(G + 1)])
+        return joint
+
+    def batch(self, drafts):
+        """Arrays for verify: draft_tokens [B, G], draft_probs [B, G, V], target_probs [B, G+1, V]."""
+        G = self.gamma
+        toks = np.array(drafts, np.int32).reshape(len(drafts), G)
+        q = np.stack([[self.q[tuple(d[:k])] for k in range(G)] for d in toks])
+        p = np.stack([[self.p[tuple(d[:k])] for k in range(G + 1)] for d in toks])
+        return jnp.asarray(toks), jnp.asarray(q), jnp.asarray(p)
+
+
+def round_then_target(tables, drafts, weights, accept, recover):
+    """Distribution over γ + 1 tokens: one verification round with drafts (each with its weight),
+    then tokens drawn from the target until γ + 1 tokens exist."""
+    G = tables.gamma
+    out = np.zeros((V,) * (G + 1))
+    accept, recover = np.asarray(accept, np.float64), np.asarray(recover, np.float64)
+    for b, d in enumerate(drafts):
+        survive = 1.0
+        for n in range(G + 1):  # n drafts accepted
+            stop = survive * ((1 - accept[b, n]) if n < G else 1.0)
+            if n < G:
+                survive *= accept[b, n]
+            if stop == 0:
+                continue
+            for t in range(V):
+                mass = weights[b] * stop * recover[b, n, t]
+                if mass == 0:
+                    continue
+                head = tuple(d[:n]) + (t,)
+                for tail in itertools.product(range(V), repeat=G - n):
+                    seq = head + tail
+                    tail_p = np.prod([float(tables.p[seq[:i]][seq[i]])
+                                      for i in range(len(head), G + 1)])
+                    out[seq] += mass * tail_p
+    return out
+
+
+def sampled_round(tables, accept_fn=verify.acceptance_probs, recover_fn=verify.recovery_probs):
+    drafts = list(itertools.product(range(V), repeat=tables.gamma))
+    toks, q, p = tables.batch(drafts)
+    weights = [np.prod([float(tables.q[d[:k]][d[k]]) for k in range(tables.gamma)]) for d in drafts]
+    return round_then_target(tables, drafts, weights, accept_fn(toks, q, p), recover_fn(toks, q, p))
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+@pytest.mark.parametrize("sampling", PARAMS)
+def test_sampled_drafts_are_exact(gamma, sampling):
+    tables = Tables(gamma, sampling, seed=gamma)
+    got = sampled_round(tables)
+    np.testing.assert_allclose(got, tables.target_joint(), atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+@pytest.mark.parametrize("sampling", PARAMS)
+def test_point_mass_drafts_are_exact_for_any_draft(gamma, sampling):
+    tables = Tables(gamma, sampling, seed=10 + gamma)
+    expected = tables.target_joint()
+    # Every possible deterministic draft, each on its own, must leave the output distribution exact.
+    for d in itertools.product(range(V), repeat=gamma):
+        toks, _, p = tables.batch([d])
+        got = round_then_target(tables, [d], [1.0], verify.acceptance_probs(toks, None, p),
+                                verify.recovery_probs(toks, None, p))
+        np.testing.assert_allclose(got, expected, atol=1e-6, err_msg=f"draft {d}")
+
+
+def _resample_from_p(toks, q, p):  # the classic bug: on rejection draw from p, not the residual
+    return jnp.asarray(p)
+
+
+def _inverted_ratio(toks, q, p):  # min(1, q/p) instead of min(1, p/q)
+    return verify.acceptance_probs(toks, jnp.asarray(p)[:, :-1], jnp.concatenate(
+        [q, p[:, -1:]], axis=1))
+
+
+def _soft_q_for_point_mass(toks, q, p):  # treating an argmax draft as if q were soft
+    return verify.acceptance_probs(toks, q, p)
+
+
+@pytest.mark.parametrize("broken", ["resample_from_p", "inverted_ratio"])
+def test_enumeration_catches_broken_rules(broken):
+    tables = Tables(2, (1.0, 0, 1.0), seed=2)
+    if broken == "resample_from_p":
+        got = sampled_round(tables, recover_fn=_resample_from_p)
+    else:
+        got = sampled_round(tables, accept_fn=_inverted_ratio)
+    assert np.abs(got - tables.target_joint()).max() > 1e-2
+
+
+def test_enumeration_catches_soft_q_rule_for_point_mass_drafts():
+    tables = Tables(2, (1.0, 0, 1.0), seed=3)
+    d = (0, 1)
+    toks, q, p = tables.batch([d])
+    got = round_then_target(tables, [d], [1.0], _soft_q_for_point_mass(toks, q, p),
+                            verify.recovery_probs(toks, None, p))
+    assert np.abs(got - tables.target_joint()).max() > 1e-2
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_rejection_sample_draws_what_the_rule_says(point_mass):
+    """rejection_sample's (num_accepted, last token) frequencies match the analytic ones."""
+    G, N = 3, 60000
+    tables = Tables(G, (1.0, 0, 1.0), seed=5)
+    d = (1, 2, 0)
+    toks, q, p = tables.batch([d])
+    q = None if point_mass else q
+    a = np.asarray(verify.acceptance_probs(toks, q, p), np.float64)[0]
+    r = np.asarray(verify.recovery_probs(toks, q, p), np.float64)[0]
+    expected = np.zeros((G + 1, V))
+    survive = 1.0
+    for n in range(G + 1):
+        expected[n] = survive * ((1 - a[n]) if n < G else 1.0) * r[n]
+        survive *= a[n] if n < G else 1.0
+    keys = jax.random.split(jax.random.key(11), N)
+    bt = lambda x: None if x is None else jnp.broadcast_to(x, (N,) + x.shape[1:])  # noqa: E731
+    verdict = verify.rejection_sample(keys, bt(toks), bt(q), bt(p))
+    tokens, n_acc = np.asarray(verdict.tokens), np.asarray(verdict.num_accepted)
+    # Format: accepted drafts, then one recovered/bonus token, then -1.
+    for row, n in zip(tokens[:200], n_acc[:200]):
+        assert list(row[:n]) == list(d[:n]) and row[n] >= 0 and (row[n + 1:] == -1).all()
+    last = tokens[np.arange(N), n_acc]
+    counts = np.zeros((G + 1, V))
+    np.add.at(counts, (n_acc, last), 1)
+    keep = expected.ravel() * N >= 5
+    assert counts.ravel()[~keep].sum() <= max(10, 3 * expected.ravel()[~keep].sum() * N)
+    f_obs = counts.ravel()[keep]
+    f_exp = expected.ravel()[keep] * N
+    f_exp *= f_obs.sum() / f_exp.sum()
+    assert scipy_stats.chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+def test_greedy_rows_accept_exactly_the_argmax():
+    p = jnp.asarray(np.eye(V, dtype=np.float32)[[2, 0, 3]])[None]  # argmax path 2, 0, then bonus 3
+    for draft, expect_n, expect in [((2, 0), 2, [2, 0, 3]), ((2, 1), 1, [2, 0, -1]),
+                                    ((1, 0), 0, [2, -1, -1])]:
+        toks = jnp.asarray([draft], jnp.int32)
+        q = jnp.asarray(np.eye(V, dtype=np.float32)[list(draft)])[None]
+        for qq in (q, None):
+            v = verify.rejection_sample(jax.random.split(jax.random.key(0), 1), toks, qq, p)
+            assert int(v.num_accepted[0]) == expect_n
+            assert list(np.asarray(v.tokens[0])) == expect
