@@ -1,0 +1,106 @@
+"""End to end: the joint distribution of the first three generated tokens equals the target's.
+
+Tens of thousands of rows share one prompt; each row is an independent sample (its own key). The
+exact target distribution is built from sj.logits and the numpy reference of the sampling
+filters. A G-test compares the two; deliberately broken acceptance rules must fail the same test.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import specjax as sj
+from conftest import ref_process, tiny_model
+from specjax import verify
+
+V, N, PROMPT = 8, 40000, [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The target, a close draft (the target with perturbed weights: about half the drafts are
+    accepted, so accepted, recovered and bonus tokens all occur often) and a small independent
+    draft of another shape (rarely accepted: mostly recovered tokens)."""
+    target = tiny_model(seed=10, vocab_size=V, hidden_size=16, layers=2)
+    leaves, tree = jax.tree.flatten(target.params)
+    keys = jax.random.split(jax.random.key(12), len(leaves))
+    close = sj.Model(target.config, jax.tree.unflatten(
+        tree, [x + 0.02 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    small = tiny_model(seed=11, vocab_size=V, hidden_size=8, layers=1, heads=1)
+    return target, {"close": close, "small": small}
+
+
+def exact_joint(target, t, k, p):
+    """P(t1, t2, t3 | PROMPT) [V, V, V] under autoregressive sampling from the target."""
+    prefixes = np.array([PROMPT + [a, b] for a, b in itertools.product(range(V), repeat=2)])
+    logits = np.asarray(sj.logits(target, jnp.asarray(prefixes)), np.float64)  # [V*V, 5, V]
+    n = len(PROMPT)
+    p1 = ref_process(logits[0, n - 1], t, k, p)
+    p2 = ref_process(logits[::V, n], t, k, p)  # [V(t1), V]
+    p3 = ref_process(logits[:, n + 1], t, k, p).reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def g_test(samples, joint):
+    """p-value of a G-test of samples [N, 3] against joint; cells expected < 5 are pooled."""
+    counts = np.zeros(V ** 3)
+    np.add.at(counts, samples[:, 0] * V * V + samples[:, 1] * V + samples[:, 2], 1)
+    expected = joint.ravel() * len(samples)
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        assert obs[-1] == 0, "a token sequence with probability 0 was generated"
+        obs, exp = obs[:-1], exp[:-1]
+    return scipy_stats.power_divergence(obs, exp, lambda_="log-likelihood").pvalue
+
+
+def generate_samples(target, draft, sampling, spec, seed=0):
+    out = sj.generate(target, [PROMPT] * N, sampling=sampling, spec=spec, draft=draft, key=seed)
+    assert (out.lengths == 3).all()
+    if spec is not None:
+        assert out.stats.proposed_tokens > N  # speculation really happened
+    return out.tokens
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 0.9)]
+
+
+@pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
+@pytest.mark.parametrize("gamma,which", [(None, None), (2, "close"), (3, "close"), (3, "small")],
+                         ids=["autoregressive", "gamma2-close", "gamma3-close", "gamma3-small"])
+def test_first_three_tokens_follow_the_target(models, t, k, p, gamma, which):
+    target, drafts = models
+    draft = drafts.get(which)
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    spec = None if gamma is None else sj.SpecConfig(num_speculative_tokens=gamma)
+    joint = exact_joint(target, t, k, p)
+    samples = generate_samples(target, draft, sampling, spec)
+    assert g_test(samples, joint) > 1e-3
+
+
+def _recover_from_p(draft_tokens, draft_probs, target_probs):
+    return target_probs  # on rejection, draw from p instead of the residual max(0, p - q)
+
+
+def _sqrt_acceptance(draft_tokens, draft_probs, target_probs):
+    # accept with probability sqrt(p(d)), ignoring q: accepts too often
+    return verify._draft_token_probs(target_probs[:, :draft_tokens.shape[1]], draft_tokens) ** 0.5
+
+
+@pytest.mark.parametrize("broken", ["recover_from_p", "sqrt_acceptance"])
+@pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
+def test_broken_rules_fail_the_same_test(models, monkeypatch, fresh_programs, broken, t, k, p):
+    target, drafts = models
+    if broken == "recover_from_p":
+        monkeypatch.setattr(verify, "recovery_probs", _recover_from_p)
+    else:
+        monkeypatch.setattr(verify, "acceptance_probs", _sqrt_acceptance)
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    samples = generate_samples(target, drafts["close"], sampling,
+                               sj.SpecConfig(num_speculative_tokens=2))
+    assert g_test(samples, exact_joint(target, t, k, p)) < 1e-6
