@@ -292,8 +292,10 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     needed = longest + max_new + gamma + 1  # the last round may write γ + 1 slots past the end
     capacity = bucket(max(P, needed))
     assert capacity >= needed  # never a write past S: dynamic_update_slice would clamp silently
+    top_k_on = 0 < sampling.top_k < cfg.vocab_size
     plan = Plan(cfg, proposer, capacity,
-                Filters(top_k=sampling.top_k > 0, top_p=sampling.top_p < 1.0))
+                Filters(top_k=min(bucket(sampling.top_k), cfg.vocab_size) if top_k_on else 0,
+                        top_p=sampling.top_p < 1.0))
 
     padded = np.zeros((B, P), np.int32)
     for b, r in enumerate(rows):

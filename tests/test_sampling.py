@@ -19,26 +19,44 @@ def _arrays(B, t, k, p):
                                    jnp.full((B,), p, jnp.float32))
 
 
+def _filters(k, p, bound="exact"):
+    """The static filter set: top-k bound equal to k, or looser (the engine buckets it)."""
+    kmax = 0 if k <= 0 else (k if bound == "exact" else 64)
+    return sampling.Filters(top_k=kmax, top_p=p < 1)
+
+
+@pytest.mark.parametrize("bound", ["exact", "loose"])
 @pytest.mark.parametrize("t,k,p", CASES)
-def test_process_matches_reference(t, k, p):
+def test_process_matches_reference(t, k, p, bound):
     logits = jax.random.normal(jax.random.key(3), (4, 3, 11)) * 2
-    got = sampling.process_logits(logits, _arrays(4, t, k, p), sampling.Filters(k > 0, p < 1))
+    got = sampling.process_logits(logits, _arrays(4, t, k, p), _filters(k, p, bound))
     np.testing.assert_allclose(np.asarray(got), ref_process(logits, t, k, p), atol=1e-6)
     np.testing.assert_allclose(np.asarray(got).sum(-1), 1.0, atol=1e-6)
 
 
-def test_ties_at_the_kth_logit_are_kept():
-    logits = jnp.array([[3.0, 1.0, 1.0, 1.0, 0.0]])
-    got = sampling.process_logits(logits, _arrays(1, 1.0, 2, 1.0), sampling.Filters(True, False))
-    assert np.count_nonzero(np.asarray(got)) == 4  # the three tied logits all survive top-2
-    np.testing.assert_allclose(np.asarray(got), ref_process(logits, 1.0, 2, 1.0), atol=1e-6)
+@pytest.mark.parametrize("p", [1.0, 0.97, 0.5])
+def test_ties_at_the_kth_logit_are_kept(p):
+    logits = jnp.array([[3.0, 1.0, 1.0, 1.0, 0.0, 1.0]])
+    got = sampling.process_logits(logits, _arrays(1, 1.0, 2, p), _filters(2, p))
+    want = ref_process(logits, 1.0, 2, p)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
+    if p == 1.0:  # the four tied logits all survive top-2, though only 2 are in lax.top_k's view
+        assert np.count_nonzero(np.asarray(got)) == 5
+
+
+def test_many_ties_against_reference():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.integers(0, 4, size=(64, 10)).astype(np.float32))
+    for k, p in [(3, 1.0), (3, 0.8), (5, 0.6), (0, 0.7), (1, 0.9)]:
+        got = sampling.process_logits(logits, _arrays(64, 1.0, k, p), _filters(k, p))
+        np.testing.assert_allclose(np.asarray(got), ref_process(logits, 1.0, k, p), atol=1e-6,
+                                   err_msg=f"k={k} p={p}")
 
 
 def test_order_is_temperature_then_top_k_then_top_p():
     # top-p before top-k would keep a different set here; the reference fixes the HF/vLLM order.
     logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1]]))
-    got = np.asarray(sampling.process_logits(logits, _arrays(1, 1.0, 3, 0.6),
-                                             sampling.Filters(True, True)))
+    got = np.asarray(sampling.process_logits(logits, _arrays(1, 1.0, 3, 0.6), _filters(3, 0.6)))
     # top-3 renormalised: [.444, .333, .222]; top-p 0.6 keeps the first two
     np.testing.assert_allclose(got, [[4 / 7, 3 / 7, 0, 0]], atol=1e-6)
 
@@ -47,7 +65,7 @@ def test_per_row_parameters_and_greedy_mask():
     logits = jax.random.normal(jax.random.key(0), (3, 9))
     params = sampling.SamplingArrays(jnp.array([0.0, 1.0, 0.5]), jnp.array([0, 2, 0]),
                                      jnp.array([1.0, 1.0, 0.7]))
-    got = np.asarray(sampling.process_logits(logits, params, sampling.Filters(True, True)))
+    got = np.asarray(sampling.process_logits(logits, params, _filters(2, 0.7, "loose")))
     for b, (t, k, p) in enumerate([(0.0, 0, 1.0), (1.0, 2, 1.0), (0.5, 0, 0.7)]):
         np.testing.assert_allclose(got[b], ref_process(logits[b], t, k, p), atol=1e-6)
 
