@@ -13,14 +13,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from typing import Any, Mapping
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _require_int(owner: str, name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _require_int(owner: Any, name: str, value: Any, minimum: int) -> None:
+    """Check an int field (numpy ints welcome) and store it back as a plain int."""
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{type(owner).__name__}.{name} must be an int >= {minimum}, "
+                         f"got {value!r}")
+    object.__setattr__(owner, name, int(value))
+
+
+def _require_real(owner: Any, name: str, value: Any, ok, allowed: str) -> None:
+    """Check a float field (numpy floats welcome) and store it back as a plain float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value):
+        raise ValueError(f"{type(owner).__name__}.{name} must be {allowed}, got {value!r}")
+    object.__setattr__(owner, name, float(value))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,10 +59,10 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "max_position_embeddings"):
-            _require_int("ModelConfig", name, getattr(self, name), 1)
+            _require_int(self, name, getattr(self, name), 1)
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        _require_int("ModelConfig", "num_key_value_heads", self.num_key_value_heads, 1)
+        _require_int(self, "num_key_value_heads", self.num_key_value_heads, 1)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple "
@@ -58,13 +73,11 @@ class ModelConfig:
                     f"ModelConfig.hidden_size ({self.hidden_size}) is not divisible by "
                     f"num_attention_heads ({self.num_attention_heads}); set head_dim explicitly")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        _require_int("ModelConfig", "head_dim", self.head_dim, 2)
+        _require_int(self, "head_dim", self.head_dim, 2)
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        _require_real(self, "rope_theta", self.rope_theta, lambda x: x > 0, "> 0")
+        _require_real(self, "rms_norm_eps", self.rms_norm_eps, lambda x: x > 0, "> 0")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
 
@@ -79,6 +92,10 @@ class ModelConfig:
         layer = attn + 3 * E * F + 2 * E
         head = 0 if self.tie_word_embeddings else E * V
         return V * E + self.num_hidden_layers * layer + E + head
+
+
+MAX_EOS_IDS = 8
+"""EOS ids live in a fixed-size array, so changing them never recompiles."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,24 +113,23 @@ class SamplingParams:
     eos_token_id: int | tuple[int, ...] | None = None  # a row stops after emitting any of these
 
     def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
-            raise ValueError(f"SamplingParams.temperature must be a number >= 0, got {t!r}")
-        _require_int("SamplingParams", "top_k", self.top_k, 0)
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
-        _require_int("SamplingParams", "max_new_tokens", self.max_new_tokens, 1)
+        _require_real(self, "temperature", self.temperature, lambda x: x >= 0, "a number >= 0")
+        _require_int(self, "top_k", self.top_k, 0)
+        _require_real(self, "top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
+        _require_int(self, "max_new_tokens", self.max_new_tokens, 1)
         eos = self.eos_token_id
         if eos is not None:
-            ids = (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else tuple(eos)
-            for i in ids:
-                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                    raise ValueError(f"SamplingParams.eos_token_id entries must be ints >= 0, "
-                                     f"got {eos!r}")
-            if not ids:
-                ids = None
-            object.__setattr__(self, "eos_token_id", ids)
+            try:
+                ids = (eos,) if _is_int(eos) else tuple(eos)
+            except TypeError:
+                ids = (eos,)
+            if not all(_is_int(i) and i >= 0 for i in ids):
+                raise ValueError(f"SamplingParams.eos_token_id must be an int >= 0 or a list of "
+                                 f"them, got {eos!r}")
+            if len(ids) > MAX_EOS_IDS:
+                raise ValueError(f"SamplingParams.eos_token_id has {len(ids)} ids; at most "
+                                 f"{MAX_EOS_IDS} are supported")
+            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in ids) or None)
 
     @property
     def greedy(self) -> bool:
@@ -141,7 +157,7 @@ class SpecConfig:
         if self.method not in METHODS:
             raise ValueError(f"SpecConfig.method {self.method!r} is unknown; known methods: "
                              f"{', '.join(METHODS)}")
-        _require_int("SpecConfig", "num_speculative_tokens", self.num_speculative_tokens, 1)
+        _require_int(self, "num_speculative_tokens", self.num_speculative_tokens, 1)
 
     @property
     def needs_draft_model(self) -> bool:

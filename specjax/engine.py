@@ -19,8 +19,10 @@ keys) is an array, so nearby request sizes share a compiled program.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import numbers
 import time
 from typing import Any, Sequence
 
@@ -34,7 +36,7 @@ from . import model as model_lib
 from . import sampling as sampling_lib
 from . import verify
 from .cache import KVCache
-from .config import SamplingParams, SpecConfig
+from .config import MAX_EOS_IDS, SamplingParams, SpecConfig
 from .draft import DraftModelProposer
 from .model import Model
 from .sampling import Filters, SamplingArrays
@@ -78,7 +80,7 @@ class Request:
     keys: Array  # [B] typed PRNG keys, one per row
     sampling: SamplingArrays  # [B] each
     max_new_tokens: Array  # [B] int32
-    eos: Array  # [E] int32 (-1 = none)
+    eos: Array  # [MAX_EOS_IDS] int32, padded with -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +134,20 @@ def _prefill(plan: Plan, target_params, draft_params, prompts: Array, prompt_len
         counters=Counters.zeros(plan.gamma), step=jnp.zeros((), jnp.int32))
 
 
+def _round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
+    """Fresh draft and verify keys [B] for round ``step``: each row's key folded with the round
+    number (prefill used 0), so no random number is reused across rows or rounds."""
+    round_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step + 1)
+    draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(round_keys), 1, 0)
+    return draft_keys, verify_keys
+
+
 def _round(plan: Plan, target_params, draft_params, request: Request,
            state: LoopState) -> LoopState:
     """One speculative round (γ = 0: one autoregressive step) for every row."""
     B = state.length.shape[0]
     G = plan.gamma
-    round_keys = jax.vmap(jax.random.fold_in, (0, None))(request.keys, state.step + 1)
-    draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(round_keys), 1, 0)
+    draft_keys, verify_keys = _round_keys(request.keys, state.step)
     last = state.history[jnp.arange(B), state.length]
     if plan.proposer is None:
         draft_tokens, draft_probs = jnp.zeros((B, 0), jnp.int32), None
@@ -175,34 +184,46 @@ def _decode(plan: Plan, target_params, draft_params, request: Request,
 
 _prefill_jit = jax.jit(_prefill, static_argnums=0)
 _decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=4)
-_EXECUTABLES: dict = {}
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
+_MAX_EXECUTABLES = 64  # least recently used programs beyond this are dropped
+_compile_count = 0
 
 
 def compiled_programs() -> int:
     """How many programs ``generate`` has compiled in this process (for tests and tuning)."""
-    return len(_EXECUTABLES)
+    return _compile_count
 
 
 def _run(fn, plan: Plan, *args) -> tuple[Any, float]:
-    """Call fn(plan, *args) through an ahead-of-time compiled executable cached by plan and
-    argument shapes, so timings never include compilation. Returns (result, compile seconds)."""
+    """Call fn(plan, *args) through an ahead-of-time compiled executable cached by plan and the
+    arguments' shapes, dtypes and shardings, so timings never include compilation.
+    Returns (result, compile seconds)."""
+    global _compile_count
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    sig = (fn, plan, treedef, tuple((x.shape, x.dtype) for x in leaves))
+    sig = (fn, plan, treedef,
+           tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
     exe, spent = _EXECUTABLES.get(sig), 0.0
     if exe is None:
         t0 = time.perf_counter()
         exe = fn.lower(plan, *args).compile()
         spent = time.perf_counter() - t0
+        _compile_count += 1
         _EXECUTABLES[sig] = exe
+        if len(_EXECUTABLES) > _MAX_EXECUTABLES:
+            _EXECUTABLES.popitem(last=False)
         log.info("compiled %s for %s in %.1fs", fn.__name__, plan, spent)
+    else:
+        _EXECUTABLES.move_to_end(sig)
     return exe(*args), spent
 
 
 def bucket(n: int, minimum: int = 16) -> int:
-    """Round a size up to the next of 16, 24, 32, 48, 64, 96, ... (at most 50% padding)."""
-    size = minimum
-    while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    """Round a size up to the next of minimum, then 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, ...
+    (each step x1.5 or x4/3, so at most 50% padding)."""
+    size = 1
+    while size < max(n, minimum):
+        size = size * 2 if size < 2 else (size * 3 // 2 if size & (size - 1) == 0
+                                           else size * 4 // 3)
     return size
 
 
@@ -230,13 +251,29 @@ def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
 
 
 def _as_key(key) -> Array:
+    """One PRNG key from None (seed 0), an int seed, a typed key or a legacy uint32 [2] key."""
     if key is None:
         return jax.random.key(0)
-    if isinstance(key, int):
-        return jax.random.key(key)
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return jax.random.key(int(key))
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(f"key must be a single PRNG key, got a key array of shape "
+                             f"{key.shape}; rows get their own keys folded from it")
         return key
-    return jax.random.wrap_key_data(key)  # a legacy uint32 [2] key
+    if dtype is not None and getattr(key, "shape", None) == (2,) and dtype == np.uint32:
+        return jax.random.wrap_key_data(jnp.asarray(key))  # a legacy jax.random.PRNGKey
+    if dtype is not None and getattr(key, "shape", None) == () and np.issubdtype(dtype,
+                                                                                 np.integer):
+        return jax.random.key(int(key))
+    raise ValueError(f"key must be a jax.random.key, an int seed or None, got {key!r}")
+
+
+def _check_model(name: str, model) -> None:
+    if not isinstance(model, Model):
+        raise ValueError(f"{name} must be an sj.Model (from sj.init_model or sj.load_model), "
+                         f"got {type(model).__name__}")
 
 
 def generate(target: Model, prompts: Sequence[Sequence[int]], *,
@@ -259,16 +296,19 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     spec = SpecConfig.parse(spec)
+    _check_model("target", target)
     cfg = target.config
     rows = _prompt_rows(prompts, cfg.vocab_size)
     lengths = np.array([len(r) for r in rows], np.int32)
     B, longest, max_new = len(rows), int(lengths.max()), sampling.max_new_tokens
-    if longest + max_new > cfg.max_position_embeddings:
-        b = int(lengths.argmax())
-        raise ValueError(
-            f"prompt {b} has {longest} tokens; with max_new_tokens={max_new} that is "
-            f"{longest + max_new} positions, beyond the target's max_position_embeddings="
-            f"{cfg.max_position_embeddings}")
+
+    def check_context(name, config):
+        if longest + max_new > config.max_position_embeddings:
+            raise ValueError(
+                f"prompt {int(lengths.argmax())} has {longest} tokens; with max_new_tokens="
+                f"{max_new} that is {longest + max_new} positions, beyond the {name}'s "
+                f"max_position_embeddings={config.max_position_embeddings}")
+    check_context("target", cfg)
     for eos in sampling.eos_ids:
         if eos >= cfg.vocab_size:
             raise ValueError(f"eos_token_id {eos} is outside [0, {cfg.vocab_size})")
@@ -281,6 +321,8 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     elif spec.needs_draft_model:
         if draft is None:
             raise ValueError(f"method {spec.method!r} needs a draft model: pass draft=")
+        _check_model("draft", draft)
+        check_context("draft", draft.config)
         if draft.config.vocab_size != cfg.vocab_size:
             raise ValueError(
                 f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
@@ -289,28 +331,35 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     gamma = 0 if proposer is None else proposer.gamma
 
     P = bucket(longest)
-    needed = longest + max_new + gamma + 1  # the last round may write γ + 1 slots past the end
-    capacity = bucket(max(P, needed))
-    assert capacity >= needed  # never a write past S: dynamic_update_slice would clamp silently
+    # Never a write past S (dynamic_update_slice would clamp and overwrite silently): a row's last
+    # round writes γ + 1 cache slots from prompt + max_new - 1 and history slots one further on.
+    capacity = bucket(max(P, longest + max_new + gamma + 1))
+    # Batch sizes are bucketed too; padding rows start done (max_new_tokens 1) and are dropped.
+    B_pad = bucket(B, minimum=1)
     top_k_on = 0 < sampling.top_k < cfg.vocab_size
     plan = Plan(cfg, proposer, capacity,
                 Filters(top_k=min(bucket(sampling.top_k), cfg.vocab_size) if top_k_on else 0,
                         top_p=sampling.top_p < 1.0))
 
-    padded = np.zeros((B, P), np.int32)
+    padded = np.zeros((B_pad, P), np.int32)
     for b, r in enumerate(rows):
         padded[b, :len(r)] = r
+    lengths_pad = np.ones((B_pad,), np.int32)
+    lengths_pad[:B] = lengths
+    max_new_pad = np.ones((B_pad,), np.int32)
+    max_new_pad[:B] = max_new
+    eos = np.full((MAX_EOS_IDS,), -1, np.int32)
+    eos[:len(sampling.eos_ids)] = sampling.eos_ids
     root = _as_key(key)
     request = Request(
-        keys=jax.vmap(jax.random.fold_in, (None, 0))(root, jnp.arange(B)),
+        keys=jax.vmap(jax.random.fold_in, (None, 0))(root, jnp.arange(B_pad)),
         sampling=SamplingArrays(
-            temperature=jnp.full((B,), sampling.temperature, jnp.float32),
-            top_k=jnp.full((B,), sampling.top_k, jnp.int32),
-            top_p=jnp.full((B,), sampling.top_p, jnp.float32)),
-        max_new_tokens=jnp.full((B,), max_new, jnp.int32),
-        eos=jnp.asarray(sampling.eos_ids or (-1,), jnp.int32))
+            temperature=jnp.full((B_pad,), sampling.temperature, jnp.float32),
+            top_k=jnp.full((B_pad,), sampling.top_k, jnp.int32),
+            top_p=jnp.full((B_pad,), sampling.top_p, jnp.float32)),
+        max_new_tokens=jnp.asarray(max_new_pad), eos=jnp.asarray(eos))
     draft_params = None if proposer is None else draft.params
-    prompts_dev, lengths_dev = jnp.asarray(padded), jnp.asarray(lengths)
+    prompts_dev, lengths_dev = jnp.asarray(padded), jnp.asarray(lengths_pad)
 
     compile_seconds = 0.0
     t0 = time.perf_counter()
@@ -326,6 +375,7 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     decode_seconds = time.perf_counter() - t0 - spent
 
     history, generated = jax.device_get((state.history, state.num_generated))
+    generated = generated[:B]
     tokens = np.full((B, max_new), -1, np.int32)
     for b in range(B):
         n = int(generated[b])

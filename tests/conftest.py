@@ -48,6 +48,13 @@ def ref_process(logits, temperature=1.0, top_k=0, top_p=1.0):
     """Plain numpy reference of temperature -> top-k -> top-p, written independently of
     specjax.sampling: logits [..., V] -> probabilities [..., V] (float64)."""
     logits = np.asarray(logits, np.float64)
+    if temperature > 0 and top_p >= 1.0:  # vectorised path, same rule
+        x = logits / temperature
+        if 0 < top_k < x.shape[-1]:
+            kth = -np.sort(-x, axis=-1)[..., top_k - 1:top_k]
+            x = np.where(x < kth, -np.inf, x)
+        p = np.exp(x - x.max(-1, keepdims=True))
+        return p / p.sum(-1, keepdims=True)
     out = np.empty_like(logits)
     for idx in np.ndindex(logits.shape[:-1]):
         x = logits[idx]

@@ -61,14 +61,18 @@ def test_draft_identical_to_target_accepts_everything(target, gamma):
 
 
 def test_rows_do_not_depend_on_their_neighbours(target, draft):
+    """Row 0 keeps its output when its neighbour changes (content, length and prompt bucket).
+    A row's key is folded from its index, so the same prompt at another index is another sample."""
     sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=24)
     spec = sj.SpecConfig(num_speculative_tokens=3)
     key = jax.random.key(5)
     a = sj.generate(target, [[1, 2, 3], [4, 4]], sampling=sampling, spec=spec, draft=draft, key=key)
     b = sj.generate(target, [[1, 2, 3], [7, 8, 9, 10, 11, 12]], sampling=sampling, spec=spec,
                     draft=draft, key=key)
+    c = sj.generate(target, [[1, 2, 3], list(range(30))], sampling=sampling, spec=spec,
+                    draft=draft, key=key)  # prompt bucket 32 instead of 16: another program
     np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
-    assert not np.array_equal(a.tokens[1], b.tokens[1])
+    np.testing.assert_array_equal(a.tokens[0], c.tokens[0])
 
 
 def test_same_key_same_output_other_key_other_output(target, draft):
@@ -93,18 +97,29 @@ def test_request_that_exactly_fills_the_context_works(target, draft):
         sj.generate(target, [[7] * (max_pos - 19)], sampling=sampling, spec=spec, draft=draft)
 
 
-def test_second_call_with_same_shapes_does_not_compile(target, draft):
+def test_second_call_with_same_shapes_does_not_compile(target, draft, fresh_programs):
     spec = sj.SpecConfig(num_speculative_tokens=3)
     first = sj.generate(target, [[1, 2, 3], [4, 5]], draft=draft, spec=spec,
                         sampling=sj.SamplingParams(temperature=0.8, max_new_tokens=20))
     before = engine.compiled_programs()
-    # Other prompts (same bucket), temperature, max_new_tokens, EOS and key: arrays, not shapes.
+    # Other prompts (same bucket), temperature, max_new_tokens, EOS ids and key: arrays, not
+    # shapes.
     second = sj.generate(target, [[9, 9, 9, 9], [8]], draft=draft, spec=spec, key=3,
                          sampling=sj.SamplingParams(temperature=0.5, max_new_tokens=17,
-                                                    eos_token_id=4))
+                                                    eos_token_id=[4, 5]))
     assert engine.compiled_programs() == before
-    assert second.stats.compile_seconds == 0.0 and first.stats.compile_seconds >= 0.0
-    assert second.tokens.shape == (2, 17)
+    assert second.stats.compile_seconds == 0.0 and second.tokens.shape == (2, 17)
+    # Batch sizes are bucketed (1, 2, 3, 4, 6, 8, ...): 5 and 6 rows share a program.
+    sampling = sj.SamplingParams(temperature=0.8, max_new_tokens=20)
+    five = sj.generate(target, [[1], [2], [3], [4], [5]], draft=draft, spec=spec,
+                       sampling=sampling)
+    after_five = engine.compiled_programs()
+    six = sj.generate(target, [[1], [2], [3], [4], [5], [6]], draft=draft, spec=spec,
+                      sampling=sampling)
+    assert engine.compiled_programs() == after_five
+    assert five.tokens.shape == (5, 20) and six.tokens.shape == (6, 20)
+    np.testing.assert_array_equal(five.tokens, six.tokens[:5])
+    assert first.stats.compile_seconds > 0  # the first call did compile, and said so
 
 
 def test_eos_stops_each_row_and_pads(target, draft, greedy_reference):
@@ -152,6 +167,20 @@ def test_max_new_tokens_one(target, draft):
     assert out.stats.num_rounds == 0
 
 
+def test_keys_and_numpy_values_are_accepted(target):
+    sampling = sj.SamplingParams(temperature=np.float32(0.9), top_k=np.int64(8),
+                                 max_new_tokens=np.int32(6), eos_token_id=np.array([30, 31]))
+    assert sampling.top_k == 8 and type(sampling.top_k) is int and sampling.eos_token_id == (30, 31)
+    runs = [sj.generate(target, [[1, 2]], sampling=sampling, key=k).tokens
+            for k in (3, np.int64(3), jax.random.key(3), jax.random.PRNGKey(3))]
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r, runs[0])
+    with pytest.raises(ValueError, match="single PRNG key"):
+        sj.generate(target, [[1, 2]], sampling=sampling, key=jax.random.split(jax.random.key(0)))
+    with pytest.raises(ValueError, match="key must be"):
+        sj.generate(target, [[1, 2]], sampling=sampling, key="seed")
+
+
 def test_spec_config_parsing():
     assert sj.SpecConfig.parse(None) is None
     want = sj.SpecConfig(method="draft_model", num_speculative_tokens=3)
@@ -175,6 +204,7 @@ BAD_INPUTS = [
     ("draft without spec", dict(spec=None), "spec is None"),
     ("eos out of vocab", dict(sampling=sj.SamplingParams(eos_token_id=99)), "eos_token_id 99"),
     ("spec not a config", dict(spec=3), "spec must be"),
+    ("draft not a model", dict(draft="small"), "draft must be an sj.Model"),
 ]
 
 
@@ -189,8 +219,17 @@ def test_bad_input_raises_before_compiling(target, draft, name, kw, message):
     assert engine.compiled_programs() == before
 
 
+def test_target_must_be_a_model_and_draft_context_is_checked(target):
+    with pytest.raises(ValueError, match="target must be an sj.Model"):
+        sj.generate(target.params, [[1]])
+    short = tiny_model(seed=2, vocab_size=32, max_pos=16)
+    with pytest.raises(ValueError, match="draft's max_position_embeddings=16"):
+        sj.generate(target, [[1] * 10], sampling=sj.SamplingParams(max_new_tokens=10),
+                    spec=sj.SpecConfig(), draft=short)
+
+
 def test_draft_with_another_vocabulary_is_refused(target):
-    other = tiny_model(seed=2, vocab_size=48)
+    other = tiny_model(seed=2, vocab_size=48, max_pos=128)
     with pytest.raises(ValueError, match="draft vocab_size 48 != target vocab_size 32"):
         sj.generate(target, [[1]], spec=sj.SpecConfig(), draft=other)
 
@@ -198,7 +237,8 @@ def test_draft_with_another_vocabulary_is_refused(target):
 @pytest.mark.parametrize("kw,message", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(eos_token_id=[1, -2]), "eos_token_id"),
+    (dict(eos_token_id=[1, -2]), "eos_token_id"), (dict(eos_token_id=list(range(9))), "at most 8"),
+    (dict(temperature="hot"), "temperature"), (dict(top_k=2.5), "top_k"),
 ])
 def test_bad_sampling_params(kw, message):
     with pytest.raises(ValueError, match=message):

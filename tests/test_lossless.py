@@ -15,7 +15,7 @@ from scipy import stats as scipy_stats
 
 import specjax as sj
 from conftest import ref_process, tiny_model
-from specjax import verify
+from specjax import engine, verify
 
 V, N, PROMPT = 8, 40000, [1, 2, 3]
 
@@ -104,3 +104,77 @@ def test_broken_rules_fail_the_same_test(models, monkeypatch, fresh_programs, br
     samples = generate_samples(target, drafts["close"], sampling,
                                sj.SpecConfig(num_speculative_tokens=2))
     assert g_test(samples, exact_joint(target, t, k, p)) < 1e-6
+
+
+# Later tokens: six new tokens need several rounds, so target-cache rollback, the draft's catch-up
+# after a fully accepted round and per-row progress in a batch of mixed prompt lengths all shape
+# the sample. Rows alternate between two prompts of different lengths.
+PROMPTS = ([1, 2, 3], [4, 5, 6, 7, 1, 2])
+LATER = dict(temperature=0.9, top_k=6)
+
+
+def exact_tail_joint(target, prompt, t, k):
+    """P(t5, t6 | prompt) [V, V] under autoregressive sampling, by enumerating t1..t5."""
+    n = len(prompt)
+    seqs = np.array([prompt + list(s) for s in itertools.product(range(V), repeat=5)])
+    logits = np.asarray(sj.logits(target, jnp.asarray(seqs)), np.float64)  # [V^5, n+5, V]
+    probs = ref_process(logits[:, n - 1:], t, k)  # [V^5, 6, V]: p(t_i | t_<i) for i = 1..6
+    steps = [probs[:, i][np.arange(len(seqs)), seqs[:, n + i]] for i in range(5)]
+    prefix = np.prod(steps, axis=0)  # P(t1..t5) for each enumerated row
+    joint = np.zeros((V, V))
+    np.add.at(joint, seqs[:, n + 4], prefix[:, None] * probs[:, 5])
+    return joint
+
+
+def tail_pvalues(samples, joints):
+    pvalues = []
+    for i, joint in enumerate(joints):
+        rows = samples[i::2]
+        counts = np.zeros(V * V)
+        np.add.at(counts, rows[:, 4] * V + rows[:, 5], 1)
+        expected = joint.ravel() * len(rows)
+        small = expected < 5
+        obs = np.append(counts[~small], counts[small].sum())
+        exp = np.append(expected[~small], expected[small].sum())
+        pvalues.append(scipy_stats.power_divergence(obs, exp, lambda_="log-likelihood").pvalue)
+    return pvalues
+
+
+def later_samples(target, draft, gamma, seed=1):
+    sampling = sj.SamplingParams(max_new_tokens=6, **LATER)
+    out = sj.generate(target, [list(PROMPTS[i % 2]) for i in range(N)], sampling=sampling,
+                      spec=sj.SpecConfig(num_speculative_tokens=gamma), draft=draft, key=seed)
+    assert (out.lengths == 6).all() and out.stats.num_rounds >= 3
+    return out
+
+
+@pytest.fixture(scope="module")
+def tail_joints(models):
+    target, _ = models
+    return [exact_tail_joint(target, list(p), LATER["temperature"], LATER["top_k"])
+            for p in PROMPTS]
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_later_tokens_follow_the_target_in_a_mixed_batch(models, tail_joints, gamma):
+    target, drafts = models
+    out = later_samples(target, drafts["close"], gamma)
+    if gamma == 3:  # fully accepted rounds (and so the draft's catch-up) must occur often
+        assert out.stats.per_position_acceptance[-1] > 0.05
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
+
+
+def _same_keys_every_round(keys, step):
+    return _honest_round_keys(keys, step * 0)
+
+
+_honest_round_keys = engine._round_keys
+
+
+def test_reused_round_keys_fail_the_later_token_test(models, tail_joints, monkeypatch,
+                                                     fresh_programs):
+    """The PITFALL "the same random number reused across rounds" must not pass unnoticed."""
+    target, drafts = models
+    monkeypatch.setattr(engine, "_round_keys", _same_keys_every_round)
+    out = later_samples(target, drafts["close"], 1)
+    assert min(tail_pvalues(out.tokens, tail_joints)) < 1e-6
