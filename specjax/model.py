@@ -18,6 +18,7 @@ Parameter tree (names follow Hugging Face, kernels are [in, out])::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -69,6 +70,13 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return out.astype(x.dtype)
 
 
+def _dense(config: ModelConfig, init_std: float, features: int, name: str,
+           bias: bool = False) -> nn.Dense:
+    dtype = jnp.dtype(config.dtype)
+    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
+                    kernel_init=nn.initializers.normal(init_std))
+
+
 class Attention(nn.Module):
     config: ModelConfig
     init_std: float
@@ -79,22 +87,21 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         dtype = jnp.dtype(cfg.dtype)
-        dense = lambda n, name, bias: nn.Dense(  # noqa: E731
-            n, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
-            kernel_init=nn.initializers.normal(self.init_std))
-        q = dense(H * D, "q_proj", cfg.attention_bias)(x).reshape(B, T, H, D)
-        k = dense(K * D, "k_proj", cfg.attention_bias)(x).reshape(B, T, K, D)
-        v = dense(K * D, "v_proj", cfg.attention_bias)(x).reshape(B, T, K, D)
+        dense = functools.partial(_dense, cfg, self.init_std, bias=cfg.attention_bias)
+        q = dense(H * D, "q_proj")(x).reshape(B, T, H, D)
+        k = dense(K * D, "k_proj")(x).reshape(B, T, K, D)
+        v = dense(K * D, "v_proj")(x).reshape(B, T, K, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache = kv.write(k_cache, k, start)  # [B, S, K, D]
         v_cache = kv.write(v_cache, v, start)
-        q = q.reshape(B, T, K, H // K, D)  # query heads grouped by the kv head they share
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache,
+        # Query heads grouped by the kv head they share: h indexes the H/K heads of a group.
+        q = q.reshape(B, T, K, H // K, D)
+        scores = jnp.einsum("btkhd,bskd->bkhts", q, k_cache,
                             preferred_element_type=jnp.float32) * (D ** -0.5)
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, K, G, T, S]
-        out = jnp.einsum("bkgts,bskd->btkgd", weights, v_cache).reshape(B, T, H * D)
-        out = dense(cfg.hidden_size, "o_proj", False)(out)
+        weights = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, K, H/K, T, S]
+        out = jnp.einsum("bkhts,bskd->btkhd", weights, v_cache).reshape(B, T, H * D)
+        out = _dense(cfg, self.init_std, cfg.hidden_size, "o_proj")(out)
         return out, k_cache, v_cache
 
 
@@ -105,10 +112,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        dtype = jnp.dtype(cfg.dtype)
-        dense = lambda n, name: nn.Dense(  # noqa: E731
-            n, use_bias=False, dtype=dtype, param_dtype=dtype, name=name,
-            kernel_init=nn.initializers.normal(self.init_std))
+        dense = functools.partial(_dense, cfg, self.init_std)
         gate = dense(cfg.intermediate_size, "gate_proj")(x)
         up = dense(cfg.intermediate_size, "up_proj")(x)
         return dense(cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
