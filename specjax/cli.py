@@ -50,12 +50,12 @@ def first_layers(model: Model, n: int) -> Model:
 
 
 def _demo(args) -> int:
-    target = demo_target(jax.random.key(args.seed))
-    draft = first_layers(target, args.draft_layers)
     prompts = [[1, 17, 42, 99, 7, 300]]  # batch 1: the latency case speculation is for
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens)
     spec = SpecConfig(method="draft_model", num_speculative_tokens=args.num_speculative_tokens)
+    target = demo_target(jax.random.key(args.seed))
+    draft = first_layers(target, args.draft_layers)
     print(f"target: random {DEMO_TARGET.num_params / 1e6:.1f}M-parameter Llama-style model, "
           f"{DEMO_TARGET.num_hidden_layers} layers (random weights: a stand-in until the "
           f"trained default pair ships)")
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "demo":
+        if args.repeats < 1:
+            parser.error(f"--repeats must be >= 1, got {args.repeats}")
         if not 1 <= args.draft_layers < DEMO_TARGET.num_hidden_layers:
             parser.error(f"--draft-layers must be in [1, {DEMO_TARGET.num_hidden_layers - 1}], "
                          f"got {args.draft_layers}")
