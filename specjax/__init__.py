@@ -8,11 +8,15 @@
 """
 
 # Configuration
-from .config import ModelConfig, SamplingParams, SpecConfig
+from .config import ModelConfig, RopeScaling, SamplingParams, SpecConfig
 
 # Models and caches
 from .model import Model, init_model, logits, forward
 from .cache import KVCache
+
+# Checkpoints
+from .checkpoint import load_model, save_model, CheckpointError
+from .tokenizer import load_tokenizer, Tokenizer
 
 # Generation
 from .engine import generate, Generation
@@ -24,7 +28,8 @@ from . import sampling, verify, theory, draft
 __version__ = "0.1.0"
 
 __all__ = [
-    "ModelConfig", "SamplingParams", "SpecConfig",
+    "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
+    "load_model", "save_model", "CheckpointError", "load_tokenizer", "Tokenizer",
     "Model", "init_model", "logits", "forward", "KVCache",
     "generate", "Generation", "Stats",
     "sampling", "verify", "theory", "draft",

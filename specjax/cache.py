@@ -76,6 +76,18 @@ def attention_mask(length: Array, chunk_mask: Array, capacity: int) -> Array:
     return (offset < 0)[:, None, :] | (in_chunk[:, None, :] & gathered)
 
 
+def window_mask(length: Array, positions: Array, capacity: int, window: int) -> Array:
+    """Sliding-window attention: [B, T, S], True where the key's position is within the last
+    ``window`` positions of the query's (q - k < window). History slot s holds position s; the
+    chunk's slots hold the chunk's own positions."""
+    T = positions.shape[1]
+    slot = jnp.arange(capacity)[None, :]
+    offset = slot - length[:, None]  # [B, S]
+    chunk_pos = jnp.take_along_axis(positions, jnp.clip(offset, 0, T - 1), axis=1)
+    key_pos = jnp.where((offset >= 0) & (offset < T), chunk_pos, slot)  # [B, S]
+    return (positions[:, :, None] - key_pos[:, None, :]) < window
+
+
 def causal_mask(T: int) -> Array:
     """[T, T] lower-triangular mask: token i sees tokens 0..i of its chunk."""
     return jnp.tril(jnp.ones((T, T), bool))

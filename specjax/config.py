@@ -38,6 +38,31 @@ def _require_real(owner: Any, name: str, value: Any, ok, allowed: str) -> None:
     object.__setattr__(owner, name, float(value))
 
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling, as in Hugging Face's ``rope_scaling`` / ``rope_parameters``."""
+
+    rope_type: str = "default"  # "default" (none), "linear" (positions / factor) or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RoPE scaling type {self.rope_type!r} is not supported; supported: "
+                             f"{', '.join(ROPE_TYPES)}")
+        _require_real(self, "factor", self.factor, lambda x: x > 0, "> 0")
+        _require_real(self, "low_freq_factor", self.low_freq_factor, lambda x: x > 0, "> 0")
+        _require_real(self, "high_freq_factor", self.high_freq_factor,
+                      lambda x: x > self.low_freq_factor, "> low_freq_factor")
+        _require_int(self, "original_max_position_embeddings",
+                     self.original_max_position_embeddings, 1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A Llama-family decoder. Field names follow Hugging Face's ``config.json``."""
@@ -53,7 +78,11 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     rms_norm_eps: float = 1e-6  # epsilon inside RMSNorm
     tie_word_embeddings: bool = False  # LM head reuses the input embedding matrix
-    attention_bias: bool = False  # bias on q/k/v/o projections (Qwen2 has it on q/k/v)
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's flag sets o too)
+    o_proj_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3)
+    rope_scaling: RopeScaling | None = None  # None = plain RoPE
+    sliding_window: int | None = None  # attend to at most this many latest positions (Mistral)
     dtype: str = "float32"  # parameter and activation dtype; norms, softmax and logits are float32
 
     def __post_init__(self):
@@ -78,6 +107,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         _require_real(self, "rope_theta", self.rope_theta, lambda x: x > 0, "> 0")
         _require_real(self, "rms_norm_eps", self.rms_norm_eps, lambda x: x > 0, "> 0")
+        if self.sliding_window is not None:
+            _require_int(self, "sliding_window", self.sliding_window, 1)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got "
+                             f"{self.rope_scaling!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
 
@@ -88,7 +122,11 @@ class ModelConfig:
         H, K = self.num_attention_heads, self.num_key_value_heads
         attn = E * D * (H + 2 * K) + H * D * E
         if self.attention_bias:
-            attn += D * (H + 2 * K) + E
+            attn += D * (H + 2 * K)
+        if self.o_proj_bias:
+            attn += E
+        if self.qk_norm:
+            attn += 2 * D
         layer = attn + 3 * E * F + 2 * E
         head = 0 if self.tie_word_embeddings else E * V
         return V * E + self.num_hidden_layers * layer + E + head

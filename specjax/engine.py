@@ -88,6 +88,7 @@ class Generation:
     tokens: np.ndarray  # [B, max_new_tokens] int32, -1 after each row's end
     lengths: np.ndarray  # [B] int32: generated tokens per row (EOS included)
     stats: Stats
+    text: list[str] | None = None  # decoded rows, when generate was asked for text
 
 
 def _emit(state: LoopState, tokens: Array, num_accepted: Array, request: Request
@@ -235,7 +236,8 @@ def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
     rows = []
     for b, row in enumerate(prompts):
         if isinstance(row, (str, bytes)):
-            raise ValueError(f"prompt {b} is a string; pass token ids (lists of ints)")
+            raise ValueError(f"prompt {b} is a string; pass token ids, or a tokenizer= to "
+                             f"encode text")
         arr = np.asarray(row)
         if arr.ndim != 1:
             raise ValueError(f"prompt {b} must be a flat list of token ids, got shape {arr.shape}")
@@ -280,7 +282,8 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams | None = None,
              spec: SpecConfig | dict | str | None = None,
              draft: Model | None = None,
-             key: Array | int | None = None) -> Generation:
+             key: Array | int | None = None,
+             tokenizer=None, return_text: bool = False) -> Generation:
     """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` is given.
 
     prompts: B lists of token ids, any lengths (>= 1). sampling: SamplingParams (default:
@@ -298,6 +301,17 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     spec = SpecConfig.parse(spec)
     _check_model("target", target)
     cfg = target.config
+    if tokenizer is not None:
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                             f"target's vocab_size {cfg.vocab_size}")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        if sampling.eos_token_id is None and tokenizer.eos_token_ids:
+            sampling = dataclasses.replace(sampling, eos_token_id=tokenizer.eos_token_ids)
+    elif return_text:
+        raise ValueError("return_text=True needs tokenizer=")
     rows = _prompt_rows(prompts, cfg.vocab_size)
     lengths = np.array([len(r) for r in rows], np.int32)
     B, longest, max_new = len(rows), int(lengths.max()), sampling.max_new_tokens
@@ -385,4 +399,8 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         has_draft_model=proposer is not None, generated_tokens=int(generated.sum()), batch=B,
         prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
         compile_seconds=compile_seconds)
-    return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats)
+    text = None
+    if return_text:
+        text = [tokenizer.decode(tokens[b, :generated[b]]) for b in range(B)]
+    return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats,
+                      text=text)

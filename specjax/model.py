@@ -24,6 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from . import cache as kv
@@ -52,10 +53,33 @@ class RMSNorm(nn.Module):
         return (x32.astype(self.dtype) * weight).astype(self.dtype)
 
 
+def inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies [D/2] (host-side, float32), with the config's scaling applied."""
+    D = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type == "default":
+        pass
+    elif scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        old = scaling.original_max_position_embeddings
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor,
+                          inv_freq)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= old / scaling.high_freq_factor) & (
+            wavelen <= old / scaling.low_freq_factor)
+        inv_freq = np.where(medium, blended, scaled)
+    return inv_freq.astype(np.float32)
+
+
 def rope_tables(positions: Array, config: ModelConfig) -> tuple[Array, Array]:
     """positions [B, T] -> cos, sin [B, T, D] (float32), HF layout: frequencies repeated twice."""
-    D = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    inv_freq = jnp.asarray(inverse_frequencies(config))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, D]
     return jnp.cos(angles), jnp.sin(angles)
@@ -91,6 +115,9 @@ class Attention(nn.Module):
         q = dense(H * D, "q_proj")(x).reshape(B, T, H, D)
         k = dense(K * D, "k_proj")(x).reshape(B, T, K, D)
         v = dense(K * D, "v_proj")(x).reshape(B, T, K, D)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache = kv.write(k_cache, k, start)  # [B, S, K, D]
         v_cache = kv.write(v_cache, v, start)
@@ -101,7 +128,7 @@ class Attention(nn.Module):
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, K, H/K, T, S]
         out = jnp.einsum("bkhts,bskd->btkhd", weights, v_cache).reshape(B, T, H * D)
-        out = _dense(cfg, self.init_std, cfg.hidden_size, "o_proj")(out)
+        out = _dense(cfg, self.init_std, cfg.hidden_size, "o_proj", bias=cfg.o_proj_bias)(out)
         return out, k_cache, v_cache
 
 
@@ -191,6 +218,9 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
     if chunk_mask is None:
         chunk_mask = kv.causal_mask(T)
     mask = kv.attention_mask(cache.length, chunk_mask, cache.capacity)
+    if model.config.sliding_window is not None:
+        mask &= kv.window_mask(cache.length, positions, cache.capacity,
+                               model.config.sliding_window)
     logits, hidden, k, v = Decoder(model.config).apply(
         {"params": model.params}, tokens, positions, mask, cache.k, cache.v, cache.length)
     return logits, hidden, KVCache(k, v, cache.length + T)

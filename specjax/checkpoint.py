@@ -1,0 +1,402 @@
+"""Checkpoints: Hugging Face folders (config.json + safetensors) and orbax folders.
+
+Hugging Face weights are read tensor by tensor from memory-mapped safetensors files, cast, stacked
+over layers and placed on the device one parameter at a time, so a multi-GB model is never held
+twice in host memory. Every check (files, architecture, names, shapes, file integrity) runs before
+the model is returned: nothing half-loaded escapes.
+
+Name mapping (our parameter path -> Hugging Face tensor name)::
+
+    embed_tokens/embedding          model.embed_tokens.weight
+    layers/<i>/.../kernel [in,out]  model.layers.<i>.....weight [out,in]   (transposed)
+    layers/<i>/.../bias             model.layers.<i>.....bias
+    layers/<i>/.../weight           model.layers.<i>.....weight            (norms)
+    norm/weight                     model.norm.weight
+    lm_head/kernel                  lm_head.weight                          (transposed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import struct
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .config import ModelConfig, RopeScaling
+from .model import Model, init_model
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                 "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SPECJAX_FILE = "specjax.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file or tensor."""
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors: 8-byte little-endian header size, a JSON header, then raw little-endian tensors.
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+              "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+class SafetensorsFile:
+    """A memory-mapped safetensors file whose header has been checked against its size."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path} is truncated: {size} bytes, no safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise CheckpointError(f"{path} is corrupt or truncated: header claims {n} bytes, "
+                                      f"file has {size}")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{path} has a corrupt safetensors header ({e})") from None
+        self.metadata = header.pop("__metadata__", {}) or {}
+        self.start = 8 + n
+        self.entries = header
+        for name, e in header.items():
+            try:
+                dtype = np.dtype(_ST_DTYPES[e["dtype"]])
+                begin, end = e["data_offsets"]
+                count = int(np.prod(e["shape"], dtype=np.int64))
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: tensor {name!r} has a bad header entry {e!r}"
+                                      ) from None
+            if end - begin != count * dtype.itemsize or begin < 0:
+                raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes, its "
+                                      f"shape {e['shape']} needs {count * dtype.itemsize}")
+            if self.start + end > size:
+                raise CheckpointError(f"{path} is truncated: tensor {name!r} ends at byte "
+                                      f"{self.start + end}, the file has {size}")
+        self._map = np.memmap(path, dtype=np.uint8, mode="r") if size else None
+
+    def get(self, name: str) -> np.ndarray:
+        """A read-only view of one tensor (no copy)."""
+        e = self.entries[name]
+        begin, end = e["data_offsets"]
+        raw = self._map[self.start + begin:self.start + end]
+        return raw.view(_ST_DTYPES[e["dtype"]]).reshape(e["shape"])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+
+def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write tensors (numpy, any of the safetensors dtypes) to one file."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    arrays = {}
+    for name, array in tensors.items():
+        a = np.ascontiguousarray(array)
+        if a.dtype not in _ST_NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be stored in safetensors")
+        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays[name] = a
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays.values():
+            f.write(a.tobytes())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config translation.
+
+def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from a config with ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (older)."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", d.get("rope_theta", 10000.0)))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3"):
+        raise CheckpointError(f"RoPE scaling type {kind!r} is not supported; supported: "
+                              f"default, linear, llama3")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)}
+    kw = {k: v for k, v in merged.items() if k in fields and k != "rope_type"}
+    return theta, RopeScaling(rope_type=kind, **kw)
+
+
+def config_from_hf(d: dict, dtype: str | None = None) -> ModelConfig:
+    """A ModelConfig from a Hugging Face config.json dict."""
+    archs = d.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(f"unsupported architecture {archs or d.get('model_type')!r}; "
+                              f"supported: {', '.join(ARCHITECTURES)}")
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"hidden_act {act!r} is not supported (only silu)")
+    theta, scaling = _rope_from_hf(d)
+    if dtype is None:
+        stored = d.get("dtype") or d.get("torch_dtype") or "float32"
+        if stored not in _TORCH_DTYPES:
+            raise CheckpointError(f"config dtype {stored!r} is not supported; supported: "
+                                  f"float32, bfloat16, float16")
+        dtype = _TORCH_DTYPES[stored]
+    bias = bool(d.get("attention_bias", False))
+    window = d.get("sliding_window")
+    if arch.startswith("Qwen") and not d.get("use_sliding_window", False):
+        window = None
+    return ModelConfig(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_dim=d.get("head_dim"),
+        max_position_embeddings=d.get("max_position_embeddings", 2048), rope_theta=theta,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
+        o_proj_bias=bias if arch in ("LlamaForCausalLM", "MistralForCausalLM") else False,
+        qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=scaling,
+        sliding_window=window if window and window < d.get("max_position_embeddings", 2048)
+        else None,
+        dtype=dtype)
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The Hugging Face class that has exactly this config's features."""
+    if cfg.qk_norm:
+        if cfg.o_proj_bias:
+            raise ValueError("no Hugging Face architecture has q/k norms and an o_proj bias")
+        return "Qwen3ForCausalLM"
+    if cfg.attention_bias and not cfg.o_proj_bias:
+        return "Qwen2ForCausalLM"
+    if cfg.attention_bias != cfg.o_proj_bias:
+        raise ValueError("Llama-style attention_bias sets q/k/v and o_proj biases together")
+    return "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM"
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    arch = hf_architecture(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope.update(dataclasses.asdict(cfg.rope_scaling))
+    d = {
+        "architectures": [arch], "model_type": _MODEL_TYPES[arch],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "attention_bias": cfg.o_proj_bias if arch != "Qwen3ForCausalLM" else cfg.attention_bias,
+        "dtype": cfg.dtype,
+    }
+    if cfg.rope_scaling is not None:
+        d["rope_scaling"] = rope
+    if arch == "MistralForCausalLM":
+        d["sliding_window"] = cfg.sliding_window
+    if arch.startswith("Qwen"):
+        d["use_sliding_window"] = False
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter names.
+
+def _leaves(tree, prefix=()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    if isinstance(tree, dict):
+        for k in sorted(tree):
+            yield from _leaves(tree[k], prefix + (k,))
+    else:
+        yield prefix, tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def hf_name(path: tuple[str, ...], layer: int | None = None) -> tuple[str, bool]:
+    """(Hugging Face tensor name, transposed?) for one of our parameter paths."""
+    last = path[-1]
+    suffix = "bias" if last == "bias" else "weight"
+    if path[0] == "lm_head":
+        return "lm_head.weight", True
+    if path[0] == "layers":
+        return f"model.layers.{layer}.{'.'.join(path[1:-1])}.{suffix}", last == "kernel"
+    return f"model.{'.'.join(path[:-1])}.{suffix}", last == "kernel"
+
+
+def _abstract_params(cfg: ModelConfig):
+    return jax.eval_shape(lambda k: init_model(cfg, k).params, jax.random.key(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and saving.
+
+def _weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
+    """tensor name -> file, from model.safetensors or model.safetensors.index.json."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index ({e})") from None
+        missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
+        return {name: folder / f for name, f in weight_map.items()}
+    if single.exists():
+        return {name: single for name in SafetensorsFile(single).entries}
+    raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def _load_hf(folder: pathlib.Path, dtype: str | None,
+             place: Callable[[tuple[str, ...], np.ndarray], Any]) -> Model:
+    config_path = folder / "config.json"
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
+    cfg = config_from_hf(hf_config, dtype)
+    files = {p: SafetensorsFile(p) for p in sorted(set(_weight_files(folder).values()))}
+    where = {name: f for f in files.values() for name in f.entries}
+    target_dtype = np.dtype(jnp.dtype(cfg.dtype))
+    used: set[str] = set()
+
+    def read(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        if name not in where:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {folder}")
+        f = where[name]
+        want = shape[::-1] if transpose else shape
+        if f.shape(name) != tuple(want):
+            raise CheckpointError(f"tensor {name!r} in {f.path.name} has shape {f.shape(name)}, "
+                                  f"expected {tuple(want)}")
+        used.add(name)
+        x = f.get(name)
+        return (x.T if transpose else x).astype(target_dtype)
+
+    params: dict = {}
+    for path, leaf in _leaves(_abstract_params(cfg)):
+        if path[0] == "layers":
+            array = np.empty(leaf.shape, target_dtype)
+            for i in range(cfg.num_hidden_layers):
+                name, transpose = hf_name(path, i)
+                array[i] = read(name, leaf.shape[1:], transpose)
+        else:
+            name, transpose = hf_name(path)
+            array = read(name, leaf.shape, transpose)
+        _set(params, path, place(path, array))
+        del array  # one parameter at a time on the host
+    unused = sorted(set(where) - used - {"lm_head.weight"})
+    unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
+    if unused:
+        log.warning("%d tensors in %s were not used, e.g. %s", len(unused), folder, unused[:3])
+    return Model(cfg, params)
+
+
+def _orbax():
+    import orbax.checkpoint as ocp
+    return ocp
+
+
+def _load_orbax(folder: pathlib.Path, dtype: str | None) -> Model:
+    meta = json.loads((folder / SPECJAX_FILE).read_text())
+    if meta.get("format") != "specjax":
+        raise CheckpointError(f"{folder / SPECJAX_FILE} is not a specjax checkpoint description")
+    raw = dict(meta["config"])
+    if raw.get("rope_scaling") is not None:
+        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+    cfg = ModelConfig(**raw)
+    params_dir = (folder / "params").resolve()
+    if not params_dir.exists():
+        raise FileNotFoundError(f"{folder} has {SPECJAX_FILE} but no params/ folder")
+    ckpt = _orbax().StandardCheckpointer()
+    params = ckpt.restore(params_dir, _abstract_params(cfg))
+    model = Model(cfg, params)
+    return cast(model, dtype) if dtype else model
+
+
+def cast(model: Model, dtype: str) -> Model:
+    """The same model with parameters (and compute) in another dtype."""
+    cfg = dataclasses.replace(model.config, dtype=dtype)
+    params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), model.params)
+    return Model(cfg, params)
+
+
+def load_model(path: str | os.PathLike, dtype: str | None = None) -> Model:
+    """Load a model folder: a Hugging Face folder (``config.json`` plus ``model.safetensors`` or a
+    sharded ``model.safetensors.index.json``) or a folder written by ``save_model``.
+
+    dtype: None keeps the checkpoint's dtype; "float32", "bfloat16" or "float16" casts.
+    Architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+    """
+    folder = pathlib.Path(path)
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16, float16 or None, got {dtype!r}")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    if (folder / SPECJAX_FILE).exists():
+        return _load_orbax(folder, dtype)
+    if (folder / "config.json").exists():
+        return _load_hf(folder, dtype, lambda path, array: jax.device_put(array))
+    raise FileNotFoundError(f"{folder} holds neither a Hugging Face model (config.json) nor a "
+                            f"specjax checkpoint ({SPECJAX_FILE})")
+
+
+def save_model(model: Model, path: str | os.PathLike, format: str = "orbax") -> None:
+    """Save a model folder. format="orbax": params through orbax plus ``specjax.json``;
+    format="hf": ``config.json`` and ``model.safetensors`` that ``transformers`` loads as is."""
+    folder = pathlib.Path(path)
+    if format not in ("orbax", "hf"):
+        raise ValueError(f"format must be 'orbax' or 'hf', got {format!r}")
+    folder.mkdir(parents=True, exist_ok=True)
+    if format == "orbax":
+        ckpt = _orbax().StandardCheckpointer()
+        ckpt.save((folder / "params").resolve(), model.params, force=True)
+        ckpt.wait_until_finished()
+        meta = {"format": "specjax", "version": 1, "config": dataclasses.asdict(model.config)}
+        (folder / SPECJAX_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        return
+    cfg = model.config
+    hf = config_to_hf(cfg)
+    tensors = {}
+    for path_, leaf in _leaves(model.params):
+        leaf = np.asarray(jax.device_get(leaf))
+        if path_[0] == "layers":
+            for i in range(cfg.num_hidden_layers):
+                name, transpose = hf_name(path_, i)
+                tensors[name] = leaf[i].T if transpose else leaf[i]
+        else:
+            name, transpose = hf_name(path_)
+            tensors[name] = leaf.T if transpose else leaf
+    write_safetensors(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

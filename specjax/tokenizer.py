@@ -1,0 +1,78 @@
+"""Text in and out: a thin wrapper over a Hugging Face ``tokenizer.json`` (the `tokenizers`
+library), with BOS/EOS ids read from the model folder's config files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Sequence
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    backend: Any  # tokenizers.Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every id that ends a generation (config + generation_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids, with the tokenizer's own special tokens (BOS, if it adds one)."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode takes a str, got {type(text).__name__}")
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text; -1 padding (as in Generation.tokens) is dropped."""
+        return self.backend.decode([int(i) for i in ids if int(i) >= 0],
+                                   skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load ``tokenizer.json`` from a model folder (or the file itself). BOS/EOS ids come from
+    ``generation_config.json``, then ``config.json``, then ``tokenizer_config.json`` tokens."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError("load_tokenizer needs the `tokenizers` package: "
+                          "pip install 'specjax[hf]'") from None
+    path = pathlib.Path(path)
+    file = path if path.is_file() else path / "tokenizer.json"
+    if not file.exists():
+        raise FileNotFoundError(f"no tokenizer.json at {file}")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the library raises its own exception types
+        raise ValueError(f"{file} is not a valid tokenizer.json ({e})") from None
+    folder = file.parent
+    bos, eos = None, ()
+    for name in ("tokenizer_config.json", "config.json", "generation_config.json"):
+        f = folder / name
+        if not f.exists():
+            continue
+        d = json.loads(f.read_text())
+        if name == "tokenizer_config.json":  # token strings, not ids
+            for key in ("bos_token", "eos_token"):
+                tok = d.get(key)
+                tok = tok.get("content") if isinstance(tok, dict) else tok
+                tid = backend.token_to_id(tok) if tok else None
+                if tid is not None and key == "bos_token":
+                    bos = tid
+                elif tid is not None:
+                    eos = (tid,)
+            continue
+        if d.get("bos_token_id") is not None:
+            bos = int(d["bos_token_id"])
+        if d.get("eos_token_id") is not None:
+            eos = _ids(d["eos_token_id"])
+    return Tokenizer(backend, bos, eos)

@@ -1,0 +1,286 @@
+"""Hugging Face import/export against the transformers reference, orbax round trips, errors."""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import specjax as sj
+from conftest import tiny_model
+from specjax import checkpoint
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -e '.[test]')")
+transformers = pytest.importorskip("transformers")
+
+V = 64
+COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              initializer_range=0.3)  # peaked distributions, so greedy ties are unlikely
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def hf_model(kind, seed=0, **overrides):
+    torch.manual_seed(seed)
+    kw = {**COMMON, **overrides}
+    if kind == "llama":
+        kw.setdefault("rope_scaling", LLAMA3_ROPE)
+        cls, cfg = transformers.LlamaForCausalLM, transformers.LlamaConfig(rope_theta=5e5, **kw)
+    elif kind == "llama-linear-bias":
+        kw["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+        cls, cfg = transformers.LlamaForCausalLM, transformers.LlamaConfig(attention_bias=True,
+                                                                          **kw)
+    elif kind == "qwen2":
+        cls, cfg = transformers.Qwen2ForCausalLM, transformers.Qwen2Config(tie_word_embeddings=True,
+                                                                          **kw)
+    elif kind == "qwen3":
+        cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(head_dim=16, **kw)
+    elif kind == "mistral":
+        cls, cfg = transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=8,
+                                                                              **kw)
+    else:
+        raise ValueError(kind)
+    return cls(cfg).eval()
+
+
+def saved(model, folder, **kw):
+    model.save_pretrained(folder, **kw)
+    return pathlib.Path(folder)
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.float().numpy()
+
+
+TOKENS = np.random.default_rng(0).integers(0, V, (2, 24))
+KINDS = ["llama", "llama-linear-bias", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers(kind, tmp_path):
+    ref = hf_model(kind)
+    model = sj.load_model(saved(ref, tmp_path))
+    assert model.config.dtype == "float32"
+    diff = np.abs(np.asarray(sj.logits(model, TOKENS)) - hf_logits(ref, TOKENS)).max()
+    assert diff <= 1e-4, diff
+
+
+def test_features_are_read_from_the_config(tmp_path):
+    cfg = sj.load_model(saved(hf_model("llama"), tmp_path / "l")).config
+    assert cfg.rope_scaling == sj.RopeScaling(rope_type="llama3", factor=8.0,
+                                              original_max_position_embeddings=16)
+    assert cfg.rope_theta == 5e5 and cfg.num_key_value_heads == 2
+    q2 = sj.load_model(saved(hf_model("qwen2"), tmp_path / "q2")).config
+    assert q2.tie_word_embeddings and q2.attention_bias and not q2.o_proj_bias
+    q3 = sj.load_model(saved(hf_model("qwen3"), tmp_path / "q3")).config
+    assert q3.qk_norm and q3.head_dim == 16
+    assert sj.load_model(saved(hf_model("mistral"), tmp_path / "m")).config.sliding_window == 8
+
+
+def test_old_style_config_keys(tmp_path):
+    """rope_theta + rope_scaling {"type": ...} + torch_dtype, as older checkpoints write them."""
+    ref = hf_model("llama")
+    folder = saved(ref, tmp_path)
+    d = json.loads((folder / "config.json").read_text())
+    d.pop("rope_parameters", None)
+    d.pop("dtype", None)
+    d["rope_theta"] = 5e5
+    d["rope_scaling"] = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    d["torch_dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(d))
+    model = sj.load_model(folder)
+    assert model.config.rope_scaling.rope_type == "llama3"
+    diff = np.abs(np.asarray(sj.logits(model, TOKENS)) - hf_logits(ref, TOKENS)).max()
+    assert diff <= 1e-4
+
+
+def test_sharded_checkpoint(tmp_path):
+    ref = hf_model("qwen3")
+    folder = saved(ref, tmp_path, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").exists()
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    model = sj.load_model(folder)
+    diff = np.abs(np.asarray(sj.logits(model, TOKENS)) - hf_logits(ref, TOKENS)).max()
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("torch_dtype,name", [(torch.bfloat16, "bfloat16"),
+                                              (torch.float16, "float16")])
+def test_half_precision_weights_and_casting(torch_dtype, name, tmp_path):
+    ref = hf_model("llama").to(torch_dtype)
+    folder = saved(ref, tmp_path)
+    model = sj.load_model(folder)
+    assert model.config.dtype == name
+    assert all(x.dtype == np.dtype(name) for x in jax.tree.leaves(model.params))
+    up = sj.load_model(folder, dtype="float32")
+    assert up.config.dtype == "float32"
+    want = ref.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
+    np.testing.assert_array_equal(np.asarray(up.params["layers"]["mlp"]["up_proj"]["kernel"][1]),
+                                  want)
+    # Computed in float32 from the same rounded weights, logits match the reference's float32.
+    # (Reloaded, not ref.float(): casting a torch model also rounds its RoPE frequency buffer.)
+    ref32 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    diff = np.abs(np.asarray(sj.logits(up, TOKENS)) - hf_logits(ref32, TOKENS)).max()
+    assert diff <= 1e-4
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].numpy()
+
+
+def test_greedy_generate_matches_transformers(tmp_path):
+    ref = hf_model("llama", seed=0)
+    small = hf_model("llama", seed=1, num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+    target = sj.load_model(saved(ref, tmp_path / "t"))
+    draft = sj.load_model(saved(small, tmp_path / "d"))
+    prompts = [[1, 5, 9, 2], [7], list(range(3, 15))]
+    n = 24
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=n)
+    ar = sj.generate(target, prompts, sampling=sampling)
+    spec = sj.generate(target, prompts, sampling=sampling, draft=draft,
+                       spec=sj.SpecConfig(num_speculative_tokens=3))
+    for b, prompt in enumerate(prompts):
+        want = hf_greedy(ref, prompt, n)
+        np.testing.assert_array_equal(ar.tokens[b], want)
+        np.testing.assert_array_equal(spec.tokens[b], want)
+
+
+def test_orbax_round_trip(tmp_path):
+    model = tiny_model(seed=3, qk_norm=True, attention_bias=True, tie_word_embeddings=True,
+                       rope_scaling=sj.RopeScaling(rope_type="linear", factor=2.0))
+    sj.save_model(model, tmp_path / "m")
+    back = sj.load_model(tmp_path / "m")
+    assert back.config == model.config
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.structure(model.params) == jax.tree.structure(back.params)
+    half = sj.load_model(tmp_path / "m", dtype="bfloat16")
+    assert half.config.dtype == "bfloat16"
+    sj.save_model(back, tmp_path / "m")  # saving over an existing checkpoint works
+
+
+@pytest.mark.parametrize("features", [
+    dict(),
+    dict(tie_word_embeddings=True, attention_bias=True),  # Qwen2
+    dict(qk_norm=True, head_dim=6),  # Qwen3
+    dict(attention_bias=True, o_proj_bias=True,
+         rope_scaling=sj.RopeScaling(rope_type="llama3", factor=4.0,
+                                     original_max_position_embeddings=16)),  # Llama
+    dict(sliding_window=5),  # Mistral
+])
+def test_hf_export_loads_in_transformers(features, tmp_path):
+    model = tiny_model(seed=4, **features)
+    sj.save_model(model, tmp_path, format="hf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = np.random.default_rng(1).integers(0, 16, (2, 12))
+    diff = np.abs(np.asarray(sj.logits(model, tokens)) - hf_logits(ref, tokens)).max()
+    assert diff <= 1e-4, diff
+    assert type(ref).__name__ == checkpoint.hf_architecture(model.config)
+    again = sj.load_model(tmp_path)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    return saved(hf_model("llama"), tmp_path_factory.mktemp("llama"))
+
+
+def copy(folder, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def rewrite_weights(folder, change):
+    f = checkpoint.SafetensorsFile(folder / "model.safetensors")
+    tensors = {n: np.array(f.get(n)) for n in f.entries}
+    del f
+    change(tensors)
+    checkpoint.write_safetensors(folder / "model.safetensors", tensors)
+
+
+def test_missing_folder_and_files(tmp_path, llama_folder):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        sj.load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither a Hugging Face model"):
+        sj.load_model(tmp_path / "empty")
+    folder = copy(llama_folder, tmp_path)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        sj.load_model(folder)
+
+
+def test_unsupported_architecture_is_named(tmp_path, llama_folder):
+    folder = copy(llama_folder, tmp_path)
+    d = json.loads((folder / "config.json").read_text())
+    d["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(sj.CheckpointError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM, "
+                                                 "MistralForCausalLM, Qwen2ForCausalLM"):
+        sj.load_model(folder)
+
+
+def test_unsupported_rope_scaling(tmp_path, llama_folder):
+    folder = copy(llama_folder, tmp_path)
+    d = json.loads((folder / "config.json").read_text())
+    d["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(sj.CheckpointError, match="'yarn' is not supported"):
+        sj.load_model(folder)
+
+
+def test_missing_tensor_is_named(tmp_path, llama_folder):
+    folder = copy(llama_folder, tmp_path)
+    rewrite_weights(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(sj.CheckpointError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
+        sj.load_model(folder)
+
+
+def test_wrong_shape_is_named(tmp_path, llama_folder):
+    folder = copy(llama_folder, tmp_path)
+    rewrite_weights(folder, lambda t: t.update(
+        {"model.norm.weight": np.ones(31, np.float32)}))
+    with pytest.raises(sj.CheckpointError, match=r"'model.norm.weight'.*\(31,\), expected \(32,\)"):
+        sj.load_model(folder)
+
+
+def test_truncated_and_corrupt_files(tmp_path, llama_folder):
+    folder = copy(llama_folder, tmp_path)
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 100])
+    with pytest.raises(sj.CheckpointError, match="truncated"):
+        sj.load_model(folder)
+    path.write_bytes(data[:8] + b"{not json" + data[17:])
+    with pytest.raises(sj.CheckpointError, match="corrupt"):
+        sj.load_model(folder)
+    path.write_bytes(b"\x01")
+    with pytest.raises(sj.CheckpointError, match="truncated"):
+        sj.load_model(folder)
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    folder = saved(hf_model("qwen3"), tmp_path, max_shard_size="40KB")
+    next(folder.glob("model-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="shard files that are missing"):
+        sj.load_model(folder)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="dtype"):
+        sj.load_model(tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match="format"):
+        sj.save_model(tiny_model(), tmp_path, format="gguf")
