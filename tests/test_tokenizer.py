@@ -1,0 +1,93 @@
+"""Text in, text out: sj.load_tokenizer over a tokenizer.json built here, and generate with it."""
+
+import json
+
+import numpy as np
+import pytest
+
+import specjax as sj
+from conftest import tiny_model
+
+tokenizers = pytest.importorskip("tokenizers")
+
+TEXT = ["def fibonacci(n):\n    if n < 2:\n        return n\n",
+        "    return fibonacci(n - 1) + fibonacci(n - 2)\n", "import os\nimport sys\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT, trainer)
+    path = tmp_path_factory.mktemp("tok")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=7, vocab_size=320, max_pos=128)
+
+
+def test_encode_decode_and_special_ids(folder):
+    tok = sj.load_tokenizer(folder)
+    assert tok.bos_token_id == 0 and tok.eos_token_ids == (1,)
+    text = "def fibonacci(n):\n    return n\n"
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) for i in ids) and len(ids) < len(text)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids + [-1, -1]) == text  # Generation padding is ignored
+
+
+def test_generation_config_overrides_eos(folder, tmp_path):
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    assert sj.load_tokenizer(tmp_path).eos_token_ids == (1, 5)
+    assert sj.load_tokenizer(tmp_path / "tokenizer.json").eos_token_ids == (1, 5)
+
+
+def test_generate_with_strings_returns_text(folder, model):
+    tok = sj.load_tokenizer(folder)
+    prompts = ["def fibonacci(n):", "import"]
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=12, eos_token_id=299)
+    out = sj.generate(model, prompts, sampling=sampling, tokenizer=tok, return_text=True)
+    ids = sj.generate(model, [tok.encode(p) for p in prompts], sampling=sampling)
+    np.testing.assert_array_equal(out.tokens, ids.tokens)
+    assert out.text == [tok.decode(out.tokens[b, :out.lengths[b]]) for b in range(2)]
+    assert ids.text is None
+
+
+def test_tokenizer_eos_is_the_default_stop(folder, model, tmp_path):
+    tok = sj.load_tokenizer(folder)
+    free = sj.generate(model, ["import"], tokenizer=tok, return_text=True,
+                       sampling=sj.SamplingParams(temperature=0, max_new_tokens=30,
+                                                  eos_token_id=[299]))
+    stop = int(free.tokens[0, 4])
+    (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": stop}))
+    tok = sj.load_tokenizer(tmp_path)
+    out = sj.generate(model, ["import"], tokenizer=tok,
+                      sampling=sj.SamplingParams(temperature=0, max_new_tokens=30))
+    first = list(free.tokens[0]).index(stop)
+    assert out.lengths[0] == first + 1 and out.tokens[0, first] == stop
+
+
+def test_errors(folder, model, tmp_path):
+    with pytest.raises(ValueError, match="tokenizer="):
+        sj.generate(model, ["hello"])
+    with pytest.raises(ValueError, match="return_text=True needs tokenizer="):
+        sj.generate(model, [[1, 2]], return_text=True)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        sj.load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        sj.load_tokenizer(tmp_path)
+    small = tiny_model(seed=1, vocab_size=100)
+    with pytest.raises(ValueError, match="more than the target's vocab_size 100"):
+        sj.generate(small, ["x"], tokenizer=sj.load_tokenizer(folder))
