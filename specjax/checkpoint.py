@@ -1,7 +1,7 @@
 """Checkpoints: Hugging Face folders (config.json + safetensors) and orbax folders.
 
-Hugging Face weights are read tensor by tensor from memory-mapped safetensors files, cast, stacked
-over layers and placed on the device one parameter at a time, so a multi-GB model is never held
+Hugging Face weights are read tensor by tensor from safetensors files, cast, stacked over layers
+and placed on the device one parameter at a time, so a multi-GB model is never held
 twice in host memory. Every check (files, architecture, names, shapes, file integrity) runs before
 the model is returned: nothing half-loaded escapes.
 
@@ -57,7 +57,9 @@ _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
 class SafetensorsFile:
-    """A memory-mapped safetensors file whose header has been checked against its size."""
+    """A safetensors file whose header has been checked against its size. Tensors are read one
+    at a time with positioned reads (not a memory map, whose touched pages would count as the
+    process's memory until it is closed)."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
@@ -91,14 +93,17 @@ class SafetensorsFile:
             if self.start + end > size:
                 raise CheckpointError(f"{path} is truncated: tensor {name!r} ends at byte "
                                       f"{self.start + end}, the file has {size}")
-        self._map = np.memmap(path, dtype=np.uint8, mode="r") if size else None
 
     def get(self, name: str) -> np.ndarray:
-        """A read-only view of one tensor (no copy)."""
+        """One tensor, read from disk into a fresh array."""
         e = self.entries[name]
         begin, end = e["data_offsets"]
-        raw = self._map[self.start + begin:self.start + end]
-        return raw.view(_ST_DTYPES[e["dtype"]]).reshape(e["shape"])
+        out = np.empty(e["shape"], _ST_DTYPES[e["dtype"]])
+        with open(self.path, "rb") as f:
+            f.seek(self.start + begin)
+            if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != end - begin:
+                raise CheckpointError(f"{self.path} was truncated while reading {name!r}")
+        return out
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
