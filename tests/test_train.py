@@ -1,0 +1,95 @@
+"""Training: loss goes down, a resumed run is identical to an uninterrupted one, distillation
+pulls the student towards the teacher, the corpus split is by file."""
+
+import jax
+import numpy as np
+import pytest
+
+import specjax as sj
+from conftest import tiny_config, tiny_model
+from specjax import train
+
+CFG = tiny_config(vocab_size=32, hidden_size=16, layers=1)
+
+
+def stream(n=4000, seed=0):
+    """A learnable token stream: a repeated noisy pattern."""
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(1, 32, size=50)
+    tokens = np.tile(pattern, n // 50 + 1)[:n]
+    noise = rng.random(n) < 0.05
+    tokens[noise] = rng.integers(1, 32, size=noise.sum())
+    return tokens.astype(np.uint16)
+
+
+def settings(steps, **kw):
+    return train.TrainConfig(steps=steps, batch_size=4, seq_len=16, learning_rate=3e-2,
+                             warmup_steps=2, checkpoint_every=3, eval_every=10, eval_batches=2,
+                             **kw)
+
+
+def test_loss_goes_down(tmp_path):
+    tokens = stream()
+    model, history = train.train(CFG, tokens, settings(30), tmp_path, heldout=stream(seed=0),
+                                 progress=False)
+    assert history[0]["step"] == 10 and history[-1]["step"] == 30
+    start = train.evaluate(sj.init_model(CFG, jax.random.key(0)), tokens, 2, 4, 16)
+    assert history[-1]["heldout_loss"] < start - 1.0, (start, history)
+
+
+def test_resume_is_identical_to_an_uninterrupted_run(tmp_path):
+    tokens = stream()
+    straight, _ = train.train(CFG, tokens, settings(6), tmp_path / "a", progress=False)
+    steps = lambda: sorted(int(p.name) for p in (tmp_path / "b" / "checkpoints").iterdir()  # noqa
+                           if p.name.isdigit())
+    half, _ = train.train(CFG, tokens, settings(6), tmp_path / "b", progress=False,
+                          max_seconds=0)
+    assert steps() == [1]  # the interrupted run stopped after one step and checkpointed it
+    resumed, _ = train.train(CFG, tokens, settings(6), tmp_path / "b", progress=False)
+    assert steps()[-1] == 6
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(half.params), jax.tree.leaves(resumed.params)))
+
+
+def test_distillation_moves_the_student_towards_the_teacher(tmp_path):
+    teacher = tiny_model(seed=5, vocab_size=32)
+    tokens = stream()
+    batch = jax.numpy.asarray(train.sample_batch(tokens, 8, 16, 99, 0))
+    student0 = sj.init_model(CFG, jax.random.key(0))
+    before = float(train.distill_loss(CFG, student0.params, batch, teacher))
+    student, _ = train.train(CFG, tokens, settings(40), tmp_path, teacher=teacher,
+                             progress=False)
+    after = float(train.distill_loss(CFG, student.params, batch, teacher))
+    assert after < 0.7 * before, (before, after)
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    tokens = stream()
+    a = train.sample_batch(tokens, 4, 16, 0, 7)
+    np.testing.assert_array_equal(a, train.sample_batch(tokens, 4, 16, 0, 7))
+    assert not np.array_equal(a, train.sample_batch(tokens, 4, 16, 0, 8))
+    assert a.shape == (4, 17)
+    with pytest.raises(ValueError, match="shorter"):
+        train.sample_batch(tokens[:10], 1, 16, 0, 0)
+
+
+def test_corpus_split_by_file_and_tokenizer(tmp_path):
+    root = tmp_path / "src"
+    (root / "pkg").mkdir(parents=True)
+    (root / "tests").mkdir()
+    for i in range(200):
+        (root / "pkg" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n")
+    (root / "tests" / "test_x.py").write_text("assert True\n")
+    corpus = train.python_corpus(root, heldout_percent=10)
+    names = {f.name for f in corpus.train} | {f.name for f in corpus.heldout}
+    assert "test_x.py" not in names and len(names) == 200
+    assert not set(corpus.train) & set(corpus.heldout) and 5 < len(corpus.heldout) < 40
+    assert train.python_corpus(root, heldout_percent=10) == corpus  # deterministic
+    tok = train.train_tokenizer(corpus.train, 300, tmp_path / "tok")
+    stream_ = train.encode_files(tok, corpus.heldout, tmp_path / "heldout.npy")
+    assert stream_.dtype == np.uint16 and (stream_ == 0).sum() == len(corpus.heldout)
+    loaded = sj.load_tokenizer(tmp_path / "tok")
+    text = corpus.heldout[0].read_text()
+    assert loaded.decode(loaded.encode(text)) == text
