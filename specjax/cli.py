@@ -1,6 +1,7 @@
 """The ``specjax`` command.
 
     specjax demo     speculative vs autoregressive decoding on small random models, no downloads
+    specjax train pair {data,target,draft,export}   build the bundled target/draft pair
 
 The trained default pair, ``specjax generate`` and ``specjax bench`` arrive with the bundled
 checkpoints.
@@ -110,7 +111,14 @@ def main(argv=None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--repeats", type=int, default=3)
     demo.add_argument("--seed", type=int, default=0)
+    sub.add_parser("train", help="train models (`specjax train pair --help`)", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["train", "pair"]:
+        from .train.pair import main as pair_main
+        return pair_main(argv[2:])
     args = parser.parse_args(argv)
+    if args.command == "train":
+        parser.error("usage: specjax train pair {data,target,draft,export} --workdir DIR")
     if args.command == "demo":
         if args.repeats < 1:
             parser.error(f"--repeats must be >= 1, got {args.repeats}")

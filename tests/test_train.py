@@ -82,9 +82,11 @@ def test_corpus_split_by_file_and_tokenizer(tmp_path):
     for i in range(200):
         (root / "pkg" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n")
     (root / "tests" / "test_x.py").write_text("assert True\n")
+    (root / "site-packages").mkdir()
+    (root / "site-packages" / "other.py").write_text("x = 1\n")
     corpus = train.python_corpus(root, heldout_percent=10)
     names = {f.name for f in corpus.train} | {f.name for f in corpus.heldout}
-    assert "test_x.py" not in names and len(names) == 200
+    assert "other.py" not in names and len(names) == 201
     assert not set(corpus.train) & set(corpus.heldout) and 5 < len(corpus.heldout) < 40
     assert train.python_corpus(root, heldout_percent=10) == corpus  # deterministic
     tok = train.train_tokenizer(corpus.train, 300, tmp_path / "tok")

@@ -43,8 +43,7 @@ def _heldout(relative: str, percent: float) -> bool:
 
 
 def python_corpus(root: str | pathlib.Path | None = None, heldout_percent: float = 2.0,
-                  exclude: Sequence[str] = ("site-packages", "test", "tests", "idlelib",
-                                            "lib2to3", "__pycache__")) -> Corpus:
+                  exclude: Sequence[str] = ("site-packages", "__pycache__")) -> Corpus:
     """All ``*.py`` files under root (default: this interpreter's standard library), minus the
     excluded directory names and files over MAX_FILE_BYTES, split by file."""
     root = pathlib.Path(root or sysconfig.get_paths()["stdlib"]).resolve()
