@@ -95,3 +95,32 @@ def test_corpus_split_by_file_and_tokenizer(tmp_path):
     loaded = sj.load_tokenizer(tmp_path / "tok")
     text = corpus.heldout[0].read_text()
     assert loaded.decode(loaded.encode(text)) == text
+
+
+def test_pair_stages_end_to_end(tmp_path):
+    """data -> target -> draft (distilled) -> export, on a tiny corpus with tiny models; the
+    exported folders load with sj.load_model / sj.load_tokenizer and decode speculatively."""
+    from specjax.train import pair
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(400):  # enough that the 2% held-out split gets some files
+        (root / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + 1\n\n" * 3)
+    work = tmp_path / "work"
+    pair.stage_data(work, root, vocab_size=300)
+    target = tiny_config(vocab_size=300, hidden_size=32, layers=2, heads=2, kv_heads=1)
+    draft = tiny_config(vocab_size=300, hidden_size=16, layers=1, heads=1, kv_heads=1)
+    quick = train.TrainConfig(steps=4, batch_size=2, seq_len=16, checkpoint_every=2,
+                              eval_every=4, eval_batches=1)
+    pair.stage_target(work, None, target, quick, progress=False)
+    pair.stage_draft(work, None, draft, quick, target, quick, progress=False)
+    pair.stage_export(work, tmp_path / "out", (("target", target, quick),
+                                               ("draft", draft, quick)))
+    t = sj.load_model(tmp_path / "out" / "code-target")
+    d = sj.load_model(tmp_path / "out" / "code-draft")
+    tok = sj.load_tokenizer(tmp_path / "out" / "code-target")
+    assert t.config.dtype == "bfloat16" and t.config.num_hidden_layers == 2
+    out = sj.generate(t, ["def f1(x):"], tokenizer=tok, draft=d, spec=sj.SpecConfig(),
+                      sampling=sj.SamplingParams(temperature=0, max_new_tokens=8),
+                      return_text=True)
+    assert out.lengths[0] >= 1 and isinstance(out.text[0], str)
+    assert (work / "target-evals.jsonl").exists() and (work / "draft-evals.jsonl").exists()

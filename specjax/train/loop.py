@@ -62,8 +62,9 @@ class TrainState:
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    warmup = min(cfg.warmup_steps, cfg.steps - 1)  # a short run still gets a decay phase
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, min(cfg.warmup_steps, cfg.steps), max(cfg.steps, 1),
+        0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1),
         cfg.learning_rate * cfg.min_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
