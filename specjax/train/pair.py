@@ -7,7 +7,8 @@
 
 Each stage reads what the earlier ones left in the work directory; ``target`` and ``draft``
 resume from their latest checkpoint, so a run can be spread over several sessions. The exact
-settings are the constants below; ``data`` records the corpus manifest next to the tokens.
+settings are the constants in specjax/train/pair.py; ``data`` records the corpus manifest
+next to the tokens.
 """
 
 from __future__ import annotations
