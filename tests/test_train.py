@@ -12,10 +12,10 @@ from specjax import train
 CFG = tiny_config(vocab_size=32, hidden_size=16, layers=1)
 
 
-def stream(n=4000, seed=0):
-    """A learnable token stream: a repeated noisy pattern."""
-    rng = np.random.default_rng(seed)
-    pattern = rng.integers(1, 32, size=50)
+def stream(n=4000, seed=0, noise_seed=None):
+    """A learnable token stream: a repeated pattern (from seed) with 5% noise (noise_seed)."""
+    pattern = np.random.default_rng(seed).integers(1, 32, size=50)
+    rng = np.random.default_rng([seed, noise_seed or 0])
     tokens = np.tile(pattern, n // 50 + 1)[:n]
     noise = rng.random(n) < 0.05
     tokens[noise] = rng.integers(1, 32, size=noise.sum())
@@ -30,10 +30,11 @@ def settings(steps, **kw):
 
 def test_loss_goes_down(tmp_path):
     tokens = stream()
-    model, history = train.train(CFG, tokens, settings(30), tmp_path, heldout=stream(seed=0),
+    heldout = stream(n=1000, noise_seed=1)  # the same pattern, other noise
+    model, history = train.train(CFG, tokens, settings(30), tmp_path, heldout=heldout,
                                  progress=False)
     assert history[0]["step"] == 10 and history[-1]["step"] == 30
-    start = train.evaluate(sj.init_model(CFG, jax.random.key(0)), tokens, 2, 4, 16)
+    start = train.evaluate(sj.init_model(CFG, jax.random.key(0)), heldout, 2, 4, 16)
     assert history[-1]["heldout_loss"] < start - 1.0, (start, history)
 
 
@@ -124,3 +125,20 @@ def test_pair_stages_end_to_end(tmp_path):
                       return_text=True)
     assert out.lengths[0] >= 1 and isinstance(out.text[0], str)
     assert (work / "target-evals.jsonl").exists() and (work / "draft-evals.jsonl").exists()
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path):
+    tokens = stream()
+    train.train(CFG, tokens, settings(2), tmp_path, progress=False)
+    with pytest.raises(ValueError, match="train.learning_rate"):
+        train.train(CFG, tokens, train.TrainConfig(
+            steps=2, batch_size=4, seq_len=16, learning_rate=1e-4, warmup_steps=2,
+            checkpoint_every=3, eval_every=10, eval_batches=2), tmp_path, progress=False)
+
+
+def test_weight_decay_skips_norms_and_biases():
+    params = sj.init_model(tiny_config(attention_bias=True), jax.random.key(0)).params
+    mask = train.loop._decayed(params)
+    assert mask["layers"]["mlp"]["up_proj"]["kernel"] and mask["embed_tokens"]["embedding"]
+    assert not mask["norm"]["weight"] and not mask["layers"]["input_layernorm"]["weight"]
+    assert not mask["layers"]["self_attn"]["q_proj"]["bias"]

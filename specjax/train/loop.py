@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import pathlib
@@ -67,7 +68,14 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1),
         cfg.learning_rate * cfg.min_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                                   mask=_decayed))
+
+
+def _decayed(params):
+    """Weight decay on matrices only (kernels, embeddings); never on norm weights or biases."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
 
 
 def _logits(config: ModelConfig, params, tokens: jax.Array) -> jax.Array:
@@ -125,6 +133,24 @@ def evaluate(model: Model, tokens: np.ndarray, batches: int = 8, batch_size: int
     return float(np.mean(losses))
 
 
+def _check_run(workdir: pathlib.Path, config: ModelConfig, cfg: TrainConfig,
+               teacher: Model | None) -> None:
+    """Record the run's settings in workdir/run.json; refuse to resume with other settings."""
+    run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(cfg),
+           "teacher": None if teacher is None else dataclasses.asdict(teacher.config)}
+    run = json.loads(json.dumps(run))
+    path = workdir / "run.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != run:
+            changed = sorted(f"{part}.{k}" for part in run for k in (run[part] or {})
+                             if (old.get(part) or {}).get(k) != (run[part] or {}).get(k))
+            raise ValueError(f"{workdir} holds a run with other settings ({', '.join(changed)}"
+                             f"); use a new work directory or the same settings")
+    else:
+        path.write_text(json.dumps(run, indent=1) + "\n")
+
+
 def _manager(workdir: pathlib.Path):
     import orbax.checkpoint as ocp
     return ocp, ocp.CheckpointManager(
@@ -142,6 +168,7 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
     first). Returns the model and the held-out evaluations [{"step", "heldout_loss"}]."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    _check_run(workdir, config, cfg, teacher)
     ocp, manager = _manager(workdir)
     params = (init or init_model(config, jax.random.key(cfg.seed))).params
     state = TrainState(params, optimizer(cfg).init(params), jnp.zeros((), jnp.int32))
