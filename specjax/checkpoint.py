@@ -76,10 +76,15 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{path} has a corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path} has a corrupt safetensors header (not an object)")
         self.metadata = header.pop("__metadata__", {}) or {}
         self.start = 8 + n
         self.entries = header
         for name, e in header.items():
+            if isinstance(e, dict) and e.get("dtype") not in _ST_DTYPES:
+                raise CheckpointError(f"{path}: tensor {name!r} has dtype {e.get('dtype')!r}; "
+                                      f"supported: {', '.join(_ST_DTYPES)}")
             try:
                 dtype = np.dtype(_ST_DTYPES[e["dtype"]])
                 begin, end = e["data_offsets"]
@@ -155,55 +160,77 @@ def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
     return theta, RopeScaling(rope_type=kind, **kw)
 
 
-def config_from_hf(d: dict, dtype: str | None = None) -> ModelConfig:
-    """A ModelConfig from a Hugging Face config.json dict."""
+def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json"
+                   ) -> ModelConfig:
+    """A ModelConfig from a Hugging Face config.json dict (source names it in errors)."""
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{source} does not hold a JSON object")
     archs = d.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None and not archs:  # no architectures list: go by model_type
+        arch = {v: k for k, v in _MODEL_TYPES.items()}.get(d.get("model_type"))
     if arch is None:
-        raise CheckpointError(f"unsupported architecture {archs or d.get('model_type')!r}; "
-                              f"supported: {', '.join(ARCHITECTURES)}")
+        raise CheckpointError(f"{source}: unsupported architecture {archs or d.get('model_type')!r}"
+                              f"; supported: {', '.join(ARCHITECTURES)}")
     act = d.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise CheckpointError(f"hidden_act {act!r} is not supported (only silu)")
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    if d.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias is not supported")
     theta, scaling = _rope_from_hf(d)
     if dtype is None:
         stored = d.get("dtype") or d.get("torch_dtype") or "float32"
         if stored not in _TORCH_DTYPES:
-            raise CheckpointError(f"config dtype {stored!r} is not supported; supported: "
+            raise CheckpointError(f"{source}: dtype {stored!r} is not supported; supported: "
                                   f"float32, bfloat16, float16")
         dtype = _TORCH_DTYPES[stored]
     bias = bool(d.get("attention_bias", False))
+    max_pos = d.get("max_position_embeddings", 2048)
     window = d.get("sliding_window")
-    if arch.startswith("Qwen") and not d.get("use_sliding_window", False):
+    if arch.startswith("Qwen"):
+        # Qwen slides only on some layers (layer_types / max_window_layers): not supported.
+        if d.get("use_sliding_window", False):
+            raise CheckpointError(f"{source}: use_sliding_window=true (sliding attention on some "
+                                  f"layers) is not supported")
         window = None
-    return ModelConfig(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-        num_attention_heads=d["num_attention_heads"],
-        num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-        head_dim=d.get("head_dim"),
-        max_position_embeddings=d.get("max_position_embeddings", 2048), rope_theta=theta,
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
-        o_proj_bias=bias if arch in ("LlamaForCausalLM", "MistralForCausalLM") else False,
-        qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=scaling,
-        sliding_window=window if window and window < d.get("max_position_embeddings", 2048)
-        else None,
-        dtype=dtype)
+    try:
+        return ModelConfig(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim"), max_position_embeddings=max_pos, rope_theta=theta,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama, Mistral and Qwen3 put
+            # attention_bias on all four projections.
+            attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
+            o_proj_bias=False if arch == "Qwen2ForCausalLM" else bias,
+            qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=scaling,
+            sliding_window=window if window and window < max_pos else None, dtype=dtype)
+    except KeyError as e:
+        raise CheckpointError(f"{source} lacks the key {e.args[0]!r}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
-    """The Hugging Face class that has exactly this config's features."""
+    """The Hugging Face class that has exactly this config's features; ValueError if none has."""
     if cfg.qk_norm:
-        if cfg.o_proj_bias:
-            raise ValueError("no Hugging Face architecture has q/k norms and an o_proj bias")
-        return "Qwen3ForCausalLM"
-    if cfg.attention_bias and not cfg.o_proj_bias:
-        return "Qwen2ForCausalLM"
-    if cfg.attention_bias != cfg.o_proj_bias:
-        raise ValueError("Llama-style attention_bias sets q/k/v and o_proj biases together")
-    return "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM"
+        arch = "Qwen3ForCausalLM"
+    elif cfg.attention_bias and not cfg.o_proj_bias:
+        arch = "Qwen2ForCausalLM"
+    else:
+        arch = "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM"
+    if arch != "Qwen2ForCausalLM" and cfg.attention_bias != cfg.o_proj_bias:
+        raise ValueError(f"{arch} puts attention_bias on q/k/v and o_proj together; this config "
+                         f"has attention_bias={cfg.attention_bias}, o_proj_bias={cfg.o_proj_bias}")
+    if cfg.sliding_window and arch != "MistralForCausalLM":
+        raise ValueError(f"a sliding window with these features ({arch}) has no Hugging Face "
+                         f"equivalent")
+    if arch == "MistralForCausalLM" and cfg.attention_bias:
+        raise ValueError("MistralForCausalLM has no attention biases")
+    return arch
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -220,8 +247,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "rope_parameters": rope,
         "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
-        "attention_bias": cfg.o_proj_bias if arch != "Qwen3ForCausalLM" else cfg.attention_bias,
-        "dtype": cfg.dtype,
+        "attention_bias": cfg.o_proj_bias, "dtype": cfg.dtype, "torch_dtype": cfg.dtype,
     }
     if cfg.rope_scaling is not None:
         d["rope_scaling"] = rope
@@ -270,6 +296,8 @@ def _abstract_params(cfg: ModelConfig):
 def _weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     """tensor name -> file, from model.safetensors or model.safetensors.index.json."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.exists():  # as transformers does, a single file wins over an index
+        return {name: single for name in SafetensorsFile(single).entries}
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -279,8 +307,6 @@ def _weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
         if missing:
             raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
         return {name: folder / f for name, f in weight_map.items()}
-    if single.exists():
-        return {name: single for name in SafetensorsFile(single).entries}
     raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
@@ -291,7 +317,7 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
         hf_config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
-    cfg = config_from_hf(hf_config, dtype)
+    cfg = config_from_hf(hf_config, dtype, str(config_path))
     files = {p: SafetensorsFile(p) for p in sorted(set(_weight_files(folder).values()))}
     where = {name: f for f in files.values() for name in f.entries}
     target_dtype = np.dtype(jnp.dtype(cfg.dtype))
@@ -321,10 +347,12 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
             array = read(name, leaf.shape, transpose)
         _set(params, path, place(path, array))
         del array  # one parameter at a time on the host
-    unused = sorted(set(where) - used - {"lm_head.weight"})
-    unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unused = sorted(n for n in set(where) - used - ignorable
+                    if not n.endswith("rotary_emb.inv_freq"))
     if unused:
-        log.warning("%d tensors in %s were not used, e.g. %s", len(unused), folder, unused[:3])
+        raise CheckpointError(f"{len(unused)} tensors in {folder} have no place in a "
+                              f"{hf_architecture(cfg)} with this config, e.g. {unused[:3]}")
     return Model(cfg, params)
 
 
@@ -334,18 +362,28 @@ def _orbax():
 
 
 def _load_orbax(folder: pathlib.Path, dtype: str | None) -> Model:
-    meta = json.loads((folder / SPECJAX_FILE).read_text())
-    if meta.get("format") != "specjax":
-        raise CheckpointError(f"{folder / SPECJAX_FILE} is not a specjax checkpoint description")
-    raw = dict(meta["config"])
-    if raw.get("rope_scaling") is not None:
-        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-    cfg = ModelConfig(**raw)
+    meta_path = folder / SPECJAX_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != "specjax":
+            raise CheckpointError(f"{meta_path} is not a specjax checkpoint description")
+        raw = dict(meta["config"])
+        if raw.get("rope_scaling") is not None:
+            raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+        cfg = ModelConfig(**raw)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{meta_path} is not a valid specjax checkpoint description "
+                              f"({type(e).__name__}: {e})") from None
     params_dir = (folder / "params").resolve()
     if not params_dir.exists():
         raise FileNotFoundError(f"{folder} has {SPECJAX_FILE} but no params/ folder")
     ckpt = _orbax().StandardCheckpointer()
-    params = ckpt.restore(params_dir, _abstract_params(cfg))
+    try:
+        params = ckpt.restore(params_dir, _abstract_params(cfg))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise CheckpointError(f"{params_dir} does not match {meta_path} ({e})") from None
     model = Model(cfg, params)
     return cast(model, dtype) if dtype else model
 
@@ -377,13 +415,20 @@ def load_model(path: str | os.PathLike, dtype: str | None = None) -> Model:
                             f"specjax checkpoint ({SPECJAX_FILE})")
 
 
-def save_model(model: Model, path: str | os.PathLike, format: str = "orbax") -> None:
+def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
+               bos_token_id: int | None = None,
+               eos_token_id: int | list[int] | None = None) -> None:
     """Save a model folder. format="orbax": params through orbax plus ``specjax.json``;
-    format="hf": ``config.json`` and ``model.safetensors`` that ``transformers`` loads as is."""
+    format="hf": ``config.json`` and ``model.safetensors`` that ``transformers`` loads as is (plus
+    ``generation_config.json`` when BOS/EOS ids are given). Model files of an earlier save in
+    the folder are removed first; other files (a tokenizer, a README) are kept."""
     folder = pathlib.Path(path)
     if format not in ("orbax", "hf"):
         raise ValueError(f"format must be 'orbax' or 'hf', got {format!r}")
+    cfg = model.config
+    arch = hf_architecture(cfg) if format == "hf" else None  # refuse before writing anything
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_model_files(folder)
     if format == "orbax":
         ckpt = _orbax().StandardCheckpointer()
         ckpt.save((folder / "params").resolve(), model.params, force=True)
@@ -391,8 +436,12 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax") -> 
         meta = {"format": "specjax", "version": 1, "config": dataclasses.asdict(model.config)}
         (folder / SPECJAX_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return
-    cfg = model.config
     hf = config_to_hf(cfg)
+    assert hf["architectures"] == [arch]
+    if bos_token_id is not None:
+        hf["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        hf["eos_token_id"] = eos_token_id
     tensors = {}
     for path_, leaf in _leaves(model.params):
         leaf = np.asarray(jax.device_get(leaf))
@@ -405,3 +454,17 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax") -> 
             tensors[name] = leaf.T if transpose else leaf
     write_safetensors(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if bos_token_id is not None or eos_token_id is not None:
+        generation = {k: v for k, v in (("bos_token_id", bos_token_id),
+                                        ("eos_token_id", eos_token_id)) if v is not None}
+        (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _remove_model_files(folder: pathlib.Path) -> None:
+    """Clear an earlier save of either format, so stale weights can never be loaded."""
+    import shutil
+    for f in [folder / SPECJAX_FILE, folder / "config.json", folder / "generation_config.json",
+              folder / "model.safetensors", folder / "model.safetensors.index.json",
+              *folder.glob("model-*-of-*.safetensors")]:
+        f.unlink(missing_ok=True)
+    shutil.rmtree(folder / "params", ignore_errors=True)

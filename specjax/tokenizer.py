@@ -60,7 +60,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         f = folder / name
         if not f.exists():
             continue
-        d = json.loads(f.read_text())
+        try:
+            d = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f} is not valid JSON ({e})") from None
         if name == "tokenizer_config.json":  # token strings, not ids
             for key in ("bos_token", "eos_token"):
                 tok = d.get(key)

@@ -41,9 +41,18 @@ def hf_model(kind, seed=0, **overrides):
     elif kind == "mistral":
         cls, cfg = transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=8,
                                                                               **kw)
+    elif kind == "qwen3-bias":
+        cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+            head_dim=16, attention_bias=True, **kw)
     else:
         raise ValueError(kind)
-    return cls(cfg).eval()
+    model = cls(cfg).eval()
+    # transformers starts biases at 0 and norm weights at 1, as we do: randomise every tensor so
+    # that a dropped, swapped or transposed bias or norm cannot pass unnoticed.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.0))
+    return model
 
 
 def saved(model, folder, **kw):
@@ -57,7 +66,7 @@ def hf_logits(model, tokens):
 
 
 TOKENS = np.random.default_rng(0).integers(0, V, (2, 24))
-KINDS = ["llama", "llama-linear-bias", "qwen2", "qwen3", "mistral"]
+KINDS = ["llama", "llama-linear-bias", "qwen2", "qwen3", "qwen3-bias", "mistral"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -91,9 +100,10 @@ def test_old_style_config_keys(tmp_path):
     d["rope_theta"] = 5e5
     d["rope_scaling"] = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    d["torch_dtype"] = "float32"
+    d["torch_dtype"] = "bfloat16"
     (folder / "config.json").write_text(json.dumps(d))
-    model = sj.load_model(folder)
+    assert sj.load_model(folder).config.dtype == "bfloat16"  # read from torch_dtype
+    model = sj.load_model(folder, dtype="float32")
     assert model.config.rope_scaling.rope_type == "llama3"
     diff = np.abs(np.asarray(sj.logits(model, TOKENS)) - hf_logits(ref, TOKENS)).max()
     assert diff <= 1e-4
@@ -176,9 +186,14 @@ def test_orbax_round_trip(tmp_path):
          rope_scaling=sj.RopeScaling(rope_type="llama3", factor=4.0,
                                      original_max_position_embeddings=16)),  # Llama
     dict(sliding_window=5),  # Mistral
+    dict(qk_norm=True, attention_bias=True, o_proj_bias=True),  # Qwen3 with biases
 ])
 def test_hf_export_loads_in_transformers(features, tmp_path):
     model = tiny_model(seed=4, **features)
+    # random norm weights and biases, so the export's names and layouts are all exercised
+    model = sj.Model(model.config, jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(str(path))), x.shape)
+        if path[-1].key in ("bias", "weight") else x, model.params))
     sj.save_model(model, tmp_path, format="hf")
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tokens = np.random.default_rng(1).integers(0, 16, (2, 12))
@@ -279,6 +294,57 @@ def test_index_naming_a_missing_shard(tmp_path):
         sj.load_model(folder)
 
 
+def test_extra_tensors_and_unsupported_features_are_refused(tmp_path, llama_folder):
+    folder = copy(llama_folder, tmp_path)
+    rewrite_weights(folder, lambda t: t.update({"model.layers.0.mlp.up_proj.bias":
+                                                np.zeros(64, np.float32)}))
+    with pytest.raises(sj.CheckpointError, match="have no place.*up_proj.bias"):
+        sj.load_model(folder)
+    for key, value, message in [("mlp_bias", True, "mlp_bias"),
+                                ("hidden_act", "gelu", "hidden_act 'gelu'")]:
+        d = json.loads((llama_folder / "config.json").read_text())
+        d[key] = value
+        (folder / "config.json").write_text(json.dumps(d))
+        with pytest.raises(sj.CheckpointError, match=message):
+            sj.load_model(folder)
+    d = json.loads((llama_folder / "config.json").read_text())
+    del d["vocab_size"]
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(sj.CheckpointError, match="lacks the key 'vocab_size'"):
+        sj.load_model(folder)
+
+
+def test_qwen_partial_sliding_window_is_refused(tmp_path):
+    folder = saved(hf_model("qwen2"), tmp_path)
+    d = json.loads((folder / "config.json").read_text())
+    d.update(use_sliding_window=True, sliding_window=8)
+    (folder / "config.json").write_text(json.dumps(d))
+    with pytest.raises(sj.CheckpointError, match="use_sliding_window"):
+        sj.load_model(folder)
+
+
+def test_export_refuses_configs_transformers_cannot_express(tmp_path):
+    for kw in (dict(sliding_window=4, attention_bias=True, o_proj_bias=True),
+               dict(sliding_window=4, qk_norm=True), dict(o_proj_bias=True)):
+        with pytest.raises(ValueError):
+            sj.save_model(tiny_model(**kw), tmp_path / "x", format="hf")
+        assert not (tmp_path / "x").exists()  # refused before writing anything
+
+
+def test_saving_replaces_an_earlier_save_of_the_other_format(tmp_path):
+    a, b = tiny_model(seed=1), tiny_model(seed=2)
+    sj.save_model(a, tmp_path)
+    (tmp_path / "README.md").write_text("kept")
+    sj.save_model(b, tmp_path, format="hf", eos_token_id=3)
+    loaded = sj.load_model(tmp_path)
+    np.testing.assert_array_equal(np.asarray(loaded.params["norm"]["weight"]),
+                                  np.asarray(b.params["norm"]["weight"]))
+    assert not (tmp_path / "specjax.json").exists() and (tmp_path / "README.md").exists()
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 3
+    sj.save_model(a, tmp_path)
+    assert not (tmp_path / "config.json").exists() and (tmp_path / "specjax.json").exists()
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         sj.load_model(tmp_path, dtype="int8")
@@ -303,8 +369,8 @@ print(before, status("VmHWM"))
 
 def test_loading_never_holds_a_second_full_copy_on_the_host(tmp_path):
     """Loading a 300 MB checkpoint raises the process's peak memory by about one copy of the
-    model, not two: weights are memory-mapped and each parameter is placed before the next one
-    is read (a loader that reads every tensor first and then converts holds two copies)."""
+    model, not two: tensors are read one at a time and each parameter is placed before the next
+    one is read (a loader that reads every tensor first and then converts holds two copies)."""
     import subprocess
     import sys
     cfg = sj.ModelConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536,

@@ -52,6 +52,17 @@ def test_generation_config_overrides_eos(folder, tmp_path):
     assert sj.load_tokenizer(tmp_path / "tokenizer.json").eos_token_ids == (1, 5)
 
 
+def test_special_tokens_from_tokenizer_config(folder, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    tok = sj.load_tokenizer(tmp_path)
+    assert tok.bos_token_id == 0 and tok.eos_token_ids == (1,)
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        sj.load_tokenizer(tmp_path)
+
+
 def test_generate_with_strings_returns_text(folder, model):
     tok = sj.load_tokenizer(folder)
     prompts = ["def fibonacci(n):", "import"]

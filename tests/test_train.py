@@ -10,6 +10,7 @@ from conftest import tiny_config, tiny_model
 from specjax import train
 
 CFG = tiny_config(vocab_size=32, hidden_size=16, layers=1)
+GOLDEN_HELDOUT = [4, 13, 18, 28]  # of pkg/m0.py .. pkg/m39.py at 10%
 
 
 def stream(n=4000, seed=0, noise_seed=None):
@@ -90,6 +91,9 @@ def test_corpus_split_by_file_and_tokenizer(tmp_path):
     assert "other.py" not in names and len(names) == 201
     assert not set(corpus.train) & set(corpus.heldout) and 5 < len(corpus.heldout) < 40
     assert train.python_corpus(root, heldout_percent=10) == corpus  # deterministic
+    # The split is a fixed function of the relative path (same on every machine and OS).
+    assert train.data._heldout("pkg/m0.py", 10) is False
+    assert [i for i in range(40) if train.data._heldout(f"pkg/m{i}.py", 10)] == GOLDEN_HELDOUT
     tok = train.train_tokenizer(corpus.train, 300, tmp_path / "tok")
     stream_ = train.encode_files(tok, corpus.heldout, tmp_path / "heldout.npy")
     assert stream_.dtype == np.uint16 and (stream_ == 0).sum() == len(corpus.heldout)
@@ -123,7 +127,8 @@ def test_pair_stages_end_to_end(tmp_path):
     out = sj.generate(t, ["def f1(x):"], tokenizer=tok, draft=d, spec=sj.SpecConfig(),
                       sampling=sj.SamplingParams(temperature=0, max_new_tokens=8),
                       return_text=True)
-    assert out.lengths[0] >= 1 and isinstance(out.text[0], str)
+    assert isinstance(out.text[0], str) and out.text[0] == tok.decode(out.tokens[0, :out.lengths[0]])
+    assert tok.eos_token_ids == (0,)  # the end-of-text token, recorded by export
     assert (work / "target-evals.jsonl").exists() and (work / "draft-evals.jsonl").exists()
 
 

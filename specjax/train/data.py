@@ -29,12 +29,17 @@ class Corpus:
 
     def manifest(self) -> dict:
         """Everything needed to rebuild the same split, with sizes to check it."""
-        rel = lambda files: [str(f.relative_to(self.root)) for f in files]  # noqa: E731
+        rel = lambda files: [f.relative_to(self.root).as_posix() for f in files]  # noqa: E731
+        digest = hashlib.sha256()
+        for f in self.train + self.heldout:  # names and contents: any change shows
+            digest.update(f.relative_to(self.root).as_posix().encode() + b"\0")
+            digest.update(f.read_bytes())
         return {"root": str(self.root), "python": sys.version.split()[0],
+                "sha256": digest.hexdigest(),
                 "train_files": len(self.train), "heldout_files": len(self.heldout),
                 "train_bytes": sum(f.stat().st_size for f in self.train),
                 "heldout_bytes": sum(f.stat().st_size for f in self.heldout),
-                "heldout": rel(self.heldout)}
+                "heldout": rel(self.heldout), "train": rel(self.train)}
 
 
 def _heldout(relative: str, percent: float) -> bool:
@@ -43,7 +48,8 @@ def _heldout(relative: str, percent: float) -> bool:
 
 
 def python_corpus(root: str | pathlib.Path | None = None, heldout_percent: float = 2.0,
-                  exclude: Sequence[str] = ("site-packages", "__pycache__")) -> Corpus:
+                  exclude: Sequence[str] = ("site-packages", "dist-packages", "__pycache__")
+                  ) -> Corpus:
     """All ``*.py`` files under root (default: this interpreter's standard library), minus the
     excluded directory names and files over MAX_FILE_BYTES, split by file."""
     root = pathlib.Path(root or sysconfig.get_paths()["stdlib"]).resolve()
@@ -56,7 +62,7 @@ def python_corpus(root: str | pathlib.Path | None = None, heldout_percent: float
             continue
         if f.stat().st_size > MAX_FILE_BYTES or f.stat().st_size == 0:
             continue
-        (heldout if _heldout(str(rel), heldout_percent) else train).append(f)
+        (heldout if _heldout(rel.as_posix(), heldout_percent) else train).append(f)
     if not train or not heldout:
         raise ValueError(f"corpus under {root} has {len(train)} training and {len(heldout)} "
                          f"held-out files; need both")

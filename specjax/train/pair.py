@@ -55,7 +55,7 @@ def stage_data(workdir: pathlib.Path, corpus_root: pathlib.Path | None = None,
 
 
 def _tokens(workdir: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
-    if not (workdir / "train.npy").exists():
+    if not (workdir / "train.npy").exists() or not (workdir / "heldout.npy").exists():
         raise SystemExit(f"{workdir} has no token streams: run `specjax train pair data` first")
     return (np.load(workdir / "train.npy", mmap_mode="r"),
             np.load(workdir / "heldout.npy", mmap_mode="r"))
@@ -118,7 +118,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
         model, step = _restore(config, settings, workdir / name)
         loss = evaluate(model, heldout, batches=32)
         folder = out / f"code-{name}"
-        save_model(cast(model, "bfloat16"), folder, format="hf")
+        save_model(cast(model, "bfloat16"), folder, format="hf", eos_token_id=0)  # <|endoftext|>
         if name == "target":
             shutil.copy(workdir / "tokenizer" / "tokenizer.json", folder / "tokenizer.json")
         (folder / "training.json").write_text(json.dumps(
