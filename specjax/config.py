@@ -178,7 +178,7 @@ class SamplingParams:
         return self.eos_token_id or ()
 
 
-METHODS = ("draft_model",)
+METHODS = ("draft_model", "ngram")
 """Draft methods this version knows; ``SpecConfig.method`` must be one of them."""
 
 NEEDS_DRAFT_MODEL = ("draft_model",)
@@ -190,12 +190,16 @@ class SpecConfig:
 
     method: str = "draft_model"  # which proposer makes the drafts
     num_speculative_tokens: int = 4  # γ: drafts per round; the target verifies γ + 1 positions
+    prompt_lookup_min: int = 2  # ngram: shortest suffix looked up in the row's own text
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up (tried first)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"SpecConfig.method {self.method!r} is unknown; known methods: "
                              f"{', '.join(METHODS)}")
         _require_int(self, "num_speculative_tokens", self.num_speculative_tokens, 1)
+        _require_int(self, "prompt_lookup_min", self.prompt_lookup_min, 1)
+        _require_int(self, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
 
     @property
     def needs_draft_model(self) -> bool:

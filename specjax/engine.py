@@ -37,7 +37,7 @@ from . import sampling as sampling_lib
 from . import verify
 from .cache import KVCache
 from .config import MAX_EOS_IDS, SamplingParams, SpecConfig
-from .draft import DraftModelProposer
+from .draft import DraftModelProposer, NgramProposer
 from .model import Model
 from .sampling import Filters, SamplingArrays
 from .stats import Counters, Stats
@@ -151,19 +151,21 @@ def _round(plan: Plan, target_params, draft_params, request: Request,
     draft_keys, verify_keys = _round_keys(request.keys, state.step)
     last = state.history[jnp.arange(B), state.length]
     if plan.proposer is None:
-        draft_tokens, draft_probs = jnp.zeros((B, 0), jnp.int32), None
+        draft_tokens, draft_probs, valid = jnp.zeros((B, 0), jnp.int32), None, None
         draft_state = state.draft_state
     else:
         draft, draft_state = plan.proposer.propose(
             draft_params, state.draft_state, state.history, state.length, draft_keys,
             request.sampling, plan.filters)
-        draft_tokens, draft_probs = draft.tokens, draft.probs
+        draft_tokens, draft_probs, valid = draft.tokens, draft.probs, draft.valid
     chunk = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, G+1]
     positions = state.length[:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
     logits, _, cache = model_lib.forward(Model(plan.target, target_params), chunk, positions,
                                          state.cache.rollback(state.length))
     target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
-    verdict = verify.rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs)
+    verdict = verify.rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, valid)
+    num_proposed = (jnp.full((B,), G, jnp.int32) if valid is None
+                    else jnp.sum(valid, axis=1, dtype=jnp.int32))
 
     n_emit, hit_eos, history = _emit(state, verdict.tokens, verdict.num_accepted, request)
     length = state.length + n_emit
@@ -172,7 +174,7 @@ def _round(plan: Plan, target_params, draft_params, request: Request,
         history=history, length=length, num_generated=num_generated,
         done=state.done | hit_eos | (num_generated >= request.max_new_tokens),
         cache=cache.rollback(length), draft_state=draft_state,
-        counters=state.counters.update(~state.done, verdict.num_accepted),
+        counters=state.counters.update(~state.done, verdict.num_accepted, num_proposed),
         step=state.step + 1)
 
 
@@ -342,6 +344,11 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
                 f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
                 f"{cfg.vocab_size}: draft and target must share one vocabulary")
         proposer = DraftModelProposer(draft.config, spec.num_speculative_tokens)
+    else:
+        if draft is not None:
+            raise ValueError(f"method {spec.method!r} uses no draft model; drop draft=")
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
     gamma = 0 if proposer is None else proposer.gamma
 
     P = bucket(longest)
@@ -372,7 +379,7 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
             top_k=jnp.full((B_pad,), sampling.top_k, jnp.int32),
             top_p=jnp.full((B_pad,), sampling.top_p, jnp.float32)),
         max_new_tokens=jnp.asarray(max_new_pad), eos=jnp.asarray(eos))
-    draft_params = None if proposer is None else draft.params
+    draft_params = None if draft is None else draft.params
     prompts_dev, lengths_dev = jnp.asarray(padded), jnp.asarray(lengths_pad)
 
     compile_seconds = 0.0
@@ -396,7 +403,8 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         tokens[b, :n] = history[b, lengths[b]:lengths[b] + n]
     stats = Stats.summarise(
         state.counters, gamma=gamma, draft_calls_per_round=gamma,
-        has_draft_model=proposer is not None, generated_tokens=int(generated.sum()), batch=B,
+        has_draft_model=isinstance(proposer, DraftModelProposer),
+        generated_tokens=int(generated.sum()), batch=B,
         prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
         compile_seconds=compile_seconds)
     text = None

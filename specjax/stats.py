@@ -17,6 +17,8 @@ class Counters:
 
     rounds: Array  # [] int32: loop iterations (target verify calls)
     row_rounds: Array  # [] int32: active rows summed over rounds
+    proposed: Array  # [] int32: drafts proposed (a row may propose fewer than γ)
+    proposing: Array  # [] int32: active row-rounds that proposed at least one draft
     accepted: Array  # [] int32: accepted drafts
     emitted: Array  # [] int32: sum of num_accepted + 1 (before EOS / max_new_tokens truncation)
     accepted_at: Array  # [G] int32: active row-rounds whose draft at position k was accepted
@@ -24,16 +26,19 @@ class Counters:
     @classmethod
     def zeros(cls, gamma: int) -> "Counters":
         z = jnp.zeros((), jnp.int32)
-        return cls(z, z, z, z, jnp.zeros((gamma,), jnp.int32))
+        return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32))
 
-    def update(self, active: Array, num_accepted: Array) -> "Counters":
-        """active [B] bool, num_accepted [B] int32."""
+    def update(self, active: Array, num_accepted: Array, num_proposed: Array) -> "Counters":
+        """active [B] bool, num_accepted [B] int32, num_proposed [B] int32."""
         G = self.accepted_at.shape[0]
         n = jnp.where(active, num_accepted, 0)
+        proposed = jnp.where(active, num_proposed, 0)
         at = (jnp.arange(G)[None, :] < n[:, None]) & active[:, None]
         return Counters(
             rounds=self.rounds + 1,
             row_rounds=self.row_rounds + jnp.sum(active, dtype=jnp.int32),
+            proposed=self.proposed + jnp.sum(proposed, dtype=jnp.int32),
+            proposing=self.proposing + jnp.sum(proposed > 0, dtype=jnp.int32),
             accepted=self.accepted + jnp.sum(n, dtype=jnp.int32),
             emitted=self.emitted + jnp.sum(jnp.where(active, n + 1, 0), dtype=jnp.int32),
             accepted_at=self.accepted_at + jnp.sum(at, axis=0, dtype=jnp.int32),
@@ -44,14 +49,15 @@ class Counters:
 class Stats:
     """What one ``generate`` call did. Rates are over (row, round) pairs of rows still running."""
 
-    acceptance_rate: float  # accepted drafts / proposed drafts (nan without speculation)
+    acceptance_rate: float  # accepted drafts / proposed drafts (nan when none was proposed)
     mean_accepted_length: float  # tokens per row-round, bonus/recovered included (1.0 without)
     per_position_acceptance: np.ndarray  # [G]: fraction of row-rounds whose k-th draft was accepted
     num_rounds: int  # decode loop iterations
     target_calls: int  # target forwards: prefill + one verify per round
     draft_calls: int  # draft-model forwards: prefill + γ per round (0 without a draft model)
-    proposed_tokens: int
+    proposed_tokens: int  # drafts proposed (rows may propose fewer than γ, e.g. no n-gram match)
     accepted_tokens: int
+    proposal_rate: float  # fraction of row-rounds with at least one draft (ngram: found a match)
     generated_tokens: int  # tokens in the output, all rows
     prefill_seconds: float  # host-timed prefill and first token (TTFT), compile excluded
     decode_seconds: float  # host-timed decode loop, compile excluded
@@ -65,7 +71,7 @@ class Stats:
                   compile_seconds: float) -> "Stats":
         c = jax.device_get(counters)
         row_rounds = int(c.row_rounds)
-        proposed = gamma * row_rounds
+        proposed = int(c.proposed)
         rounds = int(c.rounds)
         decode_tokens = generated_tokens - batch
         return cls(
@@ -78,6 +84,7 @@ class Stats:
             draft_calls=(1 + draft_calls_per_round * rounds) if has_draft_model else 0,
             proposed_tokens=proposed,
             accepted_tokens=int(c.accepted),
+            proposal_rate=float(c.proposing) / row_rounds if row_rounds and gamma else float("nan"),
             generated_tokens=generated_tokens,
             prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds,

@@ -44,26 +44,33 @@ def _draft_token_probs(probs: Array, tokens: Array) -> Array:
     return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
 
 
-def acceptance_probs(draft_tokens: Array, draft_probs: Array | None, target_probs: Array) -> Array:
+def acceptance_probs(draft_tokens: Array, draft_probs: Array | None, target_probs: Array,
+                     valid: Array | None = None) -> Array:
     """Probability of accepting each draft, given that all before it were accepted: [B, G].
 
-    draft_tokens [B, G]; draft_probs [B, G, V] or None (point-mass drafts); target_probs [B, G+1, V].
+    draft_tokens [B, G]; draft_probs [B, G, V] or None (point-mass drafts); target_probs
+    [B, G+1, V]; valid [B, G] (a prefix per row) or None: drafts not proposed are never accepted.
     """
     G = draft_tokens.shape[1]
     p = _draft_token_probs(target_probs[:, :G], draft_tokens)
     if draft_probs is None:
-        return p
-    q = _draft_token_probs(draft_probs, draft_tokens)
-    # q(d) > 0 for any token the draft sampled; the guard only keeps the division finite.
-    return jnp.minimum(1.0, p / jnp.maximum(q, jnp.finfo(jnp.float32).tiny))
+        accept = p
+    else:
+        q = _draft_token_probs(draft_probs, draft_tokens)
+        # q(d) > 0 for any token the draft sampled; the guard only keeps the division finite.
+        accept = jnp.minimum(1.0, p / jnp.maximum(q, jnp.finfo(jnp.float32).tiny))
+    return accept if valid is None else jnp.where(valid, accept, 0.0)
 
 
-def recovery_probs(draft_tokens: Array, draft_probs: Array | None, target_probs: Array) -> Array:
+def recovery_probs(draft_tokens: Array, draft_probs: Array | None, target_probs: Array,
+                   valid: Array | None = None) -> Array:
     """The distribution the row's last token is drawn from, for each stopping point: [B, G+1, V].
 
     Index k < G: the recovered-token distribution after rejecting draft k. Index G: p_{G+1}, for the
     bonus token. Where the residual has no mass (p_k == q_k, so rejection has probability 0) the
-    row falls back to p_k, which is never used but keeps the array a distribution.
+    row falls back to p_k, which is never used but keeps the array a distribution. Where draft k
+    was not proposed (valid False) nothing was rejected: the row draws from p_k itself, exactly as
+    autoregressive decoding would.
     """
     G = draft_tokens.shape[1]
     p = target_probs[:, :G]
@@ -73,19 +80,22 @@ def recovery_probs(draft_tokens: Array, draft_probs: Array | None, target_probs:
         residual = jnp.maximum(p - draft_probs, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
+    if valid is not None:
+        residual = jnp.where(valid[..., None], residual, p)
     return jnp.concatenate([residual, target_probs[:, G:]], axis=1)
 
 
 def rejection_sample(keys: Array, draft_tokens: Array, draft_probs: Array | None,
-                     target_probs: Array) -> Verdict:
+                     target_probs: Array, valid: Array | None = None) -> Verdict:
     """One verification round for a batch of chains.
 
     keys [B] (one per row); draft_tokens [B, G]; draft_probs [B, G, V] or None for point-mass
-    drafts; target_probs [B, G+1, V], the processed target distributions at the γ+1 positions.
+    drafts; target_probs [B, G+1, V], the processed target distributions at the γ+1 positions;
+    valid [B, G] or None: per-row draft lengths (a row with k valid drafts accepts at most k).
     """
     B, G = draft_tokens.shape
-    accept_p = acceptance_probs(draft_tokens, draft_probs, target_probs)  # [B, G]
-    recover_p = recovery_probs(draft_tokens, draft_probs, target_probs)  # [B, G+1, V]
+    accept_p = acceptance_probs(draft_tokens, draft_probs, target_probs, valid)  # [B, G]
+    recover_p = recovery_probs(draft_tokens, draft_probs, target_probs, valid)  # [B, G+1, V]
     split = jax.vmap(jax.random.split)(keys)  # [B, 2]
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(split[:, 0])  # [B, G] in [0, 1)
     accepted = u < accept_p

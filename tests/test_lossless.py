@@ -34,11 +34,11 @@ def models():
     return target, {"close": close, "small": small}
 
 
-def exact_joint(target, t, k, p):
-    """P(t1, t2, t3 | PROMPT) [V, V, V] under autoregressive sampling from the target."""
-    prefixes = np.array([PROMPT + [a, b] for a, b in itertools.product(range(V), repeat=2)])
+def exact_joint(target, t, k, p, prompt=PROMPT):
+    """P(t1, t2, t3 | prompt) [V, V, V] under autoregressive sampling from the target."""
+    prefixes = np.array([prompt + [a, b] for a, b in itertools.product(range(V), repeat=2)])
     logits = np.asarray(sj.logits(target, jnp.asarray(prefixes)), np.float64)  # [V*V, 5, V]
-    n = len(PROMPT)
+    n = len(prompt)
     p1 = ref_process(logits[0, n - 1], t, k, p)
     p2 = ref_process(logits[::V, n], t, k, p)  # [V(t1), V]
     p3 = ref_process(logits[:, n + 1], t, k, p).reshape(V, V, V)
@@ -59,27 +59,44 @@ def g_test(samples, joint):
     return scipy_stats.power_divergence(obs, exp, lambda_="log-likelihood").pvalue
 
 
-def generate_samples(target, draft, sampling, spec, seed=0):
-    out = sj.generate(target, [PROMPT] * N, sampling=sampling, spec=spec, draft=draft, key=seed)
+def generate_samples(target, draft, sampling, spec, seed=0, prompt=PROMPT):
+    out = sj.generate(target, [prompt] * N, sampling=sampling, spec=spec, draft=draft, key=seed)
     assert (out.lengths == 3).all()
     if spec is not None:
-        assert out.stats.proposed_tokens > N  # speculation really happened
+        assert out.stats.proposed_tokens > N // 4  # speculation really happened
+        assert out.stats.accepted_tokens > N // 50
     return out.tokens
 
 
 SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 0.9)]
 
 
+NGRAM = dict(method="ngram", prompt_lookup_min=1, prompt_lookup_max=2)
+
+
+def ngram_prompt(target):
+    """A prompt built so that lookups match and are often accepted: PROMPT, the target's greedy
+    continuation of it, then PROMPT again (whose earlier occurrence is followed by that
+    continuation)."""
+    greedy = sj.generate(target, [PROMPT], sampling=sj.SamplingParams(temperature=0,
+                                                                      max_new_tokens=4))
+    return PROMPT + [int(x) for x in greedy.tokens[0]] + PROMPT
+
+
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
-@pytest.mark.parametrize("gamma,which", [(None, None), (2, "close"), (3, "close"), (3, "small")],
-                         ids=["autoregressive", "gamma2-close", "gamma3-close", "gamma3-small"])
+@pytest.mark.parametrize("gamma,which", [(None, None), (2, "close"), (3, "close"), (3, "small"),
+                                         (2, "ngram")],
+                         ids=["autoregressive", "gamma2-close", "gamma3-close", "gamma3-small",
+                              "ngram"])
 def test_first_three_tokens_follow_the_target(models, t, k, p, gamma, which):
     target, drafts = models
     draft = drafts.get(which)
     sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
-    spec = None if gamma is None else sj.SpecConfig(num_speculative_tokens=gamma)
-    joint = exact_joint(target, t, k, p)
-    samples = generate_samples(target, draft, sampling, spec)
+    spec = None if gamma is None else sj.SpecConfig(num_speculative_tokens=gamma,
+                                                    **(NGRAM if which == "ngram" else {}))
+    prompt = ngram_prompt(target) if which == "ngram" else PROMPT
+    joint = exact_joint(target, t, k, p, prompt)
+    samples = generate_samples(target, draft, sampling, spec, prompt=prompt)
     assert g_test(samples, joint) > 1e-3
 
 
@@ -140,10 +157,11 @@ def tail_pvalues(samples, joints):
     return pvalues
 
 
-def later_samples(target, draft, gamma, seed=1):
+def later_samples(target, draft, gamma, seed=1, **spec):
     sampling = sj.SamplingParams(max_new_tokens=6, **LATER)
     out = sj.generate(target, [list(PROMPTS[i % 2]) for i in range(N)], sampling=sampling,
-                      spec=sj.SpecConfig(num_speculative_tokens=gamma), draft=draft, key=seed)
+                      spec=sj.SpecConfig(num_speculative_tokens=gamma, **spec), draft=draft,
+                      key=seed)
     assert (out.lengths == 6).all() and out.stats.num_rounds >= 3
     return out
 
@@ -164,6 +182,13 @@ def test_later_tokens_follow_the_target_in_a_mixed_batch(models, tail_joints, ga
     assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
 
 
+def test_later_tokens_with_ngram_drafts_in_a_mixed_batch(models, tail_joints):
+    target, _ = models
+    out = later_samples(target, None, 3, **NGRAM)
+    assert 0 < out.stats.proposal_rate < 1 and out.stats.accepted_tokens > 0
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
+
+
 def _same_keys_every_round(keys, step):
     return _honest_round_keys(keys, step * 0)
 
@@ -178,3 +203,20 @@ def test_reused_round_keys_fail_the_later_token_test(models, tail_joints, monkey
     monkeypatch.setattr(engine, "_round_keys", _same_keys_every_round)
     out = later_samples(target, drafts["close"], 1)
     assert min(tail_pvalues(out.tokens, tail_joints)) < 1e-6
+
+
+_honest_recovery = verify.recovery_probs
+
+
+def _recovery_ignoring_valid(draft_tokens, draft_probs, target_probs, valid=None):
+    return _honest_recovery(draft_tokens, draft_probs, target_probs)  # as if all were proposed
+
+
+def test_ngram_with_broken_partial_draft_handling_fails(models, monkeypatch, fresh_programs):
+    target, _ = models
+    monkeypatch.setattr(verify, "recovery_probs", _recovery_ignoring_valid)
+    prompt = ngram_prompt(target)
+    sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=3)
+    samples = generate_samples(target, None, sampling,
+                               sj.SpecConfig(num_speculative_tokens=2, **NGRAM), prompt=prompt)
+    assert g_test(samples, exact_joint(target, 1.0, 0, 1.0, prompt)) < 1e-6

@@ -12,6 +12,10 @@ Protocol::
     propose(params, state, history [B, S], length [B], keys [B], sampling, filters)
         -> (Draft, state)
 
+A proposer may offer fewer than γ drafts in a row (none included) through ``Draft.valid``; the
+verifier treats the missing ones as never proposed (the row's next token is then drawn from the
+target's own distribution at that position), so shapes stay static and nothing recompiles.
+
 ``history[b, :length[b] + 1]`` is the row's whole sequence so far (prompt and generated tokens);
 ``history[b, length[b]]`` is the last token, which the target has not yet seen. The engine never
 tells a proposer what was accepted: the next ``propose`` sees it through ``length`` and ``history``
@@ -31,8 +35,10 @@ from jax import Array
 class Draft:
     tokens: Array  # [B, G] int32
     probs: Array | None  # [B, G, V] float32 distributions the tokens were drawn from; None = point mass
+    valid: Array | None = None  # [B, G] bool, a prefix per row: drafts actually proposed; None = all
 
 
 from .model import DraftModelProposer  # noqa: E402
+from .ngram import NgramProposer  # noqa: E402
 
-__all__ = ["Draft", "DraftModelProposer"]
+__all__ = ["Draft", "DraftModelProposer", "NgramProposer"]
