@@ -100,11 +100,11 @@ def test_first_three_tokens_follow_the_target(models, t, k, p, gamma, which):
     assert g_test(samples, joint) > 1e-3
 
 
-def _recover_from_p(draft_tokens, draft_probs, target_probs):
+def _recover_from_p(draft_tokens, draft_probs, target_probs, valid=None):
     return target_probs  # on rejection, draw from p instead of the residual max(0, p - q)
 
 
-def _sqrt_acceptance(draft_tokens, draft_probs, target_probs):
+def _sqrt_acceptance(draft_tokens, draft_probs, target_probs, valid=None):
     # accept with probability sqrt(p(d)), ignoring q: accepts too often
     return verify._draft_token_probs(target_probs[:, :draft_tokens.shape[1]], draft_tokens) ** 0.5
 
