@@ -1,16 +1,18 @@
 """The ``specjax`` command.
 
     specjax demo     speculative vs autoregressive decoding on small random models, no downloads
+    specjax generate --prompt TEXT [--target DIR --draft DIR --method ...] [--compare]
     specjax train pair {data,target,draft,export}   build the bundled target/draft pair
 
-The trained default pair, ``specjax generate`` and ``specjax bench`` arrive with the bundled
-checkpoints.
+``specjax generate`` defaults to the bundled pair in checkpoints/ (once it ships); ``specjax
+bench`` arrives with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 
 import jax
@@ -96,6 +98,84 @@ def _demo(args) -> int:
     return 0
 
 
+CHECKPOINTS = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+def _generate(args) -> int:
+    from .checkpoint import load_model
+    from .tokenizer import load_tokenizer
+    if args.speculative_config:
+        spec = SpecConfig.parse(args.speculative_config)
+    elif args.method == "none":
+        spec = None
+    else:
+        spec = SpecConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
+                          prompt_lookup_min=args.prompt_lookup_min,
+                          prompt_lookup_max=args.prompt_lookup_max)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens)
+    if not pathlib.Path(args.target).exists() and args.target == str(CHECKPOINTS / "code-target"):
+        raise FileNotFoundError(f"the bundled pair is not in {CHECKPOINTS} yet: pass --target "
+                                f"(and --draft) folders, or build it with `specjax train pair`")
+    target = load_model(args.target, dtype=args.dtype)
+    tok = load_tokenizer(args.target)
+    draft = None
+    if spec is not None and spec.needs_draft_model:
+        draft = load_model(args.draft, dtype=args.dtype)
+    runs = [("speculative" if spec else "autoregressive", spec, draft)]
+    if args.compare and spec is not None:
+        runs.append(("autoregressive", None, None))
+    results = {}
+    for name, s, d in runs:
+        results[name] = generate(target, [args.prompt], sampling=sampling, spec=s, draft=d,
+                                 key=args.seed, tokenizer=tok, return_text=True)
+    first = results[runs[0][0]]
+    print(args.prompt + first.text[0])
+    print()
+    for name, out in results.items():
+        st = out.stats
+        line = (f"[{name}] {out.lengths[0]} tokens, {st.decode_tokens_per_second:.1f} tokens/s, "
+                f"TTFT {st.prefill_seconds * 1e3:.1f} ms, compile {st.compile_seconds:.1f} s")
+        if out.stats.proposed_tokens:
+            line += (f", acceptance rate {st.acceptance_rate:.3f}, mean accepted length "
+                     f"{st.mean_accepted_length:.2f}")
+        print(line)
+    if len(results) == 2:
+        ar, sp = results["autoregressive"], results["speculative"]
+        same = np.array_equal(ar.tokens, sp.tokens)
+        print(f"speed-up {sp.stats.decode_tokens_per_second / ar.stats.decode_tokens_per_second:.2f}x"
+              + (f"; output identical: {same}" if args.temperature == 0 else ""))
+    return 0
+
+
+def _add_generate(sub) -> None:
+    g = sub.add_parser("generate", help="complete a prompt, speculatively (default: the bundled pair)",
+                       description="Complete a prompt with a target model, speculatively, and "
+                                   "print the completion and the acceptance and speed figures.")
+    g.add_argument("--prompt", default="def fibonacci(n):")
+    g.add_argument("--target", default=str(CHECKPOINTS / "code-target"),
+                   help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
+    g.add_argument("--draft", default=str(CHECKPOINTS / "code-draft"),
+                   help="draft model folder for --method draft_model (default: bundled)")
+    g.add_argument("--method", default="draft_model", choices=["draft_model", "ngram", "none"],
+                   help="how drafts are made; none = plain autoregressive decoding")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="GAMMA")
+    g.add_argument("--prompt-lookup-min", type=int, default=2)
+    g.add_argument("--prompt-lookup-max", type=int, default=4)
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                        "overrides --method and --num-speculative-tokens")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="compute dtype (the bundled pair is stored in bfloat16)")
+    g.add_argument("--compare", action="store_true",
+                   help="also run plain autoregressive decoding and print the speed-up")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="specjax", description="Lossless speculative decoding in JAX.")
@@ -111,6 +191,7 @@ def main(argv=None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--repeats", type=int, default=3)
     demo.add_argument("--seed", type=int, default=0)
+    _add_generate(sub)
     sub.add_parser("train", help="train models (`specjax train pair --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["train", "pair"]:
@@ -119,6 +200,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         parser.error("usage: specjax train pair {data,target,draft,export} --workdir DIR")
+    if args.command == "generate":
+        try:
+            return _generate(args)
+        except (ValueError, FileNotFoundError) as e:
+            parser.error(str(e))
     if args.command == "demo":
         if args.repeats < 1:
             parser.error(f"--repeats must be >= 1, got {args.repeats}")

@@ -49,3 +49,49 @@ def test_first_layers_shares_embedding_and_head():
     np.testing.assert_array_equal(one.params["lm_head"]["kernel"], model.params["lm_head"]["kernel"])
     for a, b in zip(jax.tree.leaves(one.params["layers"]), jax.tree.leaves(model.params["layers"])):
         np.testing.assert_array_equal(a, b[:1])
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory):
+    """A tiny target and draft in HF format with a tokenizer, as `specjax generate` expects."""
+    import json
+    import tokenizers
+    import specjax as sj
+    from conftest import tiny_model
+    root = tmp_path_factory.mktemp("models")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x\n"] * 50, tokenizers.trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    sj.save_model(tiny_model(seed=1, vocab_size=300, max_pos=128), root / "t", format="hf",
+                  eos_token_id=299)
+    sj.save_model(tiny_model(seed=2, vocab_size=300, hidden_size=8, layers=1, max_pos=128),
+                  root / "d", format="hf")
+    tok.save(str(root / "t" / "tokenizer.json"))
+    assert json.loads((root / "t" / "config.json").read_text())["eos_token_id"] == 299
+    return root
+
+
+def test_generate_command_matches_method_none(model_folders, capsys):
+    base = ["generate", "--target", str(model_folders / "t"), "--draft", str(model_folders / "d"),
+            "--prompt", "def f(x):", "--max-new-tokens", "12"]
+    assert cli.main(base + ["--compare"]) == 0
+    printed = capsys.readouterr().out
+    assert "output identical: True" in printed and "acceptance rate" in printed
+    spec_text = printed.split("\n\n")[0]
+    assert cli.main(base + ["--method", "none"]) == 0
+    assert capsys.readouterr().out.split("\n\n")[0] == spec_text
+    assert cli.main(base + ["--speculative-config", '{"method": "ngram", '
+                                                     '"num_speculative_tokens": 3}']) == 0
+    assert capsys.readouterr().out.split("\n\n")[0] == spec_text
+
+
+def test_generate_command_errors(model_folders, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", str(tmp_path / "missing")])
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", str(model_folders / "t"), "--speculative-config", "{x"])
+    assert "not valid JSON" in capsys.readouterr().err
