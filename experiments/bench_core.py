@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import specjax as sj
+from specjax import bench
 
 CONFIGS = {
     "target-25M": sj.ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
@@ -46,40 +45,12 @@ PROMPT_LEN, NEW_TOKENS = 64, 128
 CONTEXT = PROMPT_LEN + NEW_TOKENS // 2  # cache fill for the single-forward timings
 
 
-INNER = 16  # forwards per timed call: one dispatch is amortised, as inside the decode loop
-
-
-@jax.jit
-def _chunks(model, tokens, cache):
-    """INNER dependent forwards of a T-token chunk at the same cache slots, in one program."""
-    B, T = tokens.shape
-    positions = cache.length[:, None] + jnp.arange(T)[None, :]
-
-    def body(_, carry):  # the cache is carried, so its writes happen in place as in generate
-        tokens, c = carry
-        logits, _, c = sj.forward(model, tokens, positions, c)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), c.rollback(cache.length)
-    return jax.lax.fori_loop(0, INNER, body, (tokens, cache))[0]
-
-
 def forward_timer(model, T, capacity):
-    cache = sj.KVCache.init(model.config, 1, capacity).rollback(jnp.array([CONTEXT]))
-    tokens = jnp.ones((1, T), jnp.int32)
-    _chunks(model, tokens, cache).block_until_ready()  # compile
-
-    def run():
-        t0 = time.perf_counter()
-        _chunks(model, tokens, cache).block_until_ready()
-        return (time.perf_counter() - t0) / INNER
-    return run
+    return bench.forward_timer(model, T, capacity, CONTEXT)
 
 
 def median_ms(timers: dict, repeats: int) -> dict:
-    samples = {k: [] for k in timers}
-    for _ in range(repeats):  # interleaved, so drift on a noisy machine hits every variant alike
-        for k, f in timers.items():
-            samples[k].append(f())
-    return {k: 1e3 * statistics.median(v) for k, v in samples.items()}
+    return {k: 1e3 * s for k, s in bench.median_seconds(timers, repeats).items()}
 
 
 def loop_ms(target, draft, gamma, repeats):

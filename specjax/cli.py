@@ -2,10 +2,10 @@
 
     specjax demo     speculative vs autoregressive decoding on small random models, no downloads
     specjax generate --prompt TEXT [--target DIR --draft DIR --method ...] [--compare]
+    specjax bench    [--gammas 2,4,6 --temperatures 0,0.8 --json PATH]   held-out prompt table
     specjax train pair {data,target,draft,export}   build the bundled target/draft pair
 
-``specjax generate`` defaults to the bundled pair in checkpoints/ (once it ships); ``specjax
-bench`` arrives with it.
+``generate`` and ``bench`` default to the bundled pair in checkpoints/.
 """
 
 from __future__ import annotations
@@ -114,9 +114,7 @@ def _generate(args) -> int:
                           prompt_lookup_max=args.prompt_lookup_max)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens)
-    if not pathlib.Path(args.target).exists() and args.target == str(CHECKPOINTS / "code-target"):
-        raise FileNotFoundError(f"the bundled pair is not in {CHECKPOINTS} yet: pass --target "
-                                f"(and --draft) folders, or build it with `specjax train pair`")
+    _bundled(args.target)
     target = load_model(args.target, dtype=args.dtype)
     tok = load_tokenizer(args.target)
     draft = None
@@ -176,6 +174,56 @@ def _add_generate(sub) -> None:
                    help="also run plain autoregressive decoding and print the speed-up")
 
 
+def _numbers(kind):
+    def parse(text: str):
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, "
+                                             f"got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
+        return values
+    return parse
+
+
+def _add_bench(sub) -> None:
+    from .bench import __doc__ as bench_doc
+    b = sub.add_parser("bench", help="speculative vs autoregressive on held-out prompts: a table",
+                       description=bench_doc,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--target", default=str(CHECKPOINTS / "code-target"),
+                   help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
+    b.add_argument("--draft", default=str(CHECKPOINTS / "code-draft"),
+                   help="draft model folder for --method draft_model (default: bundled)")
+    b.add_argument("--method", default="draft_model", choices=["draft_model", "ngram"])
+    b.add_argument("--gammas", type=_numbers(int), default=[2, 4, 6], metavar="G,G,...",
+                   help="numbers of speculative tokens to compare (default 2,4,6)")
+    b.add_argument("--temperatures", type=_numbers(float), default=[0.0, 0.8], metavar="T,T,...",
+                   help="sampling temperatures, 0 = greedy (default 0,0.8)")
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3, help="timed passes per variant (median)")
+    b.add_argument("--verify-repeats", type=int, default=20,
+                   help="repeats of the single-forward timings behind the verify cost")
+    b.add_argument("--num-prompts", type=int, help="use only the first N prompts")
+    b.add_argument("--max-prompt-tokens", type=int,
+                   help="keep only the last N tokens of each prompt (default: whole prompts)")
+    b.add_argument("--prompts", help='a JSON file {"prompts": [{"text": ...}, ...]} '
+                                     "(default: the shipped held-out set)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="compute dtype (the bundled pair is stored in bfloat16)")
+    b.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
+
+
+def _bundled(path: str) -> None:
+    if not pathlib.Path(path).exists() and path == str(CHECKPOINTS / "code-target"):
+        raise FileNotFoundError(f"the bundled pair is not in {CHECKPOINTS}: pass --target "
+                                f"(and --draft) folders, or build it with `specjax train pair`")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="specjax", description="Lossless speculative decoding in JAX.")
@@ -192,6 +240,7 @@ def main(argv=None) -> int:
     demo.add_argument("--repeats", type=int, default=3)
     demo.add_argument("--seed", type=int, default=0)
     _add_generate(sub)
+    _add_bench(sub)
     sub.add_parser("train", help="train models (`specjax train pair --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["train", "pair"]:
@@ -203,6 +252,13 @@ def main(argv=None) -> int:
     if args.command == "generate":
         try:
             return _generate(args)
+        except (ValueError, FileNotFoundError) as e:
+            parser.error(str(e))
+    if args.command == "bench":
+        from .bench import main as bench_main
+        try:
+            _bundled(args.target)
+            return bench_main(args)
         except (ValueError, FileNotFoundError) as e:
             parser.error(str(e))
     if args.command == "demo":

@@ -2,6 +2,8 @@
 pulls the student towards the teacher, the corpus split is by file."""
 
 import jax
+import json
+
 import numpy as np
 import pytest
 
@@ -130,6 +132,12 @@ def test_pair_stages_end_to_end(tmp_path):
     assert isinstance(out.text[0], str) and out.text[0] == tok.decode(out.tokens[0, :out.lengths[0]])
     assert tok.eos_token_ids == (0,)  # the end-of-text token, recorded by export
     assert (work / "target-evals.jsonl").exists() and (work / "draft-evals.jsonl").exists()
+    for name in ("code-target", "code-draft"):  # model cards with the measured figures
+        info = json.loads((tmp_path / "out" / name / "training.json").read_text())
+        assert info["steps"] == 4 and info["corpus"]["heldout_files"] > 0
+        assert 0 <= info["acceptance"]["greedy"]["acceptance_rate"] <= 1
+        card = (tmp_path / "out" / name / "README.md").read_text()
+        assert f"{info['heldout_loss']:.3f} nats/token" in card and "{" not in card
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path):

@@ -14,6 +14,7 @@ next to the tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import pathlib
@@ -33,9 +34,11 @@ TARGET = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=384, intermediate_size=1
 DRAFT = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=384,
                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                     max_position_embeddings=1024)
-TARGET_TRAINING = TrainConfig(steps=8000, batch_size=16, seq_len=256, learning_rate=1e-3,
+# The target's schedule was first set to 8000 steps; at step 825 (two sessions in) it was cut to
+# 1800 so that the cosine decay completes within the next session (run.json edited to match).
+TARGET_TRAINING = TrainConfig(steps=1800, batch_size=16, seq_len=256, learning_rate=1e-3,
                               warmup_steps=200, checkpoint_every=25, eval_every=200, seed=0)
-DRAFT_TRAINING = TrainConfig(steps=3000, batch_size=16, seq_len=256, learning_rate=2e-3,
+DRAFT_TRAINING = TrainConfig(steps=1200, batch_size=16, seq_len=256, learning_rate=2e-3,
                              warmup_steps=100, checkpoint_every=25, eval_every=200, seed=1,
                              distill_ce_weight=0.1)
 
@@ -108,22 +111,108 @@ def stage_draft(workdir: pathlib.Path, minutes: float | None, config: ModelConfi
           f"{history[-1]['step']}")
 
 
+def measure_acceptance(target, draft, tokenizer, gamma: int = 4, max_new_tokens: int = 128
+                       ) -> dict:
+    """Acceptance of the draft against the target on the bench's held-out prompts, greedy and at
+    T = 0.8 (all prompts in one batch: acceptance does not depend on batching)."""
+    from ..bench import load_prompts
+    from ..config import SamplingParams, SpecConfig
+    from ..engine import generate
+    room = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    max_new_tokens = min(max_new_tokens, room // 4)
+    keep = room - max_new_tokens - gamma - 1  # a small model's context: keep each prompt's end
+    prompts = [tokenizer.encode(p["text"])[-keep:] for p in load_prompts()]
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=gamma)
+    out = {}
+    for name, temperature in [("greedy", 0.0), ("t0.8", 0.8)]:
+        stats = generate(target, prompts, draft=draft, spec=spec, key=0, sampling=SamplingParams(
+            temperature=temperature, max_new_tokens=max_new_tokens)).stats
+        out[name] = {"gamma": gamma, "acceptance_rate": round(stats.acceptance_rate, 4),
+                     "mean_accepted_length": round(stats.mean_accepted_length, 3),
+                     "per_position_acceptance": [round(float(a), 3)
+                                                 for a in stats.per_position_acceptance]}
+    return out
+
+
+CARD = """# {folder}
+
+The {role} of specjax's bundled speculative-decoding pair: a Llama-architecture decoder trained
+from scratch on this machine (2-core CPU) on Python source code. {blurb}
+
+| | |
+| --- | --- |
+| parameters | {params:,} ({params_m:.1f}M) |
+| shape | hidden {hidden}, {layers} layers, {heads} heads ({kv} key/value heads), MLP {inter}, vocabulary {vocab}, context {ctx} |
+| stored as | bfloat16 safetensors, Hugging Face `LlamaForCausalLM` layout (load with `sj.load_model`; compute in float32 by default) |
+| training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{distil} |
+| held-out loss | {loss:.3f} nats/token on held-out files (32 batches, stored bf16 weights) |
+| acceptance (draft vs target, γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}); T = 0.8: {acc_t:.3f} ({len_t:.2f}) |
+
+**Data.** The CPython {python} standard library (`Lib/**/*.py`, site-packages excluded, files
+over 200 kB dropped): {train_files} training files ({train_tokens:,} tokens) and {heldout_files}
+held-out files ({heldout_tokens:,} tokens), split by a hash of each file's path
+(`specjax/train/data.py`); the held-out file list is in `training.json`. Tokenizer: byte-level BPE,
+{vocab} tokens, trained on the training files; token 0 `<|endoftext|>` ends a file and is the EOS.
+
+**Rebuild.** `specjax train pair data|target|draft|export --workdir W` (settings are the constants
+in `specjax/train/pair.py`; `target` and `draft` resume from their checkpoints).
+
+It is a small model for benchmarks and demos: it writes plausible-looking Python, not correct
+programs.
+"""
+
+
 def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                  runs=(("target", TARGET, TARGET_TRAINING), ("draft", DRAFT, DRAFT_TRAINING))
                  ) -> None:
-    from ..checkpoint import cast, save_model
+    from ..checkpoint import cast, load_model, save_model
+    from ..tokenizer import load_tokenizer
     import shutil
     _, heldout = _tokens(workdir)
+    corpus = json.loads((workdir / "corpus.json").read_text())
+    info = {}
     for name, config, settings in runs:
         model, step = _restore(config, settings, workdir / name)
-        loss = evaluate(model, heldout, batches=32)
         folder = out / f"code-{name}"
         save_model(cast(model, "bfloat16"), folder, format="hf", eos_token_id=0)  # <|endoftext|>
         if name == "target":
             shutil.copy(workdir / "tokenizer" / "tokenizer.json", folder / "tokenizer.json")
-        (folder / "training.json").write_text(json.dumps(
-            {"steps": step, "heldout_loss": loss, "params": config.num_params}, indent=1) + "\n")
-        print(f"{folder}: step {step}, held-out loss {loss:.4f}")
+        stored = load_model(folder, dtype="float32")
+        info[name] = dict(folder=folder, model=stored, config=config, settings=settings,
+                          step=step, loss=evaluate(stored, heldout, batches=32))
+        print(f"{folder}: step {step}, held-out loss {info[name]['loss']:.4f}")
+    acceptance = {}
+    if "target" in info and "draft" in info:
+        acceptance = measure_acceptance(info["target"]["model"], info["draft"]["model"],
+                                        load_tokenizer(info["target"]["folder"]))
+        print(f"acceptance (γ=4): {json.dumps(acceptance)}")
+    for name, d in info.items():
+        c, s = d["config"], d["settings"]
+        (d["folder"] / "training.json").write_text(json.dumps(
+            {"steps": d["step"], "heldout_loss": d["loss"], "params": c.num_params,
+             "train": dataclasses.asdict(s), "acceptance": acceptance,
+             "corpus": {k: v for k, v in corpus.items() if k != "train"}}, indent=1) + "\n")
+        acc = acceptance or {k: {"acceptance_rate": float("nan"),
+                                 "mean_accepted_length": float("nan")}
+                             for k in ("greedy", "t0.8")}
+        role, blurb = (("target", "The draft next to it (`../code-draft`) was distilled from it.")
+                       if name == "target" else
+                       ("draft", "Distilled from the target (`../code-target`, whose tokenizer "
+                                 "it shares): KL to the target's next-token distributions plus "
+                                 f"{s.distill_ce_weight} x cross-entropy to the data."))
+        (d["folder"] / "README.md").write_text(CARD.format(
+            folder=d["folder"].name, role=role, blurb=blurb, params=c.num_params,
+            params_m=c.num_params / 1e6, hidden=c.hidden_size, layers=c.num_hidden_layers,
+            heads=c.num_attention_heads, kv=c.num_key_value_heads, inter=c.intermediate_size,
+            vocab=c.vocab_size, ctx=c.max_position_embeddings, steps=d["step"],
+            batch=s.batch_size, seq=s.seq_len, tokens=d["step"] * s.batch_size * s.seq_len / 1e6,
+            lr=s.learning_rate, distil=(", distilled from the target" if name == "draft" else ""),
+            loss=d["loss"], acc_g=acc["greedy"]["acceptance_rate"],
+            len_g=acc["greedy"]["mean_accepted_length"], acc_t=acc["t0.8"]["acceptance_rate"],
+            len_t=acc["t0.8"]["mean_accepted_length"], python=corpus.get("python", "?"),
+            train_files=corpus.get("train_files", 0), heldout_files=corpus.get("heldout_files", 0),
+            train_tokens=corpus.get("train_tokens", 0),
+            heldout_tokens=corpus.get("heldout_tokens", 0)))
 
 
 def main(argv=None) -> int:

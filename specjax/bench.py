@@ -1,0 +1,289 @@
+"""``specjax bench``: speculative against autoregressive decoding on a fixed held-out prompt set.
+
+Every figure comes from one run, variants interleaved (each repeat runs the autoregressive
+baseline, the draft model on its own and every γ in turn), so drift on a noisy machine hits them
+alike; throughputs are medians over repeats. Prompts run one at a time (batch 1, the latency case
+speculation is for), each with its own seed; compilation happens in a warm-up pass and is never
+timed.
+
+Figures per (temperature, γ):
+
+* tokens/s: decode tokens (after the first) over decode seconds, all prompts; AR beside spec
+* speed-up: spec tokens/s / AR tokens/s
+* TTFT: prefill plus the first token, mean over prompts; TPOT: decode seconds per decode token
+* acceptance rate α (accepted / proposed drafts), mean accepted length (tokens per round,
+  bonus included), per-position acceptance (fraction of rounds whose k-th draft was accepted)
+* c: the draft's TPOT over the target's, both decoding autoregressively in the same loop
+  (0 for n-gram lookup, which runs no model)
+* predicted: the seed's formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` from the measured α and c;
+  it assumes verifying γ + 1 tokens costs one target step. ``verify`` is the measured cost of that
+  forward in target steps, and ``predicted·v`` puts it in the denominator (γc + v): the gap
+  between the two predictions is what the verify forward costs on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import theory
+from .cache import KVCache
+from .config import SamplingParams, SpecConfig
+from .engine import bucket, generate
+from .model import Model, forward
+
+PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
+
+
+def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
+    """The bench prompts: a JSON file {"prompts": [{"source", "text"}, ...]} (default: the
+    held-out set shipped with specjax)."""
+    path = pathlib.Path(path) if path is not None else PROMPTS
+    try:
+        prompts = json.loads(path.read_text())["prompts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read bench prompts from {path}: {e}") from e
+    if not prompts or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                              and p["text"] for p in prompts):
+        raise ValueError(f"{path} must hold a non-empty list of prompts with non-empty 'text'")
+    return prompts
+
+
+# -- single-forward timings: the verify forward's cost in target steps -------------------------
+
+INNER = 16  # forwards per timed call: one dispatch is amortised, as inside the decode loop
+
+
+@jax.jit
+def _chunks(model: Model, tokens, cache: KVCache):
+    """INNER dependent forwards of a T-token chunk at the same cache slots, in one program."""
+    T = tokens.shape[1]
+    positions = cache.length[:, None] + jnp.arange(T)[None, :]
+
+    def body(_, carry):  # the cache is carried, so its writes happen in place as in generate
+        tokens, c = carry
+        logits, _, c = forward(model, tokens, positions, c)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), c.rollback(cache.length)
+    return jax.lax.fori_loop(0, INNER, body, (tokens, cache))[0]
+
+
+def forward_timer(model: Model, T: int, capacity: int, context: int):
+    """A function timing one T-token forward (seconds) with the cache filled to context slots."""
+    cache = KVCache.init(model.config, 1, capacity).rollback(jnp.array([context]))
+    tokens = jnp.ones((1, T), jnp.int32)
+    _chunks(model, tokens, cache).block_until_ready()  # compile
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        _chunks(model, tokens, cache).block_until_ready()
+        return (time.perf_counter() - t0) / INNER
+    return run
+
+
+def median_seconds(timers: dict, repeats: int) -> dict:
+    """Median of interleaved repeats of each timer."""
+    samples = {k: [] for k in timers}
+    for _ in range(repeats):
+        for k, f in timers.items():
+            samples[k].append(f())
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# -- the bench ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Runs:
+    """One variant's generations over the prompt set, per repeat."""
+    outputs: list = dataclasses.field(default_factory=list)  # last repeat's Generation per prompt
+    tokens_per_second: list = dataclasses.field(default_factory=list)  # per repeat
+    ttft: list = dataclasses.field(default_factory=list)
+    tpot: list = dataclasses.field(default_factory=list)
+
+    def add(self, outs) -> None:
+        decode_tokens = sum(int(o.lengths[0]) - 1 for o in outs)
+        decode_seconds = sum(o.stats.decode_seconds for o in outs)
+        self.outputs = outs
+        self.tokens_per_second.append(decode_tokens / decode_seconds)
+        self.tpot.append(decode_seconds / decode_tokens)
+        self.ttft.append(statistics.mean(o.stats.prefill_seconds for o in outs))
+
+    def median(self, name: str) -> float:
+        return statistics.median(getattr(self, name))
+
+
+def _pooled(outs) -> dict:
+    """Acceptance figures over all prompts, weighted by rounds (not an average of averages)."""
+    rounds = sum(o.stats.num_rounds for o in outs)
+    proposed = sum(o.stats.proposed_tokens for o in outs)
+    accepted = sum(o.stats.accepted_tokens for o in outs)
+    emitted = sum(o.stats.mean_accepted_length * o.stats.num_rounds for o in outs)
+    per_position = sum(o.stats.per_position_acceptance * o.stats.num_rounds for o in outs)
+    return dict(acceptance_rate=accepted / proposed if proposed else float("nan"),
+                mean_accepted_length=emitted / rounds,
+                per_position_acceptance=[float(x) for x in per_position / rounds],
+                proposal_rate=sum(o.stats.proposal_rate * o.stats.num_rounds for o in outs) / rounds,
+                rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted)
+
+
+def run_bench(target: Model, prompts: list[list[int]], *, draft: Model | None = None,
+              method: str = "draft_model", gammas=(2, 4, 6), temperatures=(0.0, 0.8),
+              top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 128, repeats: int = 3,
+              seed: int = 0, verify_repeats: int = 20, log=None) -> dict:
+    """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
+    per (temperature, γ)."""
+    if method not in ("draft_model", "ngram"):
+        raise ValueError(f"method must be 'draft_model' or 'ngram', got {method!r}")
+    if method == "draft_model" and draft is None:
+        raise ValueError("method 'draft_model' needs a draft model")
+    if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in gammas):
+        raise ValueError(f"gammas must be ints >= 1, got {list(gammas)!r}")
+    if not temperatures or any(not t >= 0 for t in temperatures):
+        raise ValueError(f"temperatures must be >= 0, got {list(temperatures)!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    log = log or (lambda msg: None)
+    specs = {g: SpecConfig(method=method, num_speculative_tokens=g) for g in gammas}
+    use_draft = draft if method == "draft_model" else None
+
+    rows = []
+    for temperature in temperatures:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                  max_new_tokens=max_new_tokens)
+        variants = {"ar": (target, None, None)}
+        if use_draft is not None:
+            variants["draft-ar"] = (use_draft, None, None)
+        variants.update({g: (target, specs[g], use_draft) for g in gammas})
+
+        def run_all(model, spec, d):
+            return [generate(model, [p], sampling=sampling, spec=spec, draft=d, key=seed + i)
+                    for i, p in enumerate(prompts)]
+
+        t0 = time.perf_counter()
+        for v in variants.values():  # warm-up: compiles every program the timed passes use
+            run_all(*v)
+        log(f"T={temperature}: compiled and warmed up in {time.perf_counter() - t0:.0f} s")
+        runs = {name: _Runs() for name in variants}
+        for r in range(repeats):
+            for name, v in variants.items():
+                runs[name].add(run_all(*v))
+            log(f"T={temperature}: repeat {r + 1}/{repeats} done")
+        ar = runs["ar"]
+        c = (runs["draft-ar"].median("tpot") / ar.median("tpot")) if use_draft is not None else 0.0
+        for g in gammas:
+            sp = runs[g]
+            pooled = _pooled(sp.outputs)
+            row = dict(
+                method=method, temperature=temperature, gamma=g,
+                ar_tokens_per_second=ar.median("tokens_per_second"),
+                spec_tokens_per_second=sp.median("tokens_per_second"),
+                speedup=sp.median("tokens_per_second") / ar.median("tokens_per_second"),
+                speedup_per_repeat=[s / a for s, a in zip(sp.tokens_per_second,
+                                                          ar.tokens_per_second)],
+                ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
+                ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
+                c=c, **pooled)
+            if temperature == 0:
+                row["identical_to_autoregressive"] = all(
+                    np.array_equal(a.tokens, s.tokens) for a, s in zip(ar.outputs, sp.outputs))
+            rows.append(row)
+
+    # The verify forward's cost in target steps, at the mean context of a decode round.
+    mean_prompt = int(np.mean([len(p) for p in prompts]))
+    context = mean_prompt + max_new_tokens // 2
+    capacity = bucket(max(len(p) for p in prompts) + max_new_tokens + max(gammas) + 1)
+    timers = {1: forward_timer(target, 1, capacity, context)}
+    timers.update({g + 1: forward_timer(target, g + 1, capacity, context) for g in gammas})
+    seconds = median_seconds(timers, verify_repeats)
+    verify = {g: seconds[g + 1] / seconds[1] for g in gammas}
+    for row in rows:
+        g, alpha, c = row["gamma"], row["acceptance_rate"], row["c"]
+        row["verify_cost"] = verify[g]
+        ok = np.isfinite(alpha)
+        row["predicted_speedup"] = theory.speedup(alpha, g, c) if ok else float("nan")
+        row["predicted_speedup_with_verify_cost"] = (
+            theory.expected_tokens_per_round(alpha, g) / (g * c + verify[g]) if ok
+            else float("nan"))
+    return dict(
+        machine=dict(platform=platform.platform(), processor=platform.processor(),
+                     cpu_count=os.cpu_count(), jax=jax.__version__,
+                     backend=jax.default_backend(), device=str(jax.devices()[0].device_kind)),
+        settings=dict(method=method, gammas=list(gammas), temperatures=list(temperatures),
+                      top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, repeats=repeats,
+                      seed=seed, prompts=len(prompts),
+                      prompt_tokens=[len(p) for p in prompts], batch_size=1,
+                      target_params=target.config.num_params,
+                      draft_params=draft.config.num_params if use_draft is not None else 0,
+                      target_step_ms=1e3 * seconds[1], verify_context=context),
+        rows=rows)
+
+
+def format_table(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"{s['prompts']} held-out prompts, batch 1, {s['max_new_tokens']} new tokens, "
+             f"median of {s['repeats']} interleaved repeats; {result['machine']['cpu_count']} "
+             f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
+             ""]
+    head = (f"{'method':<12}{'T':>4}{'γ':>3} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
+            f"{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'len':>6}{'c':>7}{'verify':>7}"
+            f"{'predicted':>10}{'pred·v':>7}  per-position acceptance")
+    lines += [head, "-" * len(head)]
+    for r in result["rows"]:
+        line = (f"{r['method']:<12}{r['temperature']:>4g}{r['gamma']:>3} "
+                f"{r['ar_tokens_per_second']:9.1f}{r['spec_tokens_per_second']:11.1f}"
+                f"{r['speedup']:8.2f}x{r['spec_ttft_ms']:8.1f}"
+                f"{r['ar_tpot_ms']:9.2f}/{r['spec_tpot_ms']:<7.2f}"
+                f"{r['acceptance_rate']:7.3f}{r['mean_accepted_length']:6.2f}{r['c']:7.3f}"
+                f"{r['verify_cost']:7.2f}{r['predicted_speedup']:9.2f}x"
+                f"{r['predicted_speedup_with_verify_cost']:6.2f}x  "
+                + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
+        if r.get("identical_to_autoregressive") is False:
+            line += "  OUTPUT DIFFERS FROM AUTOREGRESSIVE"
+        lines.append(line)
+    if any("identical_to_autoregressive" in r for r in result["rows"]):
+        same = all(r.get("identical_to_autoregressive", True) for r in result["rows"])
+        lines.append(f"\ngreedy output identical to autoregressive on every prompt: {same}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """``specjax bench`` (arguments parsed in specjax.cli)."""
+    from .checkpoint import load_model
+    from .tokenizer import load_tokenizer
+    texts = load_prompts(args.prompts)
+    if args.num_prompts is not None:
+        if args.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+        texts = texts[:args.num_prompts]
+    target = load_model(args.target, dtype=args.dtype)
+    tok = load_tokenizer(args.target)
+    prompts = [tok.encode(p["text"]) for p in texts]
+    if args.max_prompt_tokens is not None:
+        if args.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+        prompts = [p[-args.max_prompt_tokens:] for p in prompts]  # keep the end: it is continued
+    draft = load_model(args.draft, dtype=args.dtype) if args.method == "draft_model" else None
+    result = run_bench(target, prompts, draft=draft, method=args.method, gammas=args.gammas,
+                       temperatures=args.temperatures, top_k=args.top_k, top_p=args.top_p,
+                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
+                       verify_repeats=args.verify_repeats,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    result["settings"].update(target=str(args.target),
+                              draft=str(args.draft) if draft is not None else None,
+                              dtype=args.dtype)
+    print(format_table(result))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0 if all(r.get("identical_to_autoregressive", True) for r in result["rows"]) else 1
