@@ -1,9 +1,9 @@
 """Training: loss goes down, a resumed run is identical to an uninterrupted one, distillation
 pulls the student towards the teacher, the corpus split is by file."""
 
-import jax
 import json
 
+import jax
 import numpy as np
 import pytest
 
