@@ -54,26 +54,30 @@ def write(buffer: Array, new: Array, start: Array) -> Array:
 def attention_mask(length: Array, chunk_mask: Array, capacity: int) -> Array:
     """Which cache slots each new token may attend to: [B, T, S] bool.
 
-    The chunk's T tokens are written at slots length[b] .. length[b] + T - 1. A query sees every
-    slot before length[b] (the history) and, inside its own chunk, the slots chunk_mask allows::
+    The chunk's T tokens are written at slots length[b] .. length[b] + T - 1. chunk_mask is
+    [T, W] or [B, T, W] with W >= T: it covers a window of the last W slots ending with the chunk
+    (slots length + T - W .. length + T - 1). A query sees every slot before the window (the
+    history) and, inside the window, the slots chunk_mask allows::
 
-        history      chunk (causal chunk_mask, T = 3)      garbage
-        0 .. len-1   len  len+1 len+2                      len+3 .. S-1
-        1 1 1 1      1    0     0                          0 0 0
-        1 1 1 1      1    1     0                          0 0 0
-        1 1 1 1      1    1     1                          0 0 0
+        history      window = chunk (causal chunk_mask, T = W = 3)      garbage
+        0 .. len-1   len  len+1 len+2                                  len+3 .. S-1
+        1 1 1 1      1    0     0                                      0 0 0
+        1 1 1 1      1    1     0                                      0 0 0
+        1 1 1 1      1    1     1                                      0 0 0
 
-    chunk_mask is [T, T] or [B, T, T] (a tree's ancestor mask later); True = may attend.
+    W > T lets a chunk see part of what was written before it selectively: a draft expanding a
+    tree level by level writes each level after the earlier ones and must see only its own
+    ancestors among them (the tree's ancestor mask rows for the level, all columns so far).
     """
-    B, T = length.shape[0], chunk_mask.shape[-1]
-    chunk_mask = jnp.broadcast_to(chunk_mask, (B, T, T))
+    B, T, W = length.shape[0], chunk_mask.shape[-2], chunk_mask.shape[-1]
+    chunk_mask = jnp.broadcast_to(chunk_mask, (B, T, W))
     slot = jnp.arange(capacity)[None, :]  # [1, S]
-    offset = slot - length[:, None]  # [B, S]: index of the slot inside the chunk
-    in_chunk = (offset >= 0) & (offset < T)
+    offset = slot - (length[:, None] + T - W)  # [B, S]: index of the slot inside the window
+    in_window = (offset >= 0) & (offset < W)
     gathered = jnp.take_along_axis(
-        chunk_mask, jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None, :], (B, T, capacity)),
+        chunk_mask, jnp.broadcast_to(jnp.clip(offset, 0, W - 1)[:, None, :], (B, T, capacity)),
         axis=2)  # [B, T, S]
-    return (offset < 0)[:, None, :] | (in_chunk[:, None, :] & gathered)
+    return (offset < 0)[:, None, :] | (in_window[:, None, :] & gathered)
 
 
 def window_mask(length: Array, positions: Array, capacity: int, window: int) -> Array:
@@ -91,3 +95,24 @@ def window_mask(length: Array, positions: Array, capacity: int, window: int) -> 
 def causal_mask(T: int) -> Array:
     """[T, T] lower-triangular mask: token i sees tokens 0..i of its chunk."""
     return jnp.tril(jnp.ones((T, T), bool))
+
+
+def compact(cache: KVCache, start: Array, path: Array, num_accepted: Array) -> KVCache:
+    """Tree commit: move an accepted path's entries to consecutive slots after its root.
+
+    start [B]: the slot of the tree's root; node i was written at slot start + i. path [B, D]: the
+    accepted node at depths 1 .. D, of which the first num_accepted [B] count. Afterwards slot
+    start + j holds the entry of path[:, j - 1] for j <= num_accepted, as if the accepted tokens
+    had been decoded one after another. The length is left alone (callers set it). Sources are
+    never before their destination (a node at depth j has index >= j), and every read happens
+    before any write.
+    """
+    B, D = path.shape
+    depth = jnp.arange(1, D + 1)[None, :]
+    dst = start[:, None] + depth  # [B, D]
+    src = jnp.where(depth <= num_accepted[:, None], start[:, None] + path, dst)
+    rows = jnp.arange(B)[:, None]
+
+    def move(buf):  # [L, B, S, K, D]
+        return buf.at[:, rows, dst].set(buf[:, rows, src])
+    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v))

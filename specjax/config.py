@@ -182,6 +182,7 @@ METHODS = ("draft_model", "ngram")
 """Draft methods this version knows; ``SpecConfig.method`` must be one of them."""
 
 NEEDS_DRAFT_MODEL = ("draft_model",)
+TREE_METHODS = ("draft_model",)  # methods that can expand a static tree (SpecConfig.tree)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,14 +190,34 @@ class SpecConfig:
     """Speculative decoding settings, in vLLM's ``--speculative-config`` vocabulary."""
 
     method: str = "draft_model"  # which proposer makes the drafts
-    num_speculative_tokens: int = 4  # γ: drafts per round; the target verifies γ + 1 positions
+    # γ: drafts per round (the target verifies γ + 1 positions). None: 4 for a chain, the number
+    # of tree nodes with a tree (given with a tree, it must equal that number, as in vLLM).
+    num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up in the row's own text
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up (tried first)
+    # A static draft tree in vLLM's speculative_token_tree format: one path of child ranks per
+    # node, e.g. ((0,), (1,), (0, 0)); see specjax/tree.py. None = a chain of γ drafts.
+    tree: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"SpecConfig.method {self.method!r} is unknown; known methods: "
                              f"{', '.join(METHODS)}")
+        if self.tree is not None:
+            from .tree import Tree
+            tree = Tree(self.tree)  # validates; raises ValueError naming the bad path
+            object.__setattr__(self, "tree", tree.paths)
+            if self.num_speculative_tokens is None:
+                object.__setattr__(self, "num_speculative_tokens", len(tree.paths))
+            elif self.num_speculative_tokens != len(tree.paths):
+                raise ValueError(f"SpecConfig.num_speculative_tokens={self.num_speculative_tokens!r}"
+                                 f" but the tree has {len(tree.paths)} nodes: they must agree "
+                                 f"(or leave num_speculative_tokens out)")
+            if self.method not in TREE_METHODS:
+                raise ValueError(f"SpecConfig.tree is not supported with method "
+                                 f"{self.method!r}; tree methods: {', '.join(TREE_METHODS)}")
+        elif self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", 4)
         _require_int(self, "num_speculative_tokens", self.num_speculative_tokens, 1)
         _require_int(self, "prompt_lookup_min", self.prompt_lookup_min, 1)
         _require_int(self, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)

@@ -37,10 +37,11 @@ from . import sampling as sampling_lib
 from . import verify
 from .cache import KVCache
 from .config import MAX_EOS_IDS, SamplingParams, SpecConfig
-from .draft import DraftModelProposer, NgramProposer
+from .draft import DraftModelProposer, DraftTreeProposer, NgramProposer
 from .model import Model
 from .sampling import Filters, SamplingArrays
 from .stats import Counters, Stats
+from .tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,16 @@ class Plan:
     @property
     def gamma(self) -> int:
         return 0 if self.proposer is None else self.proposer.gamma
+
+    @property
+    def tree(self):
+        """The proposer's static tree (specjax.tree.Tree), or None for a chain."""
+        return getattr(self.proposer, "tree", None)
+
+    @property
+    def depth(self) -> int:
+        """The most drafts a round can accept: γ for a chain, the tree's depth for a tree."""
+        return self.gamma if self.tree is None else self.tree.depth
 
 
 @jax.tree_util.register_dataclass
@@ -132,7 +143,7 @@ def _prefill(plan: Plan, target_params, draft_params, prompts: Array, prompt_len
     return LoopState(
         history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
         done=done, cache=cache.rollback(prompt_lengths), draft_state=draft_state,
-        counters=Counters.zeros(plan.gamma), step=jnp.zeros((), jnp.int32))
+        counters=Counters.zeros(plan.depth), step=jnp.zeros((), jnp.int32))
 
 
 def _round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
@@ -158,12 +169,25 @@ def _round(plan: Plan, target_params, draft_params, request: Request,
             draft_params, state.draft_state, state.history, state.length, draft_keys,
             request.sampling, plan.filters)
         draft_tokens, draft_probs, valid = draft.tokens, draft.probs, draft.valid
-    chunk = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, G+1]
-    positions = state.length[:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
-    logits, _, cache = model_lib.forward(Model(plan.target, target_params), chunk, positions,
-                                         state.cache.rollback(state.length))
-    target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
-    verdict = verify.rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs, valid)
+    chunk = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, G+1] (tree: [B, N])
+    target = Model(plan.target, target_params)
+    cache = state.cache.rollback(state.length)
+    tree = plan.tree
+    if tree is None:
+        positions = state.length[:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
+        logits, _, cache = model_lib.forward(target, chunk, positions, cache)
+        target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
+        verdict = verify.rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs,
+                                          valid)
+    else:  # every node at once: position = length + depth, each node sees its ancestors
+        positions = state.length[:, None] + jnp.asarray(tree.depths)[None, :]
+        logits, _, cache = model_lib.forward(target, chunk, positions, cache,
+                                             chunk_mask=jnp.asarray(tree.ancestors))
+        target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
+        verdict = verify.tree_sample(verify_keys, tree, draft_tokens, target_probs, valid)
+        cache = kv.compact(cache, state.length, verdict.path, verdict.num_accepted)
+        draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
+                                           verdict.num_accepted)
     num_proposed = (jnp.full((B,), G, jnp.int32) if valid is None
                     else jnp.sum(valid, axis=1, dtype=jnp.int32))
 
@@ -343,13 +367,22 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
             raise ValueError(
                 f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
                 f"{cfg.vocab_size}: draft and target must share one vocabulary")
-        proposer = DraftModelProposer(draft.config, spec.num_speculative_tokens)
+        if spec.tree is None:
+            proposer = DraftModelProposer(draft.config, spec.num_speculative_tokens)
+        else:
+            proposer = DraftTreeProposer(draft.config, Tree(spec.tree))
     else:
         if draft is not None:
             raise ValueError(f"method {spec.method!r} uses no draft model; drop draft=")
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                  spec.prompt_lookup_max)
     gamma = 0 if proposer is None else proposer.gamma
+    if spec is not None and spec.tree is not None:
+        for name, c in [("target", cfg), ("draft", draft.config if draft is not None else None)]:
+            if c is not None and c.sliding_window is not None:
+                raise ValueError(f"tree drafts are not supported with sliding-window attention "
+                                 f"(the {name} has sliding_window={c.sliding_window}); use a "
+                                 f"chain (tree=None)")
 
     P = bucket(longest)
     # Never a write past S (dynamic_update_slice would clamp and overwrite silently): a row's last
@@ -402,7 +435,7 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         n = int(generated[b])
         tokens[b, :n] = history[b, lengths[b]:lengths[b] + n]
     stats = Stats.summarise(
-        state.counters, gamma=gamma, draft_calls_per_round=gamma,
+        state.counters, gamma=plan.depth, draft_calls_per_round=plan.depth,
         has_draft_model=isinstance(proposer, DraftModelProposer),
         generated_tokens=int(generated.sum()), batch=B,
         prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,

@@ -209,6 +209,8 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
 
     tokens, positions: [B, T] int32 (positions are per token, so a tree's nodes use their depth).
     chunk_mask: [T, T] or [B, T, T], True where token i may see token j of the chunk; None = causal.
+    A wider [T, W] / [B, T, W] mask also covers the W - T slots written just before the chunk
+    (see ``cache.attention_mask``; a tree drafted level by level uses it).
     The chunk is written at slots cache.length .. cache.length + T - 1 and the returned cache has
     length + T; callers roll it back to what they accept.
 

@@ -22,11 +22,14 @@ class Counters:
     accepted: Array  # [] int32: accepted drafts
     emitted: Array  # [] int32: sum of num_accepted + 1 (before EOS / max_new_tokens truncation)
     accepted_at: Array  # [G] int32: active row-rounds whose draft at position k was accepted
+    accepted_count: Array  # [G+1] int32: active row-rounds that accepted exactly k drafts
 
     @classmethod
     def zeros(cls, gamma: int) -> "Counters":
+        """gamma: the most drafts a round can accept (a tree's depth)."""
         z = jnp.zeros((), jnp.int32)
-        return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32))
+        return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32),
+                   jnp.zeros((gamma + 1,), jnp.int32))
 
     def update(self, active: Array, num_accepted: Array, num_proposed: Array) -> "Counters":
         """active [B] bool, num_accepted [B] int32, num_proposed [B] int32."""
@@ -42,6 +45,9 @@ class Counters:
             accepted=self.accepted + jnp.sum(n, dtype=jnp.int32),
             emitted=self.emitted + jnp.sum(jnp.where(active, n + 1, 0), dtype=jnp.int32),
             accepted_at=self.accepted_at + jnp.sum(at, axis=0, dtype=jnp.int32),
+            accepted_count=self.accepted_count + jnp.sum(
+                (n[:, None] == jnp.arange(G + 1)[None, :]) & active[:, None], axis=0,
+                dtype=jnp.int32),
         )
 
 
@@ -49,9 +55,12 @@ class Counters:
 class Stats:
     """What one ``generate`` call did. Rates are over (row, round) pairs of rows still running."""
 
-    acceptance_rate: float  # accepted drafts / proposed drafts (nan when none was proposed)
+    acceptance_rate: float  # accepted drafts / proposed drafts (nan when none was proposed);
+    #   a tree proposes all its nodes but can accept at most one path, so its rate is lower
     mean_accepted_length: float  # tokens per row-round, bonus/recovered included (1.0 without)
     per_position_acceptance: np.ndarray  # [G]: fraction of row-rounds whose k-th draft was accepted
+    #   (trees: per depth, the fraction of row-rounds whose accepted path reached depth k)
+    accepted_length_distribution: np.ndarray  # [G+1]: fraction of row-rounds accepting k drafts
     num_rounds: int  # decode loop iterations
     target_calls: int  # target forwards: prefill + one verify per round
     draft_calls: int  # draft-model forwards: prefill + γ per round (0 without a draft model)
@@ -79,6 +88,8 @@ class Stats:
             mean_accepted_length=float(c.emitted) / row_rounds if row_rounds else float("nan"),
             per_position_acceptance=(np.asarray(c.accepted_at, np.float64) / row_rounds
                                      if row_rounds else np.zeros(gamma)),
+            accepted_length_distribution=(np.asarray(c.accepted_count, np.float64) / row_rounds
+                                          if row_rounds else np.zeros(gamma + 1)),
             num_rounds=rounds,
             target_calls=1 + rounds,
             draft_calls=(1 + draft_calls_per_round * rounds) if has_draft_model else 0,

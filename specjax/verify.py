@@ -37,6 +37,7 @@ from . import sampling
 class Verdict:
     tokens: Array  # [B, G+1] int32: accepted drafts, then the recovered or bonus token, then -1
     num_accepted: Array  # [B] int32 in [0, G]; the row emits num_accepted + 1 tokens
+    path: Array | None = None  # trees: [B, D] the accepted node at each depth (0 past the end)
 
 
 def _draft_token_probs(probs: Array, tokens: Array) -> Array:
@@ -107,3 +108,85 @@ def rejection_sample(keys: Array, draft_tokens: Array, draft_probs: Array | None
     tokens = jnp.where(index < num_accepted[:, None], padded, -1)
     tokens = jnp.where(index == num_accepted[:, None], last[:, None].astype(tokens.dtype), tokens)
     return Verdict(tokens.astype(jnp.int32), num_accepted)
+
+
+# -- trees ---------------------------------------------------------------------------------------
+
+def _remove(p: Array, token: Array, where: Array) -> Array:
+    """p [B, V] with token [B] removed and renormalised, in rows where ``where`` [B]; rows whose
+    remaining mass is zero (probability-0 events) keep p."""
+    cut = jnp.where(jax.nn.one_hot(token, p.shape[-1], dtype=bool), 0.0, p)
+    mass = jnp.sum(cut, axis=-1, keepdims=True)
+    cut = cut / jnp.where(mass > 0, mass, 1.0)
+    return jnp.where(where[:, None] & (mass > 0), cut, p)
+
+
+def sibling_probs(p: Array, child_tokens: Array, child_valid: Array) -> tuple[Array, Array]:
+    """The tree rule at one node: children tried in rank order against the target's p [B, V].
+
+    child_tokens, child_valid [B, C]. Child c (reached only if children 0..c-1 were rejected) is
+    accepted with probability p_c(token_c), where p_c is p with the tokens of the rejected earlier
+    siblings removed and renormalised. Returns (accept [B, C], residual [B, V]): the conditional
+    acceptance probabilities (0 for invalid children) and p with every valid child's token removed,
+    from which the row's token is drawn when all are rejected. Either way the node's output token
+    is distributed as p (the proof is the chain's point-mass rule applied once per sibling).
+    """
+    accept = []
+    for c in range(child_tokens.shape[1]):
+        tok, ok = child_tokens[:, c], child_valid[:, c]
+        accept.append(jnp.where(ok, jnp.take_along_axis(p, tok[:, None], axis=1)[:, 0], 0.0))
+        p = _remove(p, tok, ok)
+    return jnp.stack(accept, axis=1), p
+
+
+def tree_sample(keys: Array, tree, draft_tokens: Array, target_probs: Array,
+                valid: Array | None = None) -> Verdict:
+    """One verification round for a batch of trees (point-mass drafts: deterministic candidates).
+
+    tree: a specjax.tree.Tree with N nodes (static); draft_tokens [B, N-1], the tokens of nodes
+    1 .. N-1; target_probs [B, N, V], the processed target distribution after each node (node 0 is
+    the root, the row's last token); valid [B, N-1] or None: nodes a proposer did not fill are
+    never accepted. From the root, each depth tries the current node's children (``sibling_probs``)
+    and moves to the accepted one; the round stops at the first node whose children are all
+    rejected, drawing the row's last token from that node's residual, or at a leaf, drawing the
+    bonus token from its p. Greedy rows (one-hot p) follow the longest path that matches the
+    target's argmax. Returns tokens [B, D+1], num_accepted [B] and the accepted nodes path [B, D].
+    """
+    B = draft_tokens.shape[0]
+    D = tree.depth
+    rows = jnp.arange(B)
+    children = jnp.asarray(tree.children)  # [N, C]
+    C = children.shape[1]
+    tokens = jnp.concatenate([jnp.zeros((B, 1), draft_tokens.dtype), draft_tokens], axis=1)
+    ok = jnp.ones((B, tree.num_nodes), bool)
+    if valid is not None:
+        ok = ok.at[:, 1:].set(valid)
+    split = jax.vmap(jax.random.split)(keys)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (D, C)))(split[:, 0])  # [B, D, C]
+
+    node = jnp.zeros((B,), jnp.int32)
+    alive = jnp.ones((B,), bool)
+    final_p = target_probs[:, 0]
+    path, out = [], []
+    for d in range(D):
+        kids = children[node]  # [B, C]
+        safe = jnp.maximum(kids, 0)
+        kid_ok = (kids >= 0) & ok[rows[:, None], safe]
+        accept, residual = sibling_probs(target_probs[rows, node], tokens[rows[:, None], safe],
+                                         kid_ok)
+        hit = u[:, d] < accept  # [B, C]; accept is 0 for invalid children
+        first = jnp.argmax(hit, axis=1)
+        moved = alive & jnp.any(hit, axis=1)
+        # The residual after rejecting every child; a row that accepts child c never uses it.
+        final_p = jnp.where((alive & ~moved)[:, None], residual, final_p)
+        node = jnp.where(moved, kids[rows, first], node)
+        path.append(jnp.where(moved, node, 0))
+        out.append(jnp.where(moved, tokens[rows, node], -1))
+        alive = moved
+    final_p = jnp.where(alive[:, None], target_probs[rows, node], final_p)  # reached a leaf
+    num_accepted = jnp.sum(jnp.stack(out, axis=1) >= 0, axis=1).astype(jnp.int32)
+    last = sampling.sample(split[:, 1], final_p)
+    index = jnp.arange(D + 1)[None, :]
+    emitted = jnp.concatenate([jnp.stack(out, axis=1), jnp.full((B, 1), -1, jnp.int32)], axis=1)
+    emitted = jnp.where(index == num_accepted[:, None], last[:, None], emitted)
+    return Verdict(emitted.astype(jnp.int32), num_accepted, jnp.stack(path, axis=1))

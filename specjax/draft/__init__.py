@@ -12,6 +12,12 @@ Protocol::
     propose(params, state, history [B, S], length [B], keys [B], sampling, filters)
         -> (Draft, state)
 
+Tree proposers also carry ``tree`` (a specjax.tree.Tree; ``gamma`` is its number of non-root
+nodes, and ``Draft.tokens`` holds nodes 1 .. N-1 in the tree's order) and
+``commit(state, start [B], path [B, D], num_accepted [B]) -> state``, called after verification
+with the accepted nodes, so the proposer can compact its own cache as the engine compacts the
+target's.
+
 A proposer may offer fewer than γ drafts in a row (none included) through ``Draft.valid``; the
 verifier treats the missing ones as never proposed (the row's next token is then drawn from the
 target's own distribution at that position), so shapes stay static and nothing recompiles.
@@ -38,7 +44,7 @@ class Draft:
     valid: Array | None = None  # [B, G] bool, a prefix per row: drafts actually proposed; None = all
 
 
-from .model import DraftModelProposer  # noqa: E402
+from .model import DraftModelProposer, DraftTreeProposer  # noqa: E402
 from .ngram import NgramProposer  # noqa: E402
 
-__all__ = ["Draft", "DraftModelProposer", "NgramProposer"]
+__all__ = ["Draft", "DraftModelProposer", "DraftTreeProposer", "NgramProposer"]
