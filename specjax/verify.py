@@ -136,6 +136,8 @@ def sibling_probs(p: Array, child_tokens: Array, child_valid: Array) -> tuple[Ar
         tok, ok = child_tokens[:, c], child_valid[:, c]
         accept.append(jnp.where(ok, jnp.take_along_axis(p, tok[:, None], axis=1)[:, 0], 0.0))
         p = _remove(p, tok, ok)
+    if not accept:  # a leaf
+        return jnp.zeros(child_tokens.shape, p.dtype), p
     return jnp.stack(accept, axis=1), p
 
 

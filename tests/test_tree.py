@@ -1,0 +1,386 @@
+"""Tree drafts: topology tables, the tree acceptance rule (exact enumeration), greedy equality,
+end-to-end distributions, and the committed cache."""
+
+import itertools
+import json
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from conftest import tiny_model
+from specjax import cache as kv
+from specjax import engine, verify
+from specjax.sampling import Filters, SamplingArrays
+from specjax.tree import Tree
+from test_lossless import (LATER, exact_joint, g_test, generate_samples, later_samples,
+                           models, tail_joints, tail_pvalues)  # noqa: F401 (fixtures)
+
+SEED_EXAMPLE = ((0,), (1,), (0, 0), (0, 1))  # the seed text's [r, a, b, c, d]
+TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))  # the issue's example
+
+
+# -- topology -------------------------------------------------------------------------------------
+
+def test_seed_example_tables():
+    tree = Tree(SEED_EXAMPLE)
+    assert tree.num_nodes == 5 and tree.depth == 2
+    np.testing.assert_array_equal(tree.parents, [-1, 0, 0, 1, 1])
+    np.testing.assert_array_equal(tree.depths, [0, 1, 1, 2, 2])
+    np.testing.assert_array_equal(tree.ranks, [0, 0, 1, 0, 1])
+    np.testing.assert_array_equal(tree.ancestors.astype(int), [[1, 0, 0, 0, 0],  # r
+                                                               [1, 1, 0, 0, 0],  # a
+                                                               [1, 0, 1, 0, 0],  # b
+                                                               [1, 1, 0, 1, 0],  # c
+                                                               [1, 1, 0, 0, 1]])  # d
+    np.testing.assert_array_equal(tree.children, [[1, 2], [3, 4], [-1, -1], [-1, -1], [-1, -1]])
+    assert tree.levels == ((1, 3), (3, 5))
+    # positions are length + depth: c and d are both the second token after r
+    assert list(10 + tree.depths) == [10, 11, 11, 12, 12]
+
+
+def random_tree(rng, max_nodes=20):
+    paths, frontier = [], [()]
+    while frontier and len(paths) < max_nodes:
+        parent = frontier.pop(rng.integers(len(frontier)))
+        for r in range(rng.integers(1, 4)):
+            if len(paths) < max_nodes and len(parent) < 6:
+                paths.append(parent + (r,))
+                frontier.append(parent + (r,))
+    rng.shuffle(paths)  # any order in, breadth-first order out
+    return [tuple(p) for p in paths]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tables_match_brute_force_on_random_trees(seed):
+    paths = random_tree(np.random.default_rng(seed))
+    tree = Tree(paths)
+    nodes = [()] + list(tree.paths)
+    assert sorted(nodes[1:]) == sorted(paths)
+    for i, a in enumerate(nodes):
+        assert tree.depths[i] == len(a)
+        for j, b in enumerate(nodes):  # j is an ancestor-or-self of i iff b is a prefix of a
+            assert tree.ancestors[i, j] == (a[:len(b)] == b)
+        if i:
+            assert nodes[tree.parents[i]] == a[:-1] and tree.ranks[i] == a[-1]
+        kids = [j for j, b in enumerate(nodes) if len(b) == len(a) + 1 and b[:-1] == a]
+        assert [k for k in tree.children[i] if k >= 0] == sorted(kids, key=lambda k: nodes[k])
+    for d, (start, stop) in enumerate(tree.levels, start=1):
+        assert (tree.depths[start:stop] == d).all() and (tree.depths == d).sum() == stop - start
+
+
+@pytest.mark.parametrize("paths,message", [
+    ([], "no nodes"),
+    ([()], "must not be empty"),
+    ([(0,), (0, 1)], "skips a rank"),
+    ([(1,)], "skips a rank"),
+    ([(0, 0)], "has no parent"),
+    ([(0,), (0,)], "appears twice"),
+    ([(0,), (-1,)], "ints >= 0"),
+    ([(0,), ("a",)], "ints >= 0"),
+    ("0", "list of paths"),
+    ([(0,) * d for d in range(1, 18)], "depth 17"),
+    ([(i,) for i in range(65)], "at most 64"),
+])
+def test_bad_trees_are_refused(paths, message):
+    with pytest.raises(ValueError, match=message):
+        Tree(paths)
+
+
+def test_spec_config_tree():
+    spec = sj.SpecConfig(tree=[[1], [0], [0, 0]])  # JSON-style lists, any order
+    assert spec.tree == ((0,), (1,), (0, 0)) and spec.num_speculative_tokens == 3
+    assert sj.SpecConfig.parse(json.dumps({"tree": [[0], [0, 0]]})).tree == ((0,), (0, 0))
+    assert hash(spec) == hash(sj.SpecConfig(tree=((0,), (1,), (0, 0))))  # a static config
+    with pytest.raises(ValueError, match="num_speculative_tokens=4 but the tree has 3 nodes"):
+        sj.SpecConfig(tree=((0,), (1,), (0, 0)), num_speculative_tokens=4)
+    with pytest.raises(ValueError, match="not supported with method 'ngram'"):
+        sj.SpecConfig(method="ngram", tree=((0,),))
+    with pytest.raises(ValueError, match="has no parent"):
+        sj.SpecConfig(tree=((0, 0),))
+    assert sj.SpecConfig().num_speculative_tokens == 4  # chains keep their default
+
+
+def test_windowed_chunk_mask():
+    """A [T, W] chunk mask covers the W - T slots before the chunk too (tree levels)."""
+    tree = Tree(SEED_EXAMPLE)
+    start, stop = tree.levels[1]  # depth-2 nodes c, d written after r, a, b
+    length = jnp.array([3])  # root r at slot 3; c, d written at slots 6, 7
+    mask = kv.attention_mask(length + start, jnp.asarray(tree.ancestors[start:stop, :stop]), 10)
+    want = np.zeros((2, 10), bool)
+    want[:, :4] = True  # history and the root
+    want[0, [4, 6]] = want[1, [4, 7]] = True  # each its parent a and itself, never b
+    np.testing.assert_array_equal(mask[0], want)
+    square = kv.attention_mask(length, kv.causal_mask(3), 10)  # W == T: the old behaviour
+    np.testing.assert_array_equal(square[0, :, 3:6], np.tril(np.ones((3, 3), bool)))
+
+
+# -- the acceptance rule, exactly ----------------------------------------------------------------
+
+def conditional(prefix, V, temperature=1.0):
+    """A fixed 'true' next-token distribution for every prefix (a tiny world to verify in)."""
+    rng = np.random.default_rng(zlib.crc32(repr(tuple(int(x) for x in prefix)).encode()))
+    logits = rng.normal(size=V) * 1.5
+    p = np.exp(logits / temperature)
+    return p / p.sum()
+
+
+def one_round(tree, V, node_tokens):
+    """target_probs [1, N, V] for a tree whose non-root nodes carry node_tokens."""
+    nodes = [()] + list(tree.paths)
+    index = tree.index
+    tokens_of = lambda path: [node_tokens[index[path[:i + 1]] - 1] for i in range(len(path))]  # noqa: E731
+    return np.stack([conditional(tokens_of(n), V) for n in nodes])[None]
+
+
+def exact_outcomes(tree, node_tokens, target_probs):
+    """P(emitted sequence) for one round, by walking the rule's probabilities (sibling_probs)."""
+    children, V = tree.children, target_probs.shape[-1]
+    out = {}
+
+    def walk(node, prob, emitted):
+        kids = [k for k in children[node] if k >= 0]
+        p = jnp.asarray(target_probs[:, node])
+        toks = jnp.asarray([[node_tokens[k - 1] for k in kids]], jnp.int32).reshape(1, len(kids))
+        accept, residual = verify.sibling_probs(p, toks, jnp.ones_like(toks, bool))
+        accept, residual = np.asarray(accept[0], np.float64), np.asarray(residual[0], np.float64)
+        reach = prob
+        for c, k in enumerate(kids):
+            walk(k, reach * accept[c], emitted + (node_tokens[k - 1],))
+            reach *= 1 - accept[c]
+        for x in range(V):
+            out[emitted + (x,)] = out.get(emitted + (x,), 0.0) + reach * residual[x]
+
+    walk(0, 1.0, ())
+    return out
+
+
+def completed(outcomes, V, depth):
+    """Extend each emitted sequence autoregressively to depth + 1 tokens: a distribution over
+    V^(depth+1) sequences that must equal autoregressive sampling if the rule is lossless."""
+    joint = {}
+    for seq, prob in outcomes.items():
+        stack = [(seq, prob)]
+        while stack:
+            s, q = stack.pop()
+            if len(s) == depth + 1:
+                joint[s] = joint.get(s, 0.0) + q
+                continue
+            p = conditional(list(s), V)
+            stack.extend((s + (x,), q * p[x]) for x in range(V))
+    return joint
+
+
+def autoregressive(V, depth):
+    joint = {}
+    for s in itertools.product(range(V), repeat=depth + 1):
+        joint[s] = np.prod([conditional(list(s[:i]), V)[s[i]] for i in range(depth + 1)])
+    return joint
+
+
+TREES = [SEED_EXAMPLE, TREE, ((0,), (1,), (2,), (0, 0), (2, 0), (2, 1)), ((0,), (0, 0), (0, 0, 0))]
+
+
+@pytest.mark.parametrize("paths", TREES, ids=["seed", "issue", "wide", "chain"])
+@pytest.mark.parametrize("candidates", ["distinct", "likely"])
+def test_tree_rule_is_lossless_by_enumeration(paths, candidates):
+    V = 4
+    tree = Tree(paths)
+    rng = np.random.default_rng(0)
+    node_tokens = []
+    for i, path in enumerate(tree.paths):  # siblings distinct; "likely": ranked as the target ranks
+        if candidates == "distinct":
+            node_tokens.append(int(rng.permutation(V)[path[-1]]))
+        else:
+            parent = path[:-1]
+            prefix = [node_tokens[tree.index[parent[:j + 1]] - 1] for j in range(len(parent))]
+            node_tokens.append(int(np.argsort(-conditional(prefix, V))[path[-1]]))
+    target_probs = one_round(tree, V, node_tokens)
+    joint = completed(exact_outcomes(tree, node_tokens, target_probs), V, tree.depth)
+    want = autoregressive(V, tree.depth)
+    assert sum(joint.values()) == pytest.approx(1.0, abs=1e-6)
+    for s, prob in want.items():
+        assert joint.get(s, 0.0) == pytest.approx(prob, abs=1e-6), s
+
+
+def test_keeping_rejected_siblings_breaks_the_enumeration(monkeypatch):
+    """The control: trying the next sibling against p itself (rejected tokens not removed)."""
+    V, tree = 4, Tree(TREE)
+    node_tokens = [0, 1, 2, 3, 0, 1]
+    target_probs = one_round(tree, V, node_tokens)
+    monkeypatch.setattr(verify, "_remove", lambda p, token, where: p)
+    joint = completed(exact_outcomes(tree, node_tokens, target_probs), V, tree.depth)
+    want = autoregressive(V, tree.depth)
+    assert max(abs(joint.get(s, 0.0) - prob) for s, prob in want.items()) > 1e-2
+
+
+def test_tree_sample_draws_from_the_rule():
+    """tree_sample's outcomes (emitted tokens and accepted nodes) occur with the probabilities
+    that the enumeration gives, and the path it reports leads to the tokens it emits."""
+    from scipy import stats as scipy_stats
+    V, tree, B = 4, Tree(TREE), 100_000
+    node_tokens = [0, 1, 2, 3, 0, 1]
+    target_probs = one_round(tree, V, node_tokens)
+    exact = exact_outcomes(tree, node_tokens, target_probs)
+    keys = jax.random.split(jax.random.key(3), B)
+    verdict = jax.jit(verify.tree_sample, static_argnums=1)(
+        keys, tree, jnp.tile(jnp.asarray(node_tokens, jnp.int32), (B, 1)),
+        jnp.tile(jnp.asarray(target_probs, jnp.float32), (B, 1, 1)))
+    tokens, n, path = map(np.asarray, (verdict.tokens, verdict.num_accepted, verdict.path))
+    emitted = [tuple(row[:k + 1]) for row, k in zip(tokens, n)]
+    for row, k, p in zip(tokens[:200], n[:200], path[:200]):
+        assert list(row[:k]) == [node_tokens[i - 1] for i in p[:k]] and (row[k + 1:] == -1).all()
+        assert all(tree.parents[p[j]] == (p[j - 1] if j else 0) for j in range(k))
+    keys_ = sorted(exact)
+    counts = np.array([0] * len(keys_))
+    index = {s: i for i, s in enumerate(keys_)}
+    for s in emitted:
+        counts[index[s]] += 1
+    expected = np.array([exact[s] for s in keys_])
+    assert expected.sum() == pytest.approx(1.0, abs=1e-6)
+    expected = expected / expected.sum() * B  # float32 rounding in the sum
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    assert scipy_stats.power_divergence(obs, exp, lambda_="log-likelihood").pvalue > 1e-3
+
+
+def test_greedy_rule_follows_the_argmax_path():
+    V, tree = 5, Tree(TREE)
+    # one-hot targets: argmax after the root is 3, after (3) is 1, after anything else 0
+    node_tokens = [2, 3, 4, 1, 0, 0]  # node 2 (rank 1) = 3 matches; its child (1,0) = 0 does not
+    probs = np.zeros((1, tree.num_nodes, V), np.float32)
+    probs[0, 0, 3] = 1  # root -> 3
+    probs[0, 1:, 0] = 1
+    probs[0, 2, :] = 0
+    probs[0, 2, 1] = 1  # after 3 comes 1; node 5 (1,0) proposes 0: rejected, recover 1
+    verdict = verify.tree_sample(jax.random.split(jax.random.key(0), 1), tree,
+                                 jnp.asarray([node_tokens], jnp.int32), jnp.asarray(probs))
+    assert int(verdict.num_accepted[0]) == 1
+    assert list(np.asarray(verdict.tokens[0])) == [3, 1, -1, -1]
+    assert int(verdict.path[0, 0]) == 2
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+GREEDY_TREES = [TREE, SEED_EXAMPLE, ((0,), (1,), (2,), (0, 0), (2, 0), (2, 1)),
+                ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))]
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    target = tiny_model(seed=1, vocab_size=64, layers=2)
+    leaves, treedef = jax.tree.flatten(target.params)
+    keys = jax.random.split(jax.random.key(5), len(leaves))
+    close = sj.Model(target.config, jax.tree.unflatten(  # a perturbed copy: often right
+        treedef, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    drafts = {"other": close, "same": target}
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 11, [5]]
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=23)
+    return target, drafts, prompts, sampling, sj.generate(target, prompts, sampling=sampling)
+
+
+@pytest.mark.parametrize("paths", GREEDY_TREES, ids=["issue", "seed", "wide", "deep"])
+@pytest.mark.parametrize("which", ["other", "same"])
+def test_greedy_tree_equals_autoregressive(greedy_setup, paths, which):
+    target, drafts, prompts, sampling, ar = greedy_setup
+    out = sj.generate(target, prompts, sampling=sampling, draft=drafts[which],
+                      spec=sj.SpecConfig(tree=paths))
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    tree = Tree(paths)
+    s = out.stats
+    assert s.per_position_acceptance.shape == (tree.depth,)
+    assert s.accepted_length_distribution.shape == (tree.depth + 1,)
+    assert s.accepted_length_distribution.sum() == pytest.approx(1.0)
+    assert s.mean_accepted_length == pytest.approx(
+        1 + (np.arange(tree.depth + 1) * s.accepted_length_distribution).sum())
+    # every round proposes all N - 1 nodes for each active row
+    assert s.proposed_tokens % (tree.num_nodes - 1) == 0
+    assert s.proposed_tokens >= (tree.num_nodes - 1) * s.num_rounds
+    if which == "same":  # the draft is the target: its rank-0 path is always right
+        rank0_depth = max(len(p) for p in tree.paths if set(p) == {0})
+        assert s.per_position_acceptance[rank0_depth - 1] > 0.7
+    else:
+        assert s.accepted_tokens > 0
+
+
+def test_tree_errors(greedy_setup):
+    target, drafts, prompts, sampling, _ = greedy_setup
+    window = tiny_model(seed=2, vocab_size=64, hidden_size=8, layers=1, sliding_window=8)
+    with pytest.raises(ValueError, match="sliding-window"):
+        sj.generate(target, prompts, sampling=sampling, draft=window,
+                    spec=sj.SpecConfig(tree=SEED_EXAMPLE))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        sj.generate(target, prompts, sampling=sampling, spec=sj.SpecConfig(tree=SEED_EXAMPLE))
+
+
+def test_committed_cache_equals_plain_decoding(greedy_setup):
+    """After each tree round, the target's and the draft's caches hold what decoding the accepted
+    tokens one by one would have written (K and V compared), for every row."""
+    target, drafts, prompts, _, _ = greedy_setup
+    draft = drafts["other"]
+    tree = Tree(TREE)
+    proposer = engine.DraftTreeProposer(draft.config, tree)
+    plan = engine.Plan(target.config, proposer, 64, Filters(top_k=0, top_p=False))
+    B, P = len(prompts), 16
+    padded = np.zeros((B, P), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, :len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    request = engine.Request(
+        keys=jax.random.split(jax.random.key(0), B),
+        sampling=SamplingArrays(temperature=jnp.full((B,), 0.7),
+                                            top_k=jnp.zeros((B,), jnp.int32),
+                                            top_p=jnp.ones((B,))),
+        max_new_tokens=jnp.full((B,), 30, jnp.int32), eos=jnp.full((8,), -1, jnp.int32))
+    state = jax.jit(engine._prefill, static_argnums=0)(plan, target.params, draft.params,
+                                                      jnp.asarray(padded), lengths, request)
+    round_ = jax.jit(engine._round, static_argnums=0)
+    deep = 0
+    for _ in range(5):
+        old = np.asarray(state.length)
+        state = round_(plan, target.params, draft.params, request, state)
+        length = np.asarray(state.length)
+        deep += int(np.sum(length - old - 1 >= 2))
+        for b in range(B):
+            seq = jnp.asarray(state.history[b:b + 1, :length[b]])
+            for model, cache, upto in [(target, state.cache, length[b]),
+                                       (draft, state.draft_state, min(length[b], old[b] + 3))]:
+                positions = jnp.arange(seq.shape[1])[None]
+                _, _, ref = sj.forward(model, seq, positions, sj.KVCache.init(model.config, 1,
+                                                                              seq.shape[1]))
+                # the draft holds nodes up to depth D - 1 = 2 after the root (slot old[b])
+                np.testing.assert_allclose(cache.k[:, b, :upto], ref.k[:, 0, :upto], atol=2e-5)
+                np.testing.assert_allclose(cache.v[:, b, :upto], ref.v[:, 0, :upto], atol=2e-5)
+    assert deep > 0  # paths of depth >= 2 were accepted and compacted
+
+
+# -- end to end distributions -------------------------------------------------------------------
+
+@pytest.mark.parametrize("paths", [TREE, ((0,), (1,), (2,), (0, 0), (1, 0))], ids=["issue", "wide"])
+def test_first_three_tokens_follow_the_target_with_a_tree(models, paths):
+    target, drafts = models
+    t, k = 0.8, 5
+    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
+    samples = generate_samples(target, drafts["close"], sampling, sj.SpecConfig(tree=paths))
+    assert g_test(samples, exact_joint(target, t, k, 1.0)) > 1e-3
+
+
+def test_later_tokens_follow_the_target_with_a_tree(models, tail_joints):
+    target, drafts = models
+    out = later_samples(target, drafts["close"], None, tree=TREE)
+    assert out.stats.per_position_acceptance[1] > 0.05  # deep paths (and compaction) happen
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
+
+
+def test_tree_without_sibling_removal_fails_end_to_end(models, monkeypatch, fresh_programs):
+    target, drafts = models
+    monkeypatch.setattr(verify, "_remove", lambda p, token, where: p)
+    t, k = 0.8, 5
+    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
+    samples = generate_samples(target, drafts["close"], sampling,
+                               sj.SpecConfig(tree=((0,), (1,), (2,), (0, 0), (1, 0))))
+    assert g_test(samples, exact_joint(target, t, k, 1.0)) < 1e-6
