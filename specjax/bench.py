@@ -41,6 +41,7 @@ from .cache import KVCache
 from .config import SamplingParams, SpecConfig
 from .engine import bucket, generate
 from .model import Model, forward
+from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
 
@@ -135,18 +136,34 @@ def _pooled(outs) -> dict:
                 rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted)
 
 
-def run_bench(target: Model, prompts: list[list[int]], *, draft: Model | None = None,
-              method: str = "draft_model", gammas=(2, 4, 6), temperatures=(0.0, 0.8),
-              top_k: int = 0, top_p: float = 1.0, max_new_tokens: int = 128, repeats: int = 3,
-              seed: int = 0, verify_repeats: int = 20, log=None) -> dict:
-    """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
-    per (temperature, γ)."""
-    if method not in ("draft_model", "ngram"):
-        raise ValueError(f"method must be 'draft_model' or 'ngram', got {method!r}")
-    if method == "draft_model" and draft is None:
-        raise ValueError("method 'draft_model' needs a draft model")
+def chain_specs(method: str, gammas) -> list[SpecConfig]:
     if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in gammas):
         raise ValueError(f"gammas must be ints >= 1, got {list(gammas)!r}")
+    return [SpecConfig(method=method, num_speculative_tokens=g) for g in gammas]
+
+
+def _label(spec: SpecConfig) -> str:
+    if spec.tree is None:
+        return f"chain {spec.num_speculative_tokens}"
+    tree = Tree(spec.tree)
+    return f"tree {tree.num_nodes - 1}/{tree.depth}"  # nodes / depth
+
+
+def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | None = None,
+              temperatures=(0.0, 0.8), top_k: int = 0, top_p: float = 1.0,
+              max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
+              verify_repeats: int = 20, log=None) -> dict:
+    """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
+    per (temperature, spec). specs: SpecConfigs (chains or trees), all of one method."""
+    specs = [SpecConfig.parse(s) for s in specs]
+    if not specs:
+        raise ValueError("specs is empty: give at least one SpecConfig")
+    methods = {s.method for s in specs}
+    if len(methods) > 1:
+        raise ValueError(f"one method per bench run, got {sorted(methods)}")
+    method = specs[0].method
+    if specs[0].needs_draft_model and draft is None:
+        raise ValueError(f"method {method!r} needs a draft model")
     if not temperatures or any(not t >= 0 for t in temperatures):
         raise ValueError(f"temperatures must be >= 0, got {list(temperatures)!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -154,8 +171,7 @@ def run_bench(target: Model, prompts: list[list[int]], *, draft: Model | None = 
     if not prompts:
         raise ValueError("prompts is empty")
     log = log or (lambda msg: None)
-    specs = {g: SpecConfig(method=method, num_speculative_tokens=g) for g in gammas}
-    use_draft = draft if method == "draft_model" else None
+    use_draft = draft if specs[0].needs_draft_model else None
 
     rows = []
     for temperature in temperatures:
@@ -164,7 +180,7 @@ def run_bench(target: Model, prompts: list[list[int]], *, draft: Model | None = 
         variants = {"ar": (target, None, None)}
         if use_draft is not None:
             variants["draft-ar"] = (use_draft, None, None)
-        variants.update({g: (target, specs[g], use_draft) for g in gammas})
+        variants.update({i: (target, s, use_draft) for i, s in enumerate(specs)})
 
         def run_all(model, spec, d):
             return [generate(model, [p], sampling=sampling, spec=spec, draft=d, key=seed + i)
@@ -181,11 +197,15 @@ def run_bench(target: Model, prompts: list[list[int]], *, draft: Model | None = 
             log(f"T={temperature}: repeat {r + 1}/{repeats} done")
         ar = runs["ar"]
         c = (runs["draft-ar"].median("tpot") / ar.median("tpot")) if use_draft is not None else 0.0
-        for g in gammas:
-            sp = runs[g]
-            pooled = _pooled(sp.outputs)
+        for i, spec in enumerate(specs):
+            sp = runs[i]
+            tree = None if spec.tree is None else Tree(spec.tree)
             row = dict(
-                method=method, temperature=temperature, gamma=g,
+                label=_label(spec), method=method, temperature=temperature,
+                gamma=spec.num_speculative_tokens,
+                depth=spec.num_speculative_tokens if tree is None else tree.depth,
+                verify_tokens=spec.num_speculative_tokens + 1,
+                tree=None if tree is None else tree.to_json(),
                 ar_tokens_per_second=ar.median("tokens_per_second"),
                 spec_tokens_per_second=sp.median("tokens_per_second"),
                 speedup=sp.median("tokens_per_second") / ar.median("tokens_per_second"),
@@ -193,7 +213,7 @@ def run_bench(target: Model, prompts: list[list[int]], *, draft: Model | None = 
                                                           ar.tokens_per_second)],
                 ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
-                c=c, **pooled)
+                c=c, **_pooled(sp.outputs))
             if temperature == 0:
                 row["identical_to_autoregressive"] = all(
                     np.array_equal(a.tokens, s.tokens) for a, s in zip(ar.outputs, sp.outputs))
@@ -202,29 +222,30 @@ def run_bench(target: Model, prompts: list[list[int]], *, draft: Model | None = 
     # The verify forward's cost in target steps, at the mean context of a decode round.
     mean_prompt = int(np.mean([len(p) for p in prompts]))
     context = mean_prompt + max_new_tokens // 2
-    capacity = bucket(max(len(p) for p in prompts) + max_new_tokens + max(gammas) + 1)
+    sizes = sorted({row["verify_tokens"] for row in rows})
+    capacity = bucket(max(len(p) for p in prompts) + max_new_tokens + max(sizes))
     timers = {1: forward_timer(target, 1, capacity, context)}
-    timers.update({g + 1: forward_timer(target, g + 1, capacity, context) for g in gammas})
+    timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
     seconds = median_seconds(timers, verify_repeats)
-    verify = {g: seconds[g + 1] / seconds[1] for g in gammas}
     for row in rows:
         g, alpha, c = row["gamma"], row["acceptance_rate"], row["c"]
-        row["verify_cost"] = verify[g]
-        ok = np.isfinite(alpha)
+        row["verify_cost"] = seconds[row["verify_tokens"]] / seconds[1]
+        # the seed's formula is for chains: i.i.d. acceptance of γ drafts in a row
+        ok = np.isfinite(alpha) and row["tree"] is None
         row["predicted_speedup"] = theory.speedup(alpha, g, c) if ok else float("nan")
         row["predicted_speedup_with_verify_cost"] = (
-            theory.expected_tokens_per_round(alpha, g) / (g * c + verify[g]) if ok
+            theory.expected_tokens_per_round(alpha, g) / (g * c + row["verify_cost"]) if ok
             else float("nan"))
     return dict(
         machine=dict(platform=platform.platform(), processor=platform.processor(),
                      cpu_count=os.cpu_count(), jax=jax.__version__,
                      backend=jax.default_backend(), device=str(jax.devices()[0].device_kind)),
-        settings=dict(method=method, gammas=list(gammas), temperatures=list(temperatures),
-                      top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, repeats=repeats,
-                      seed=seed, prompts=len(prompts),
-                      prompt_tokens=[len(p) for p in prompts], batch_size=1,
-                      target_params=target.config.num_params,
-                      draft_params=draft.config.num_params if use_draft is not None else 0,
+        settings=dict(method=method, specs=[_label(s) for s in specs],
+                      temperatures=list(temperatures), top_k=top_k, top_p=top_p,
+                      max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
+                      prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
+                      batch_size=1, target_params=target.config.num_params,
+                      draft_params=use_draft.config.num_params if use_draft is not None else 0,
                       target_step_ms=1e3 * seconds[1], verify_context=context),
         rows=rows)
 
@@ -235,12 +256,13 @@ def format_table(result: dict) -> str:
              f"median of {s['repeats']} interleaved repeats; {result['machine']['cpu_count']} "
              f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
              ""]
-    head = (f"{'method':<12}{'T':>4}{'γ':>3} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
+    r0 = result["rows"][0]
+    head = (f"{r0['method']:<12}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
             f"{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'len':>6}{'c':>7}{'verify':>7}"
             f"{'predicted':>10}{'pred·v':>7}  per-position acceptance")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
-        line = (f"{r['method']:<12}{r['temperature']:>4g}{r['gamma']:>3} "
+        line = (f"{r['label']:<12}{r['temperature']:>4g} "
                 f"{r['ar_tokens_per_second']:9.1f}{r['spec_tokens_per_second']:11.1f}"
                 f"{r['speedup']:8.2f}x{r['spec_ttft_ms']:8.1f}"
                 f"{r['ar_tpot_ms']:9.2f}/{r['spec_tpot_ms']:<7.2f}"
@@ -255,6 +277,13 @@ def format_table(result: dict) -> str:
         same = all(r.get("identical_to_autoregressive", True) for r in result["rows"])
         lines.append(f"\ngreedy output identical to autoregressive on every prompt: {same}")
     return "\n".join(lines)
+
+
+def _tree_json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--tree is not valid JSON: {text!r} ({e})") from None
 
 
 def main(args) -> int:
@@ -274,7 +303,10 @@ def main(args) -> int:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
         prompts = [p[-args.max_prompt_tokens:] for p in prompts]  # keep the end: it is continued
     draft = load_model(args.draft, dtype=args.dtype) if args.method == "draft_model" else None
-    result = run_bench(target, prompts, draft=draft, method=args.method, gammas=args.gammas,
+    specs = chain_specs(args.method, args.gammas) if args.gammas else []
+    for tree in args.tree or ():
+        specs.append(SpecConfig(method=args.method, tree=_tree_json(tree)))
+    result = run_bench(target, prompts, specs, draft=draft,
                        temperatures=args.temperatures, top_k=args.top_k, top_p=args.top_p,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                        verify_repeats=args.verify_repeats,

@@ -174,14 +174,14 @@ def _add_generate(sub) -> None:
                    help="also run plain autoregressive decoding and print the speed-up")
 
 
-def _numbers(kind):
+def _numbers(kind, allow_empty: bool = False):
     def parse(text: str):
         try:
             values = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, "
                                              f"got {text!r}") from None
-        if not values:
+        if not values and not allow_empty:
             raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
         return values
     return parse
@@ -197,8 +197,12 @@ def _add_bench(sub) -> None:
     b.add_argument("--draft", default=str(CHECKPOINTS / "code-draft"),
                    help="draft model folder for --method draft_model (default: bundled)")
     b.add_argument("--method", default="draft_model", choices=["draft_model", "ngram"])
-    b.add_argument("--gammas", type=_numbers(int), default=[2, 4, 6], metavar="G,G,...",
-                   help="numbers of speculative tokens to compare (default 2,4,6)")
+    b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
+                   metavar="G,G,...", help="chains of this many drafts to compare (default "
+                                           "2,4,6; '' for none, e.g. with --tree)")
+    b.add_argument("--tree", action="append", metavar="JSON",
+                   help="also a static draft tree, vLLM's speculative_token_tree format, e.g. "
+                        "'[[0],[1],[0,0]]' (repeatable; draft_model only)")
     b.add_argument("--temperatures", type=_numbers(float), default=[0.0, 0.8], metavar="T,T,...",
                    help="sampling temperatures, 0 = greedy (default 0,0.8)")
     b.add_argument("--top-k", type=int, default=0)

@@ -98,7 +98,7 @@ def test_generate_command_errors(model_folders, capsys, tmp_path):
 
 
 BENCH_FIELDS = {
-    "method", "temperature", "gamma", "ar_tokens_per_second", "spec_tokens_per_second", "speedup",
+    "label", "depth", "verify_tokens", "tree", "method", "temperature", "gamma", "ar_tokens_per_second", "spec_tokens_per_second", "speedup",
     "speedup_per_repeat", "ar_ttft_ms", "spec_ttft_ms", "ar_tpot_ms", "spec_tpot_ms",
     "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "proposal_rate",
     "rounds", "proposed_tokens", "accepted_tokens", "c", "verify_cost", "predicted_speedup",
@@ -112,26 +112,31 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                      str(model_folders / "d"), "--gammas", "1,3", "--temperatures", "0,0.8",
                      "--max-new-tokens", "10", "--repeats", "2", "--verify-repeats", "2",
-                     "--num-prompts", "2", "--max-prompt-tokens", "40", "--json", str(out)]) == 0
+                     "--tree", "[[0], [1], [0, 0]]", "--num-prompts", "2", "--max-prompt-tokens", "40", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "per-position acceptance" in printed
     assert "identical to autoregressive on every prompt: True" in printed
     result = json.loads(out.read_text())
     assert result["settings"]["prompts"] == 2 and result["machine"]["cpu_count"] >= 1
     rows = result["rows"]
-    assert [(r["temperature"], r["gamma"]) for r in rows] == [(0, 1), (0, 3), (0.8, 1), (0.8, 3)]
+    assert [(r["temperature"], r["label"]) for r in rows] == [
+        (t, label) for t in (0, 0.8) for label in ("chain 1", "chain 3", "tree 3/2")]
     for r in rows:
         assert BENCH_FIELDS <= set(r), BENCH_FIELDS - set(r)
-        assert len(r["per_position_acceptance"]) == r["gamma"]
+        assert len(r["per_position_acceptance"]) == r["depth"]
         assert len(r["speedup_per_repeat"]) == 2
         assert r["ar_tokens_per_second"] > 0 and r["spec_tokens_per_second"] > 0
         assert r["speedup"] == pytest.approx(r["spec_tokens_per_second"]
                                              / r["ar_tokens_per_second"])
-        assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["mean_accepted_length"] <= r["gamma"] + 1
+        assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["mean_accepted_length"] <= r["depth"] + 1
         assert r["proposed_tokens"] == r["gamma"] * r["rounds"]  # a draft model always proposes γ
         assert r["c"] > 0 and r["verify_cost"] > 0
-        assert r["predicted_speedup"] == pytest.approx(
-            theory.speedup(r["acceptance_rate"], r["gamma"], r["c"]))
+        if r["tree"] is None:
+            assert r["predicted_speedup"] == pytest.approx(
+                theory.speedup(r["acceptance_rate"], r["gamma"], r["c"]))
+        else:  # the seed's formula is for chains
+            assert r["tree"] == [[0], [1], [0, 0]] and r["depth"] == 2 and r["verify_tokens"] == 4
+            assert np.isnan(r["predicted_speedup"])
     assert all(r["identical_to_autoregressive"] for r in rows if r["temperature"] == 0)
     assert not any("identical_to_autoregressive" in r for r in rows if r["temperature"] > 0)
 
@@ -149,6 +154,9 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
     capsys.readouterr()
     for argv, message in [(["--gammas", "0"], "gammas must be ints >= 1"),
                           (["--gammas", "x"], "comma-separated ints"),
+                          (["--tree", "[[0, 0]]"], "has no parent"),
+                          (["--tree", "[[0"], "--tree is not valid JSON"),
+                          (["--gammas", ""], "specs is empty"),
                           (["--repeats", "0"], "repeats must be an int >= 1"),
                           (["--num-prompts", "0"], "--num-prompts must be >= 1"),
                           (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
