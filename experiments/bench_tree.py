@@ -20,8 +20,10 @@ import specjax as sj
 from specjax import bench
 
 TREES = {
-    # depth 4
-    "chain": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
+    # depth 4; "chain" is the chain proposer itself (sampled drafts, the chain rule), "top-1 path"
+    # the same shape through the tree code (the draft's argmax children, the tree rule)
+    "chain": None,
+    "top-1 path": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
     "narrow-deep": [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 1]],
     # depth 3
     "issue": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
@@ -47,7 +49,8 @@ def main() -> int:
     target, draft = sj.load_model(args.target, "float32"), sj.load_model(args.draft, "float32")
     tok = sj.load_tokenizer(args.target)
     prompts = [tok.encode(p["text"]) for p in bench.load_prompts()][:args.num_prompts]
-    specs = [sj.SpecConfig(tree=TREES[name]) for name in args.trees]
+    specs = [sj.SpecConfig(num_speculative_tokens=4) if TREES[name] is None
+             else sj.SpecConfig(tree=TREES[name]) for name in args.trees]
     result = bench.run_bench(target, prompts, specs, draft=draft,
                              temperatures=args.temperatures, max_new_tokens=args.max_new_tokens,
                              repeats=args.repeats, log=lambda m: print(m, file=sys.stderr))
