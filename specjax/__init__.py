@@ -20,6 +20,7 @@ from .tokenizer import load_tokenizer, Tokenizer
 
 # Generation
 from .engine import generate, Generation
+from .sharding import make_mesh, shard
 from .stats import Stats
 
 # Building blocks (pure functions, usable on their own)
@@ -31,6 +32,6 @@ __all__ = [
     "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
     "load_model", "save_model", "CheckpointError", "load_tokenizer", "Tokenizer",
     "Model", "init_model", "logits", "forward", "KVCache",
-    "generate", "Generation", "Stats",
+    "generate", "Generation", "Stats", "make_mesh", "shard",
     "sampling", "verify", "theory", "draft",
 ]

@@ -311,7 +311,7 @@ def _weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def _load_hf(folder: pathlib.Path, dtype: str | None,
-             place: Callable[[tuple[str, ...], np.ndarray], Any]) -> Model:
+             place: Callable[[tuple[str, ...], np.ndarray, ModelConfig], Any]) -> Model:
     config_path = folder / "config.json"
     try:
         hf_config = json.loads(config_path.read_text())
@@ -345,7 +345,7 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
         else:
             name, transpose = hf_name(path)
             array = read(name, leaf.shape, transpose)
-        _set(params, path, place(path, array))
+        _set(params, path, place(path, array, cfg))
         del array  # one parameter at a time on the host
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unused = sorted(n for n in set(where) - used - ignorable
@@ -361,7 +361,7 @@ def _orbax():
     return ocp
 
 
-def _load_orbax(folder: pathlib.Path, dtype: str | None) -> Model:
+def _load_orbax(folder: pathlib.Path, dtype: str | None, mesh=None) -> Model:
     meta_path = folder / SPECJAX_FILE
     try:
         meta = json.loads(meta_path.read_text())
@@ -380,8 +380,13 @@ def _load_orbax(folder: pathlib.Path, dtype: str | None) -> Model:
     if not params_dir.exists():
         raise FileNotFoundError(f"{folder} has {SPECJAX_FILE} but no params/ folder")
     ckpt = _orbax().StandardCheckpointer()
+    abstract = _abstract_params(cfg)
+    if mesh is not None:  # each device reads only its own shards
+        from .sharding import param_shardings
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                abstract, param_shardings(cfg, abstract, mesh))
     try:
-        params = ckpt.restore(params_dir, _abstract_params(cfg))
+        params = ckpt.restore(params_dir, abstract)
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise CheckpointError(f"{params_dir} does not match {meta_path} ({e})") from None
     model = Model(cfg, params)
@@ -395,22 +400,44 @@ def cast(model: Model, dtype: str) -> Model:
     return Model(cfg, params)
 
 
-def load_model(path: str | os.PathLike, dtype: str | None = None) -> Model:
+def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
+               replicate: bool = False) -> Model:
     """Load a model folder: a Hugging Face folder (``config.json`` plus ``model.safetensors`` or a
     sharded ``model.safetensors.index.json``) or a folder written by ``save_model``.
 
     dtype: None keeps the checkpoint's dtype; "float32", "bfloat16" or "float16" casts.
     Architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+    mesh: an ``sj.make_mesh`` mesh places the parameters straight into the sharded layout of
+    specjax/sharding.py (``replicate=True``: a full copy per device, for drafts): orbax restores
+    each device's shards directly; Hugging Face tensors are read one at a time and each device
+    receives only its slice.
     """
     folder = pathlib.Path(path)
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16, float16 or None, got {dtype!r}")
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")
+    if mesh is not None:
+        from .sharding import _check_mesh
+        _check_mesh(mesh)
     if (folder / SPECJAX_FILE).exists():
-        return _load_orbax(folder, dtype)
+        model = _load_orbax(folder, dtype, None if replicate else mesh)
+        if mesh is not None and replicate:
+            from .sharding import shard
+            model = shard(model, mesh, replicate=True)
+        return model
     if (folder / "config.json").exists():
-        return _load_hf(folder, dtype, lambda path, array: jax.device_put(array))
+        if mesh is None:
+            return _load_hf(folder, dtype, lambda path, array, cfg: jax.device_put(array))
+        from jax.sharding import NamedSharding, PartitionSpec
+        from .sharding import param_spec
+
+        def place(path, array, cfg):
+            spec = PartitionSpec() if replicate else param_spec(
+                "/".join(path), cfg, mesh.shape["model"])
+            s = NamedSharding(mesh, spec)
+            return jax.make_array_from_callback(array.shape, s, lambda index: array[index])
+        return _load_hf(folder, dtype, place)
     raise FileNotFoundError(f"{folder} holds neither a Hugging Face model (config.json) nor a "
                             f"specjax checkpoint ({SPECJAX_FILE})")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import numbers
 import time
@@ -30,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import cache as kv
+from . import sharding
 from . import model as model_lib
 from . import sampling as sampling_lib
 from . import verify
@@ -54,6 +57,7 @@ class Plan:
     proposer: Any  # a proposer (see specjax.draft), or None for autoregressive decoding
     capacity: int  # S: cache and history slots per row
     filters: Filters  # which sampling filters are compiled in
+    mesh: Any = None  # a ("data", "model") jax.sharding.Mesh for sharded runs, or None
 
     @property
     def gamma(self) -> int:
@@ -128,7 +132,12 @@ def _prefill(plan: Plan, target_params, draft_params, prompts: Array, prompt_len
     S = plan.capacity
     target = Model(plan.target, target_params)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits, _, cache = model_lib.forward(target, prompts, positions, KVCache.init(plan.target, B, S))
+    cache = KVCache.init(plan.target, B, S)
+    if plan.mesh is not None:  # the target cache: rows over "data", kv heads over "model"
+        spec = sharding.cache_spec(plan.target, plan.mesh)
+        cache = dataclasses.replace(cache, k=sharding.constrain(cache.k, plan.mesh, spec),
+                                    v=sharding.constrain(cache.v, plan.mesh, spec))
+    logits, _, cache = model_lib.forward(target, prompts, positions, cache)
     rows = jnp.arange(B)
     last_logits = logits[rows, prompt_lengths - 1]  # [B, V]
     probs = sampling_lib.process_logits(last_logits, request.sampling, plan.filters)
@@ -304,12 +313,27 @@ def _check_model(name: str, model) -> None:
                          f"got {type(model).__name__}")
 
 
+def _on_mesh(x, mesh):
+    """Host data -> a global array split over "data" (every process passes the whole batch)."""
+    x = np.asarray(x)
+    s = sharding.rows(mesh, x.ndim)
+    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+
+def _fetch(x) -> np.ndarray:
+    """A (possibly multi-process) array -> numpy on this host, whole."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def generate(target: Model, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams | None = None,
              spec: SpecConfig | dict | str | None = None,
              draft: Model | None = None,
              key: Array | int | None = None,
-             tokenizer=None, return_text: bool = False) -> Generation:
+             tokenizer=None, return_text: bool = False, mesh=None) -> Generation:
     """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` is given.
 
     prompts: B lists of token ids, any lengths (>= 1). sampling: SamplingParams (default:
@@ -320,6 +344,13 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
 
     The output distribution equals autoregressive sampling from the target with the same
     SamplingParams; with temperature 0 the tokens equal autoregressive greedy decoding.
+
+    mesh: a ("data", "model") mesh from ``sj.make_mesh`` runs the whole loop sharded: the target
+    tensor-parallel over "model" (placed by the table in specjax/sharding.py unless it already
+    is), the draft replicated, rows split over "data" (the batch is padded to a multiple of the
+    "data" size; padding rows are dropped from the result). In a multi-process run
+    (``jax.distributed``) every process makes the same call with the same prompts and gets the
+    whole result.
     """
     sampling = SamplingParams() if sampling is None else sampling
     if not isinstance(sampling, SamplingParams):
@@ -390,10 +421,17 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     capacity = bucket(max(P, longest + max_new + gamma + 1))
     # Batch sizes are bucketed too; padding rows start done (max_new_tokens 1) and are dropped.
     B_pad = bucket(B, minimum=1)
+    if mesh is not None:
+        sharding._check_mesh(mesh)
+        data = mesh.shape[sharding.DATA]
+        B_pad = -(-B_pad // data) * data  # every "data" shard gets the same number of rows
+        target = sharding.shard(target, mesh)
+        if draft is not None:
+            draft = sharding.shard(draft, mesh, replicate=True)
     top_k_on = 0 < sampling.top_k < cfg.vocab_size
     plan = Plan(cfg, proposer, capacity,
                 Filters(top_k=min(bucket(sampling.top_k), cfg.vocab_size) if top_k_on else 0,
-                        top_p=sampling.top_p < 1.0))
+                        top_p=sampling.top_p < 1.0), mesh)
 
     padded = np.zeros((B_pad, P), np.int32)
     for b, r in enumerate(rows):
@@ -414,6 +452,17 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         max_new_tokens=jnp.asarray(max_new_pad), eos=jnp.asarray(eos))
     draft_params = None if draft is None else draft.params
     prompts_dev, lengths_dev = jnp.asarray(padded), jnp.asarray(lengths_pad)
+    if mesh is not None:  # global arrays, rows over "data" (built the same in every process)
+        put = functools.partial(_on_mesh, mesh=mesh)
+        keys = jax.jit(jax.random.wrap_key_data, out_shardings=sharding.rows(mesh, 1))(
+            put(np.asarray(jax.random.key_data(request.keys))))
+        eos_all = NamedSharding(mesh, PartitionSpec())
+        request = Request(
+            keys=keys,
+            sampling=jax.tree.map(lambda x: put(np.asarray(x)), request.sampling),
+            max_new_tokens=put(max_new_pad),
+            eos=jax.make_array_from_callback(eos.shape, eos_all, lambda index: eos[index]))
+        prompts_dev, lengths_dev = put(padded), put(lengths_pad)
 
     compile_seconds = 0.0
     t0 = time.perf_counter()
@@ -428,15 +477,15 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     compile_seconds += spent
     decode_seconds = time.perf_counter() - t0 - spent
 
-    history, generated = jax.device_get((state.history, state.num_generated))
+    history, generated = _fetch(state.history), _fetch(state.num_generated)
     generated = generated[:B]
     tokens = np.full((B, max_new), -1, np.int32)
     for b in range(B):
         n = int(generated[b])
         tokens[b, :n] = history[b, lengths[b]:lengths[b] + n]
     stats = Stats.summarise(
-        state.counters, gamma=plan.depth, draft_calls_per_round=plan.depth,
-        has_draft_model=isinstance(proposer, DraftModelProposer),
+        jax.tree.map(_fetch, state.counters), gamma=plan.depth, draft_calls_per_round=plan.depth,
+        has_draft_model=isinstance(proposer, (DraftModelProposer, DraftTreeProposer)),
         generated_tokens=int(generated.sum()), batch=B,
         prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
         compile_seconds=compile_seconds)

@@ -1,0 +1,150 @@
+"""Sharded runs on 8 fake CPU devices. Not collected by the main pytest run (its name does not
+start with test_): tests/test_sharding.py runs it in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8, set before jax is imported."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import specjax as sj
+from specjax import engine, sharding
+
+assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+MESHES = [(1, 8), (2, 4), (8, 1)]
+TARGET = sj.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                        max_position_embeddings=128)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 11]  # 3 rows: padded to the "data" size
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = sj.init_model(TARGET, jax.random.key(0), init_std=0.3)
+    leaves, tree = jax.tree.flatten(target.params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    draft = sj.Model(TARGET, jax.tree.unflatten(  # a perturbed copy: drafts often accepted
+        tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    return target, draft
+
+
+def test_make_mesh():
+    mesh = sj.make_mesh(data=2, model=4)
+    assert dict(mesh.shape) == {"data": 2, "model": 4}
+    assert dict(sj.make_mesh(data=2).shape) == {"data": 2, "model": 4}
+    assert dict(sj.make_mesh().shape) == {"data": 1, "model": 8}
+    for kw, message in [(dict(data=3), "does not divide the 8 devices"),
+                        (dict(data=2, model=2), "= 4 devices, but 8 are visible"),
+                        (dict(data=0), "data must be an int >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            sj.make_mesh(**kw)
+    with pytest.raises(ValueError, match="axes \\('data', 'model'\\)"):
+        sj.generate(sj.init_model(TARGET, jax.random.key(0)), PROMPTS,
+                    mesh=jax.make_mesh((8,), ("x",)))
+
+
+# The table, written out by hand (not computed by specjax) for TARGET on 4 "model" devices.
+EXPECTED = {
+    "embed_tokens/embedding": P("model", None),
+    "layers/input_layernorm/weight": P(),
+    "layers/post_attention_layernorm/weight": P(),
+    "layers/self_attn/q_proj/kernel": P(None, None, "model"),
+    "layers/self_attn/k_proj/kernel": P(None, None, "model"),
+    "layers/self_attn/v_proj/kernel": P(None, None, "model"),
+    "layers/self_attn/o_proj/kernel": P(None, "model", None),
+    "layers/mlp/gate_proj/kernel": P(None, None, "model"),
+    "layers/mlp/up_proj/kernel": P(None, None, "model"),
+    "layers/mlp/down_proj/kernel": P(None, "model", None),
+    "norm/weight": P(),
+    "lm_head/kernel": P(None, "model"),
+}
+
+
+def _flat(params):
+    return {"/".join(k.key for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def test_params_are_sharded_as_the_table_says(models):
+    target, _ = models
+    mesh = sj.make_mesh(data=2, model=4)
+    placed = _flat(sj.shard(target, mesh).params)
+    assert set(placed) == set(EXPECTED)
+    for name, leaf in placed.items():
+        spec = EXPECTED[name]
+        assert leaf.sharding.spec == spec, name
+        split = [i for i, axis in enumerate(spec) if axis == "model"]
+        shard_shape = list(leaf.shape)
+        for i in split:
+            shard_shape[i] //= 4
+        assert {tuple(s.data.shape) for s in leaf.addressable_shards} == {tuple(shard_shape)}
+    drafted = _flat(sj.shard(target, mesh, replicate=True).params)
+    assert all(leaf.sharding.spec == P() for leaf in drafted.values())
+
+
+def test_heads_that_do_not_divide_are_replicated():
+    cfg = sj.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    placed = _flat(sj.shard(sj.init_model(cfg, jax.random.key(0)), sj.make_mesh(1, 8)).params)
+    assert placed["layers/self_attn/k_proj/kernel"].sharding.spec == P()
+    assert placed["layers/self_attn/q_proj/kernel"].sharding.spec == P(None, None, "model")
+
+
+SPECS = {"autoregressive": None, "chain": sj.SpecConfig(num_speculative_tokens=3),
+         "tree": sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 1), (1, 0))),
+         "ngram": sj.SpecConfig(method="ngram", num_speculative_tokens=3)}
+
+
+@pytest.mark.parametrize("data,model", MESHES)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_sharded_output_equals_single_device(models, data, model, name):
+    target, draft = models
+    spec = SPECS[name]
+    d = draft if spec is not None and spec.needs_draft_model else None
+    mesh = sj.make_mesh(data=data, model=model)
+    for temperature in (0.0, 1.0):
+        sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=16)
+        one = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7)
+        many = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7,
+                           mesh=mesh)
+        np.testing.assert_array_equal(many.tokens, one.tokens)
+        assert many.tokens.shape == (3, 16)  # padding rows dropped
+        if spec is not None:
+            assert many.stats.accepted_tokens == one.stats.accepted_tokens
+
+
+def test_no_full_weight_gathers_inside_the_loop(models):
+    """Collectives in the compiled decode loop move activations only: none is as large as the
+    smallest tensor-parallel weight (per layer)."""
+    target, draft = models
+    mesh = sj.make_mesh(data=1, model=8)
+    engine._EXECUTABLES.clear()
+    sj.generate(target, PROMPTS, draft=draft, spec=sj.SpecConfig(num_speculative_tokens=3),
+                sampling=sj.SamplingParams(temperature=0, max_new_tokens=8), mesh=mesh)
+    (decode,) = [exe for sig, exe in engine._EXECUTABLES.items() if sig[0] is engine._decode_jit]
+    text = decode.as_text()
+    collectives = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-to-all|all-reduce)\(", text)
+    assert collectives, "expected tensor-parallel collectives in the sharded program"
+    smallest_weight = TARGET.hidden_size * TARGET.hidden_size  # q_proj per layer: E x H*D
+    for dims, op in collectives:
+        size = int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
+        assert size < smallest_weight, (op, dims)
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "hf"])
+def test_sharded_load_equals_unsharded(models, tmp_path, fmt):
+    target, _ = models
+    sj.save_model(target, tmp_path / "m", format=fmt)
+    mesh = sj.make_mesh(data=2, model=4)
+    plain = _flat(sj.load_model(tmp_path / "m").params)
+    sharded = _flat(sj.load_model(tmp_path / "m", mesh=mesh).params)
+    replicated = _flat(sj.load_model(tmp_path / "m", mesh=mesh, replicate=True).params)
+    for name, leaf in sharded.items():
+        assert leaf.sharding.spec == EXPECTED[name], name
+        assert replicated[name].sharding.spec == P()
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(plain[name]))
+        np.testing.assert_array_equal(np.asarray(replicated[name]), np.asarray(plain[name]))

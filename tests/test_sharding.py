@@ -1,0 +1,45 @@
+"""Sharded runs: the 8-device suite (tests/sharded_suite.py) in a subprocess, since fake CPU
+devices must be configured before jax is imported, and a two-process jax.distributed run on
+loopback against one process."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _env(devices: int) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                JAX_PLATFORMS="cpu")
+
+
+def test_sharded_suite_on_8_devices():
+    suite = ROOT / "tests" / "sharded_suite.py"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(suite)], cwd=ROOT, env=_env(8), capture_output=True, text=True,
+                         timeout=1200)
+    report = run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.returncode == 0, report
+    n_tests = len(re.findall(r"^def test_", suite.read_text(), re.M))
+    summary = run.stdout.strip().splitlines()[-1]
+    passed = int(re.search(r"(\d+) passed", summary).group(1))
+    assert passed >= n_tests and "skipped" not in summary and "failed" not in summary, report
+
+
+def test_two_processes_equal_one(tmp_path):
+    script = ROOT / "experiments" / "multihost.py"
+    two, one = tmp_path / "two.json", tmp_path / "one.json"
+    run = subprocess.run([sys.executable, str(script), "--local-demo", "--json", str(two)],
+                         cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "2 processes, 8 devices (4 local)" in run.stdout
+    run = subprocess.run([sys.executable, str(script), "--reference", "--json", str(one)],
+                         cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = json.loads(two.read_text()), json.loads(one.read_text())
+    assert set(a) == {"greedy", "sampled"} and len(a["greedy"]) == 4
+    assert a == b
