@@ -4,7 +4,9 @@ On fake CPU devices timings mean little, so this reports what the compiler says:
 parameter target (float32, 640 MB of weights) and its chain draft, the compiled decode loop's
 per-device argument, output and temporary bytes (``compiled.memory_analysis()``) and the compile
 time, for meshes data=1 x model=m over the first m of 8 devices. Weights per device fall as 1/m
-(embedding and LM head included, split over the vocabulary); the draft is replicated.
+(embedding and LM head included, split over the vocabulary); the draft is replicated. The last
+row repeats model=8 with the embedding and LM head replicated instead (the other choice the
+partition table could make).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python experiments/sharded_memory.py
 """
@@ -23,7 +25,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax import engine  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from specjax import engine, sharding  # noqa: E402
 
 TARGET = sj.ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
@@ -46,11 +50,16 @@ def main() -> int:
     print(f"target {TARGET.num_params / 1e6:.0f}M params ({weights / 2**20:.0f} MiB float32), "
           f"draft {DRAFT.num_params / 1e6:.1f}M (replicated); batch {args.batch}, prompt 64, "
           f"64 new tokens, gamma 4; jax {jax.__version__}, {jax.device_count()} CPU devices")
-    print(f"{'mesh':>12} {'args MiB/dev':>13} {'temp MiB/dev':>13} {'out MiB/dev':>12} "
+    print(f"{'mesh':>17} {'args MiB/dev':>13} {'temp MiB/dev':>13} {'out MiB/dev':>12} "
           f"{'target weights MiB/dev':>23} {'compile s':>10}")
     rows = []
     prompts = [[1 + i] * 64 for i in range(args.batch)]
-    for m in args.models:
+    split_rules = sharding.RULES
+    replicated_rules = tuple((pattern, P() if "embed" in pattern or "lm_head" in pattern
+                              else spec) for pattern, spec in split_rules)
+    for m, rules in [(m, split_rules) for m in args.models] + [(8, replicated_rules)]:
+        sharding.RULES = rules
+        label = f"1 x {m}" + ("" if rules is split_rules else " (V repl.)")
         mesh = sj.make_mesh(data=1, model=m, devices=jax.devices()[:m])
         engine._EXECUTABLES.clear()
         out = sj.generate(target, prompts, draft=draft, mesh=mesh,
@@ -68,7 +77,8 @@ def main() -> int:
                    compile_seconds=out.stats.compile_seconds)
         rows.append(row)
         mib = 2 ** 20
-        print(f"{'1 x ' + str(m):>12} {row['argument_bytes'] / mib:13.1f} "
+        row["embedding_and_head"] = "split" if rules is split_rules else "replicated"
+        print(f"{label:>17} {row['argument_bytes'] / mib:13.1f} "
               f"{row['temp_bytes'] / mib:13.1f} {row['output_bytes'] / mib:12.1f} "
               f"{per_device / mib:23.1f} {row['compile_seconds']:10.1f}")
     if args.json:
