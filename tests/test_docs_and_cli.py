@@ -86,6 +86,8 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     assert cli.main(base + ["--speculative-config", '{"method": "ngram", '
                                                      '"num_speculative_tokens": 3}']) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
+    assert cli.main(base + ["--speculative-config", '{"tree": [[0], [1], [0, 0]]}']) == 0
+    assert capsys.readouterr().out.split("\n\n")[0] == spec_text
 
 
 def test_generate_command_errors(model_folders, capsys, tmp_path):
@@ -98,7 +100,8 @@ def test_generate_command_errors(model_folders, capsys, tmp_path):
 
 
 BENCH_FIELDS = {
-    "label", "depth", "verify_tokens", "tree", "method", "temperature", "gamma", "ar_tokens_per_second", "spec_tokens_per_second", "speedup",
+    "label", "depth", "verify_tokens", "tree", "method", "temperature", "gamma",
+    "ar_tokens_per_second", "spec_tokens_per_second", "speedup",
     "speedup_per_repeat", "ar_ttft_ms", "spec_ttft_ms", "ar_tpot_ms", "spec_tpot_ms",
     "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "proposal_rate",
     "rounds", "proposed_tokens", "accepted_tokens", "c", "verify_cost", "predicted_speedup",
