@@ -183,11 +183,29 @@ def _round(plan: Plan, target_params, draft_params, request: Request,
     cache = state.cache.rollback(state.length)
     tree = plan.tree
     if tree is None:
-        positions = state.length[:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
-        logits, _, cache = model_lib.forward(target, chunk, positions, cache)
-        target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
-        verdict = verify.rejection_sample(verify_keys, draft_tokens, draft_probs, target_probs,
-                                          valid)
+        def verify_chain(T: int):
+            """Feed [last, d_1 .. d_{T-1}] (T static) and verify those drafts."""
+            def run(cache):
+                positions = state.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+                logits, _, cache = model_lib.forward(target, chunk[:, :T], positions, cache)
+                target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
+                verdict = verify.rejection_sample(
+                    verify_keys, draft_tokens[:, :T - 1],
+                    None if draft_probs is None else draft_probs[:, :T - 1], target_probs,
+                    None if valid is None else valid[:, :T - 1])
+                tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
+                return verify.Verdict(tokens, verdict.num_accepted), cache
+            return run
+
+        if valid is None:
+            verdict, cache = verify_chain(G + 1)(cache)
+        else:
+            # Per-row draft lengths (n-gram lookup): feed only as many drafts as the longest row
+            # proposed, so rounds without a match cost one decode step, not a γ + 1 verify. One
+            # branch per length, all with static shapes; the choice is made on the device.
+            proposed = jnp.where(state.done, 0, jnp.sum(valid, axis=1, dtype=jnp.int32))
+            verdict, cache = jax.lax.switch(
+                jnp.max(proposed), [verify_chain(T) for T in range(1, G + 2)], cache)
     else:  # every node at once: position = length + depth, each node sees its ancestors
         positions = state.length[:, None] + jnp.asarray(tree.depths)[None, :]
         logits, _, cache = model_lib.forward(target, chunk, positions, cache,

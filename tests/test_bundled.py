@@ -1,0 +1,76 @@
+"""The pair shipped in checkpoints/: it loads, it is small, its cards are honest, and the
+`specjax generate` default runs it end to end with output equal to plain decoding."""
+
+import json
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax import cli
+from specjax.train import pair
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CKPT = ROOT / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    target = sj.load_model(CKPT / "code-target", dtype="float32")
+    draft = sj.load_model(CKPT / "code-draft", dtype="float32")
+    return target, draft, sj.load_tokenizer(CKPT / "code-target")
+
+
+def test_the_pair_loads_as_trained(bundled):
+    target, draft, tok = bundled
+    import dataclasses
+    for model, want in [(target, pair.TARGET), (draft, pair.DRAFT)]:
+        assert dataclasses.replace(model.config, dtype="float32") == want
+    assert sj.load_model(CKPT / "code-target").config.dtype == "bfloat16"  # stored as bf16
+    assert tok.vocab_size == pair.VOCAB_SIZE and tok.eos_token_ids == (0,)
+    text = "def fibonacci(n):\n    return n\n"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_the_pair_is_small():
+    size = sum(f.stat().st_size for f in CKPT.rglob("*") if f.is_file())
+    assert size < 60 * 2 ** 20, f"checkpoints/ holds {size / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("name", ["code-target", "code-draft"])
+def test_model_cards_carry_the_recorded_figures(name):
+    info = json.loads((CKPT / name / "training.json").read_text())
+    card = (CKPT / name / "README.md").read_text()
+    assert f"{info['heldout_loss']:.3f} nats/token" in card
+    assert f"{info['steps']} optimizer steps" in card
+    greedy = info["acceptance"]["greedy"]["acceptance_rate"]
+    assert f"greedy {greedy:.3f}" in card
+    assert info["corpus"]["heldout_files"] == len(info["corpus"]["heldout"]) > 0
+
+
+def test_the_draft_was_distilled_from_the_target(bundled):
+    """A trained draft agrees with the target far more than chance on a held-out prompt."""
+    target, draft, tok = bundled
+    from specjax.bench import load_prompts
+    prompt = tok.encode(load_prompts()[0]["text"])
+    out = sj.generate(target, [prompt], draft=draft, spec=sj.SpecConfig(num_speculative_tokens=4),
+                      sampling=sj.SamplingParams(temperature=0, max_new_tokens=48))
+    assert out.stats.acceptance_rate > 0.3
+    plain = sj.generate(target, [prompt], sampling=sj.SamplingParams(temperature=0,
+                                                                     max_new_tokens=48))
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+
+
+def test_generate_command_defaults_to_the_bundled_pair(capsys):
+    argv = ["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "24"]
+    assert cli.main(argv + ["--compare"]) == 0
+    printed = capsys.readouterr().out
+    assert "output identical: True" in printed
+    rate = float(re.search(r"acceptance rate ([0-9.]+)", printed).group(1))
+    assert 0 < rate <= 1 and "tokens/s" in printed and "mean accepted length" in printed
+    completion = printed.split("\n\n")[0]
+    assert completion.startswith("def fibonacci(n):") and len(completion) > len("def fibonacci(n):")
+    assert cli.main(argv + ["--method", "none"]) == 0
+    assert capsys.readouterr().out.split("\n\n")[0] == completion
