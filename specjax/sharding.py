@@ -24,9 +24,10 @@ rules, one line per parameter (shapes as in specjax/model.py, layers stacked on 
     per-row arrays (tokens, lengths, keys, ...)   [B, ...]   (data, ...)
 
 Embedding and LM head are split over the vocabulary rather than replicated: they are the largest
-single tensors of a small-vocabulary-heavy model (V·E each), the LM head's matmul then runs in
-parallel, and the logits' all-gather is [B, T, V], small next to the weights (measured: see
-experiments/sharded_memory.py). Drafts are small and replicated on every device (``shard(...,
+single tensors (V·E each), the LM head's matmul then runs in parallel, and the logits'
+all-gather is [B, T, V], small next to the weights. Measured (experiments/sharded_memory.py, a
+160M target with a 32k vocabulary on 8 devices): 76 MiB of target weights per device split, 295
+MiB with these two replicated. Drafts are small and replicated on every device (``shard(...,
 replicate=True)``), so drafting needs no communication at all.
 """
 
