@@ -11,8 +11,10 @@ Figures per (temperature, γ):
 * tokens/s: decode tokens (after the first) over decode seconds, all prompts; AR beside spec
 * speed-up: spec tokens/s / AR tokens/s
 * TTFT: prefill plus the first token, mean over prompts; TPOT: decode seconds per decode token
-* acceptance rate α (accepted / proposed drafts), mean accepted length (tokens per round,
-  bonus included), per-position acceptance (fraction of rounds whose k-th draft was accepted)
+* acceptance rate (accepted / proposed drafts, vLLM's figure), α (a draft's chance to pass given
+  that the drafts before it passed: accepted / (accepted + rejected), the α of the seed's
+  formula), mean accepted length (tokens per round, bonus included), per-position acceptance
+  (fraction of rounds whose k-th draft was accepted)
 * c: the draft's TPOT over the target's, both decoding autoregressively in the same loop
   (0 for n-gram lookup, which runs no model)
 * predicted: the seed's formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` from the measured α and c;
@@ -129,7 +131,14 @@ def _pooled(outs) -> dict:
     accepted = sum(o.stats.accepted_tokens for o in outs)
     emitted = sum(o.stats.mean_accepted_length * o.stats.num_rounds for o in outs)
     per_position = sum(o.stats.per_position_acceptance * o.stats.num_rounds for o in outs)
-    return dict(acceptance_rate=accepted / proposed if proposed else float("nan"),
+    lengths = sum(o.stats.accepted_length_distribution * o.stats.num_rounds for o in outs)
+    # α as the formula means it: the chance that a draft passes given that every draft before it
+    # in the round passed. Every round that stopped short of the last draft rejected one; rounds
+    # that accepted all γ rejected none.
+    rejected = rounds - lengths[-1]
+    alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
+    return dict(acceptance_rate=accepted / proposed if proposed else float("nan"), alpha=alpha,
+                accepted_length_distribution=[float(x) for x in lengths / rounds],
                 mean_accepted_length=emitted / rounds,
                 per_position_acceptance=[float(x) for x in per_position / rounds],
                 proposal_rate=sum(o.stats.proposal_rate * o.stats.num_rounds for o in outs) / rounds,
@@ -228,7 +237,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
     seconds = median_seconds(timers, verify_repeats)
     for row in rows:
-        g, alpha, c = row["gamma"], row["acceptance_rate"], row["c"]
+        g, alpha, c = row["gamma"], row["alpha"], row["c"]
         row["verify_cost"] = seconds[row["verify_tokens"]] / seconds[1]
         # the seed's formula is for chains: i.i.d. acceptance of γ drafts in a row
         ok = np.isfinite(alpha) and row["tree"] is None
@@ -258,7 +267,7 @@ def format_table(result: dict) -> str:
              ""]
     r0 = result["rows"][0]
     head = (f"{r0['method']:<12}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
-            f"{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'len':>6}{'c':>7}{'verify':>7}"
+            f"{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'α':>6}{'len':>6}{'c':>7}{'verify':>7}"
             f"{'predicted':>10}{'pred·v':>7}  per-position acceptance")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
@@ -266,7 +275,7 @@ def format_table(result: dict) -> str:
                 f"{r['ar_tokens_per_second']:9.1f}{r['spec_tokens_per_second']:11.1f}"
                 f"{r['speedup']:8.2f}x{r['spec_ttft_ms']:8.1f}"
                 f"{r['ar_tpot_ms']:9.2f}/{r['spec_tpot_ms']:<7.2f}"
-                f"{r['acceptance_rate']:7.3f}{r['mean_accepted_length']:6.2f}{r['c']:7.3f}"
+                f"{r['acceptance_rate']:7.3f}{r['alpha']:6.3f}{r['mean_accepted_length']:6.2f}{r['c']:7.3f}"
                 f"{r['verify_cost']:7.2f}{r['predicted_speedup']:9.2f}x"
                 f"{r['predicted_speedup_with_verify_cost']:6.2f}x  "
                 + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))

@@ -103,7 +103,8 @@ BENCH_FIELDS = {
     "label", "depth", "verify_tokens", "tree", "method", "temperature", "gamma",
     "ar_tokens_per_second", "spec_tokens_per_second", "speedup",
     "speedup_per_repeat", "ar_ttft_ms", "spec_ttft_ms", "ar_tpot_ms", "spec_tpot_ms",
-    "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "proposal_rate",
+    "acceptance_rate", "alpha", "accepted_length_distribution", "mean_accepted_length",
+    "per_position_acceptance", "proposal_rate",
     "rounds", "proposed_tokens", "accepted_tokens", "c", "verify_cost", "predicted_speedup",
     "predicted_speedup_with_verify_cost"}
 
@@ -136,7 +137,11 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
         assert r["c"] > 0 and r["verify_cost"] > 0
         if r["tree"] is None:
             assert r["predicted_speedup"] == pytest.approx(
-                theory.speedup(r["acceptance_rate"], r["gamma"], r["c"]))
+                theory.speedup(r["alpha"], r["gamma"], r["c"]))
+            # α counts each round's rejection: accepted / (accepted + rounds not fully accepted)
+            full = r["accepted_length_distribution"][-1] * r["rounds"]
+            assert r["alpha"] == pytest.approx(
+                r["accepted_tokens"] / (r["accepted_tokens"] + r["rounds"] - full))
         else:  # the seed's formula is for chains
             assert r["tree"] == [[0], [1], [0, 0]] and r["depth"] == 2 and r["verify_tokens"] == 4
             assert np.isnan(r["predicted_speedup"])

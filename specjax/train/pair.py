@@ -38,6 +38,8 @@ DRAFT = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=38
 # 1800 so that the cosine decay completes within the next session (run.json edited to match).
 TARGET_TRAINING = TrainConfig(steps=1800, batch_size=16, seq_len=256, learning_rate=1e-3,
                               warmup_steps=200, checkpoint_every=25, eval_every=200, seed=0)
+SCHEDULE_NOTES = {"target": " (the schedule was first set for 8000 steps and cut to 1800 at "
+                             "step 825, so the learning rate dropped from 9.9e-4 to 7.0e-4 there)"}
 DRAFT_TRAINING = TrainConfig(steps=1200, batch_size=16, seq_len=256, learning_rate=2e-3,
                              warmup_steps=100, checkpoint_every=25, eval_every=200, seed=1,
                              distill_ce_weight=0.1)
@@ -144,7 +146,7 @@ from scratch on this machine (2-core CPU) on Python source code. {blurb}
 | parameters | {params:,} ({params_m:.1f}M) |
 | shape | hidden {hidden}, {layers} layers, {heads} heads ({kv} key/value heads), MLP {inter}, vocabulary {vocab}, context {ctx} |
 | stored as | bfloat16 safetensors, Hugging Face `LlamaForCausalLM` layout (load with `sj.load_model`; compute in float32 by default) |
-| training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{distil} |
+| training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{distil}{note} |
 | held-out loss | {loss:.3f} nats/token on held-out files (32 batches, stored bf16 weights) |
 | acceptance (draft vs target, γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}); T = 0.8: {acc_t:.3f} ({len_t:.2f}) |
 
@@ -207,6 +209,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             vocab=c.vocab_size, ctx=c.max_position_embeddings, steps=d["step"],
             batch=s.batch_size, seq=s.seq_len, tokens=d["step"] * s.batch_size * s.seq_len / 1e6,
             lr=s.learning_rate, distil=(", distilled from the target" if name == "draft" else ""),
+            note=SCHEDULE_NOTES.get(name, ""),
             loss=d["loss"], acc_g=acc["greedy"]["acceptance_rate"],
             len_g=acc["greedy"]["mean_accepted_length"], acc_t=acc["t0.8"]["acceptance_rate"],
             len_t=acc["t0.8"]["mean_accepted_length"], python=corpus.get("python", "?"),
