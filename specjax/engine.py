@@ -449,7 +449,7 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     top_k_on = 0 < sampling.top_k < cfg.vocab_size
     plan = Plan(cfg, proposer, capacity,
                 Filters(top_k=min(bucket(sampling.top_k), cfg.vocab_size) if top_k_on else 0,
-                        top_p=sampling.top_p < 1.0), mesh)
+                        top_p=sampling.top_p < 1.0, greedy=sampling.temperature == 0), mesh)
 
     padded = np.zeros((B_pad, P), np.int32)
     for b, r in enumerate(rows):

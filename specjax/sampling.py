@@ -26,6 +26,9 @@ class Filters:
 
     top_k: int = 0
     top_p: bool = False
+    # Every row is greedy (the call's temperature is 0): distributions are one-hots of the argmax,
+    # with no softmax, and a draft model proposes its argmax as a point mass instead of sampling.
+    greedy: bool = False
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +55,10 @@ def process_logits(logits: Array, params: SamplingArrays,
     selected by an explicit mask, never through a sentinel temperature. A row's top_k must not
     exceed ``filters.top_k`` (the engine guarantees it); top_k <= 0 or >= V switches it off.
     """
+    V = logits.shape[-1]
+    if filters.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
     x = logits.astype(jnp.float32)
-    V = x.shape[-1]
     temperature = _per_row(params.temperature, x)[..., None]
     greedy = temperature == 0
     x = x / jnp.where(greedy, 1.0, temperature)

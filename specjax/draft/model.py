@@ -1,7 +1,6 @@
 """Drafts from an independent small model with its own KV cache.
 
-Each round the draft runs γ forwards: one two-token forward, then γ - 1 single-token forwards
-under ``lax.scan``. The first forward re-feeds the token before the last one, at slot length - 1:
+Each round the draft runs γ forwards: one two-token forward, then γ - 1 single-token forwards. The first forward re-feeds the token before the last one, at slot length - 1:
 
 * if the previous round rejected a draft, that slot already holds exactly this token (recomputed,
   identical), and rewriting it also rolls back everything after it;
@@ -54,23 +53,27 @@ class DraftModelProposer:
         cache = cache.rollback(length - 1)
         logits, _, cache = model_lib.forward(
             draft, jnp.stack([prev, last], 1), jnp.stack([length - 1, length], 1), cache)
-        q = sampling.process_logits(logits[:, -1], sampling_params, filters)  # [B, V]
-        token = sampling.sample(step_keys[:, 0], q)
+        def draw(logits, key):
+            """The next draft and the distribution it was drawn from; greedy calls propose the
+            argmax as a point mass (q is one-hot anyway), skipping the softmax and the draw."""
+            if filters.greedy:
+                return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            q = sampling.process_logits(logits, sampling_params, filters)  # [B, V]
+            return sampling.sample(key, q), q
 
-        def step(carry, i):
-            cache, token = carry
+        token, q = draw(logits[:, -1], step_keys[:, 0])
+
+        # γ - 1 single-token forwards, unrolled (γ is static and small): a lax.scan here carries
+        # the draft cache through a loop, which measured slower per round on a CPU.
+        tokens, probs = [token], [q]
+        for i in range(1, self.gamma):
             logits, _, cache = model_lib.forward(draft, token[:, None], (length + i)[:, None],
                                                  cache)
-            q = sampling.process_logits(logits[:, 0], sampling_params, filters)
-            nxt = sampling.sample(step_keys[:, i], q)
-            return (cache, nxt), (nxt, q)
-
-        tokens, probs = token[:, None], q[:, None]
-        if self.gamma > 1:
-            (cache, _), (more, more_q) = jax.lax.scan(step, (cache, token),
-                                                      jnp.arange(1, self.gamma))
-            tokens = jnp.concatenate([tokens, more.T], axis=1)  # [B, G]
-            probs = jnp.concatenate([probs, jnp.moveaxis(more_q, 0, 1)], axis=1)  # [B, G, V]
+            token, q = draw(logits[:, 0], step_keys[:, i])
+            tokens.append(token)
+            probs.append(q)
+        tokens = jnp.stack(tokens, axis=1)  # [B, G]
+        probs = None if probs[0] is None else jnp.stack(probs, axis=1)  # [B, G, V]
         return Draft(tokens, probs), cache
 
 
