@@ -18,6 +18,9 @@ from .cache import KVCache
 from .checkpoint import load_model, save_model, CheckpointError
 from .tokenizer import load_tokenizer, Tokenizer
 
+# Drafters that ride on the target (Medusa heads, EAGLE)
+from .drafter import Drafter, DrafterConfig, init_drafter, load_drafter, save_drafter
+
 # Generation
 from .engine import generate, Generation
 from .sharding import make_mesh, shard
@@ -32,6 +35,7 @@ __all__ = [
     "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
     "load_model", "save_model", "CheckpointError", "load_tokenizer", "Tokenizer",
     "Model", "init_model", "logits", "forward", "KVCache",
+    "Drafter", "DrafterConfig", "init_drafter", "load_drafter", "save_drafter",
     "generate", "Generation", "Stats", "make_mesh", "shard",
     "sampling", "verify", "theory", "draft",
 ]

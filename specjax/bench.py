@@ -16,7 +16,11 @@ Figures per (temperature, γ):
   formula), mean accepted length (tokens per round, bonus included), per-position acceptance
   (fraction of rounds whose k-th draft was accepted)
 * c: the draft's TPOT over the target's, both decoding autoregressively in the same loop
-  (0 for n-gram lookup, which runs no model)
+  (0 for n-gram lookup, which runs no model). Medusa and EAGLE have no model to time on its own:
+  their c is ``draft_cost_per_draft``, a round's time less its verify forward, in target steps
+  per draft (the drafter plus the loop's overhead; also reported for the other methods)
+* several methods can run in one bench (``--method draft_model,medusa,eagle``): one AR baseline,
+  every variant interleaved with it
 * predicted: the seed's formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` from the measured α and c;
   it assumes verifying γ + 1 tokens costs one target step. ``verify`` is the measured cost of that
   forward in target steps, and ``predicted·v`` puts it in the denominator (γc + v): the gap
@@ -46,6 +50,7 @@ from .model import Model, forward
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
+CHECKPOINTS = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
@@ -159,20 +164,25 @@ def _label(spec: SpecConfig) -> str:
 
 
 def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | None = None,
+              drafters: dict | None = None,
               temperatures=(0.0, 0.8), top_k: int = 0, top_p: float = 1.0,
               max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
               verify_repeats: int = 20, log=None) -> dict:
     """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
-    per (temperature, spec). specs: SpecConfigs (chains or trees), all of one method."""
+    per (temperature, spec). specs: SpecConfigs (chains or trees) of any methods; draft: the
+    draft model for "draft_model"; drafters: {"medusa": Drafter, "eagle": Drafter} for those."""
     specs = [SpecConfig.parse(s) for s in specs]
     if not specs:
         raise ValueError("specs is empty: give at least one SpecConfig")
-    methods = {s.method for s in specs}
-    if len(methods) > 1:
-        raise ValueError(f"one method per bench run, got {sorted(methods)}")
-    method = specs[0].method
-    if specs[0].needs_draft_model and draft is None:
-        raise ValueError(f"method {method!r} needs a draft model")
+    drafts = dict(drafters or {})
+    if draft is not None:
+        drafts["draft_model"] = draft
+    for s in specs:
+        if (s.needs_draft_model or s.needs_drafter) and s.method not in drafts:
+            raise ValueError(f"method {s.method!r} needs a "
+                             + ("draft model (draft=)" if s.needs_draft_model
+                                else "drafter (drafters={...})"))
+    methods = sorted({s.method for s in specs})
     if not temperatures or any(not t >= 0 for t in temperatures):
         raise ValueError(f"temperatures must be >= 0, got {list(temperatures)!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -180,7 +190,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     if not prompts:
         raise ValueError("prompts is empty")
     log = log or (lambda msg: None)
-    use_draft = draft if specs[0].needs_draft_model else None
+    use_draft = drafts.get("draft_model") if "draft_model" in methods else None
 
     rows = []
     for temperature in temperatures:
@@ -189,7 +199,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         variants = {"ar": (target, None, None)}
         if use_draft is not None:
             variants["draft-ar"] = (use_draft, None, None)
-        variants.update({i: (target, s, use_draft) for i, s in enumerate(specs)})
+        variants.update({i: (target, s, drafts.get(s.method)) for i, s in enumerate(specs)})
 
         def run_all(model, spec, d):
             return [generate(model, [p], sampling=sampling, spec=spec, draft=d, key=seed + i)
@@ -205,12 +215,13 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 runs[name].add(run_all(*v))
             log(f"T={temperature}: repeat {r + 1}/{repeats} done")
         ar = runs["ar"]
-        c = (runs["draft-ar"].median("tpot") / ar.median("tpot")) if use_draft is not None else 0.0
+        c_model = (runs["draft-ar"].median("tpot") / ar.median("tpot")
+                   if use_draft is not None else 0.0)
         for i, spec in enumerate(specs):
             sp = runs[i]
             tree = None if spec.tree is None else Tree(spec.tree)
             row = dict(
-                label=_label(spec), method=method, temperature=temperature,
+                label=_label(spec), method=spec.method, temperature=temperature,
                 gamma=spec.num_speculative_tokens,
                 depth=spec.num_speculative_tokens if tree is None else tree.depth,
                 verify_tokens=spec.num_speculative_tokens + 1,
@@ -222,7 +233,10 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                                           ar.tokens_per_second)],
                 ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
-                c=c, **_pooled(sp.outputs))
+                c={"draft_model": c_model, "ngram": 0.0}.get(spec.method, float("nan")),
+                **_pooled(sp.outputs))
+            # A round's wall time: TPOT times the tokens a round emits.
+            row["spec_round_ms"] = row["spec_tpot_ms"] * row["mean_accepted_length"]
             if temperature == 0:
                 row["identical_to_autoregressive"] = all(
                     np.array_equal(a.tokens, s.tokens) for a, s in zip(ar.outputs, sp.outputs))
@@ -237,8 +251,15 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
     seconds = median_seconds(timers, verify_repeats)
     for row in rows:
-        g, alpha, c = row["gamma"], row["alpha"], row["c"]
         row["verify_cost"] = seconds[row["verify_tokens"]] / seconds[1]
+        # What a round spends besides the verify forward, in target steps, per draft: the
+        # drafter's cost plus the loop's own overhead. For Medusa and EAGLE it stands in for c
+        # (no separate model to time on its own); for the draft model it sits beside c.
+        row["draft_cost_per_draft"] = (
+            (row["spec_round_ms"] / 1e3 / seconds[1] - row["verify_cost"]) / row["gamma"])
+        if row["method"] in ("medusa", "eagle"):
+            row["c"] = row["draft_cost_per_draft"]
+        g, alpha, c = row["gamma"], row["alpha"], row["c"]
         # the seed's formula is for chains: i.i.d. acceptance of γ drafts in a row
         ok = np.isfinite(alpha) and row["tree"] is None
         row["predicted_speedup"] = theory.speedup(alpha, g, c) if ok else float("nan")
@@ -249,7 +270,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         machine=dict(platform=platform.platform(), processor=platform.processor(),
                      cpu_count=os.cpu_count(), jax=jax.__version__,
                      backend=jax.default_backend(), device=str(jax.devices()[0].device_kind)),
-        settings=dict(method=method, specs=[_label(s) for s in specs],
+        settings=dict(method=",".join(methods), specs=[f"{s.method} {_label(s)}" for s in specs],
                       temperatures=list(temperatures), top_k=top_k, top_p=top_p,
                       max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
                       prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
@@ -265,13 +286,12 @@ def format_table(result: dict) -> str:
              f"median of {s['repeats']} interleaved repeats; {result['machine']['cpu_count']} "
              f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
              ""]
-    r0 = result["rows"][0]
-    head = (f"{r0['method']:<12}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
+    head = (f"{'method':<12}{'variant':<12}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
             f"{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'α':>6}{'len':>6}{'c':>7}{'verify':>7}"
             f"{'predicted':>10}{'pred·v':>7}  per-position acceptance")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
-        line = (f"{r['label']:<12}{r['temperature']:>4g} "
+        line = (f"{r['method']:<12}{r['label']:<12}{r['temperature']:>4g} "
                 f"{r['ar_tokens_per_second']:9.1f}{r['spec_tokens_per_second']:11.1f}"
                 f"{r['speedup']:8.2f}x{r['spec_ttft_ms']:8.1f}"
                 f"{r['ar_tpot_ms']:9.2f}/{r['spec_tpot_ms']:<7.2f}"
@@ -298,6 +318,7 @@ def _tree_json(text: str):
 def main(args) -> int:
     """``specjax bench`` (arguments parsed in specjax.cli)."""
     from .checkpoint import load_model
+    from .drafter import load_drafter
     from .tokenizer import load_tokenizer
     texts = load_prompts(args.prompts)
     if args.num_prompts is not None:
@@ -311,17 +332,30 @@ def main(args) -> int:
         if args.max_prompt_tokens < 1:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
         prompts = [p[-args.max_prompt_tokens:] for p in prompts]  # keep the end: it is continued
-    draft = load_model(args.draft, dtype=args.dtype) if args.method == "draft_model" else None
-    specs = chain_specs(args.method, args.gammas) if args.gammas else []
-    for tree in args.tree or ():
-        specs.append(SpecConfig(method=args.method, tree=_tree_json(tree)))
-    result = run_bench(target, prompts, specs, draft=draft,
+    methods = args.method
+    draft = load_model(args.draft, dtype=args.dtype) if "draft_model" in methods else None
+    drafters = {m: load_drafter(getattr(args, m) or CHECKPOINTS / f"code-{m}", target)
+                for m in methods if m in ("medusa", "eagle")}
+    specs = []
+    for m in methods:
+        for spec in chain_specs(m, args.gammas) if args.gammas else ():
+            limit = drafters[m].config.max_depth if m in drafters else spec.num_speculative_tokens
+            if spec.num_speculative_tokens > limit:
+                print(f"skipping {m} chain {spec.num_speculative_tokens}: the drafter drafts at "
+                      f"most {limit} deep", file=sys.stderr)
+                continue
+            specs.append(spec)
+        if m != "ngram":
+            specs += [SpecConfig(method=m, tree=_tree_json(tree)) for tree in args.tree or ()]
+    result = run_bench(target, prompts, specs, draft=draft, drafters=drafters,
                        temperatures=args.temperatures, top_k=args.top_k, top_p=args.top_p,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                        verify_repeats=args.verify_repeats,
                        log=lambda m: print(m, file=sys.stderr, flush=True))
     result["settings"].update(target=str(args.target),
                               draft=str(args.draft) if draft is not None else None,
+                              drafters={m: str(getattr(args, m) or CHECKPOINTS / f"code-{m}")
+                                        for m in drafters},
                               dtype=args.dtype)
     print(format_table(result))
     if args.json:

@@ -119,7 +119,10 @@ def _generate(args) -> int:
     tok = load_tokenizer(args.target)
     draft = None
     if spec is not None and spec.needs_draft_model:
-        draft = load_model(args.draft, dtype=args.dtype)
+        draft = load_model(args.draft or CHECKPOINTS / "code-draft", dtype=args.dtype)
+    elif spec is not None and spec.needs_drafter:
+        from .drafter import load_drafter
+        draft = load_drafter(args.draft or CHECKPOINTS / f"code-{spec.method}", target)
     runs = [("speculative" if spec else "autoregressive", spec, draft)]
     if args.compare and spec is not None:
         runs.append(("autoregressive", None, None))
@@ -161,9 +164,12 @@ def _add_generate(sub) -> None:
     g.add_argument("--prompt", default="def fibonacci(n):")
     g.add_argument("--target", default=str(CHECKPOINTS / "code-target"),
                    help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
-    g.add_argument("--draft", default=str(CHECKPOINTS / "code-draft"),
-                   help="draft model folder for --method draft_model (default: bundled)")
-    g.add_argument("--method", default="draft_model", choices=["draft_model", "ngram", "none"],
+    g.add_argument("--draft",
+                   help="draft model folder for --method draft_model, heads folder for medusa / "
+                        "eagle (default: the bundled checkpoints/code-draft, code-medusa, "
+                        "code-eagle)")
+    g.add_argument("--method", default="draft_model",
+                   choices=["draft_model", "ngram", "medusa", "eagle", "none"],
                    help="how drafts are made; none = plain autoregressive decoding")
     g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="GAMMA")
     g.add_argument("--prompt-lookup-min", type=int, default=2)
@@ -195,6 +201,16 @@ def _numbers(kind, allow_empty: bool = False):
     return parse
 
 
+def _methods(text: str) -> list[str]:
+    from .config import METHODS
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad or text!r}; known: "
+                                         f"{', '.join(METHODS)}")
+    return methods
+
+
 def _add_bench(sub) -> None:
     from .bench import __doc__ as bench_doc
     b = sub.add_parser("bench", help="speculative vs autoregressive on held-out prompts: a table",
@@ -204,13 +220,17 @@ def _add_bench(sub) -> None:
                    help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
     b.add_argument("--draft", default=str(CHECKPOINTS / "code-draft"),
                    help="draft model folder for --method draft_model (default: bundled)")
-    b.add_argument("--method", default="draft_model", choices=["draft_model", "ngram"])
+    b.add_argument("--method", type=_methods, default=["draft_model"], metavar="M,M,...",
+                   help="draft methods to compare in one run: draft_model, ngram, medusa, eagle "
+                        "(default draft_model)")
+    b.add_argument("--medusa", help="Medusa heads folder (default: bundled checkpoints/code-medusa)")
+    b.add_argument("--eagle", help="EAGLE head folder (default: bundled checkpoints/code-eagle)")
     b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
                    metavar="G,G,...", help="chains of this many drafts to compare (default "
                                            "2,4,6; '' for none, e.g. with --tree)")
     b.add_argument("--tree", action="append", metavar="JSON",
                    help="also a static draft tree, vLLM's speculative_token_tree format, e.g. "
-                        "'[[0],[1],[0,0]]' (repeatable; draft_model only)")
+                        "'[[0],[1],[0,0]]' (repeatable; for every method but ngram)")
     b.add_argument("--temperatures", type=_numbers(float), default=[0.0, 0.8], metavar="T,T,...",
                    help="sampling temperatures, 0 = greedy (default 0,0.8)")
     b.add_argument("--top-k", type=int, default=0)
@@ -253,14 +273,18 @@ def main(argv=None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     _add_generate(sub)
     _add_bench(sub)
-    sub.add_parser("train", help="train models (`specjax train pair --help`)", add_help=False)
+    sub.add_parser("train", help="train models (`specjax train pair --help`, `specjax train heads --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["train", "heads"]:
+        from .train.heads import heads_main
+        return heads_main(argv[2:])
     if argv[:2] == ["train", "pair"]:
         from .train.pair import main as pair_main
         return pair_main(argv[2:])
     args = parser.parse_args(argv)
     if args.command == "train":
-        parser.error("usage: specjax train pair {data,target,draft,export} --workdir DIR")
+        parser.error("usage: specjax train pair {data,target,draft,export} --workdir DIR, or "
+                     "specjax train heads {medusa,eagle} --workdir DIR")
     if args.command == "generate":
         try:
             return _generate(args)

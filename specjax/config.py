@@ -178,11 +178,12 @@ class SamplingParams:
         return self.eos_token_id or ()
 
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "medusa", "eagle")
 """Draft methods this version knows; ``SpecConfig.method`` must be one of them."""
 
 NEEDS_DRAFT_MODEL = ("draft_model",)
-TREE_METHODS = ("draft_model",)  # methods that can expand a static tree (SpecConfig.tree)
+NEEDS_DRAFTER = ("medusa", "eagle")  # draft= is an sj.Drafter riding on the target
+TREE_METHODS = ("draft_model", "medusa", "eagle")  # methods that can expand a static tree (SpecConfig.tree)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,6 +226,10 @@ class SpecConfig:
     @property
     def needs_draft_model(self) -> bool:
         return self.method in NEEDS_DRAFT_MODEL
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.method in NEEDS_DRAFTER
 
     @classmethod
     def parse(cls, spec: "SpecConfig | Mapping[str, Any] | str | None") -> "SpecConfig | None":

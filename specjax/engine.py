@@ -40,7 +40,9 @@ from . import sampling as sampling_lib
 from . import verify
 from .cache import KVCache
 from .config import MAX_EOS_IDS, SamplingParams, SpecConfig
-from .draft import DraftModelProposer, DraftTreeProposer, NgramProposer
+from .draft import (DraftModelProposer, DraftTreeProposer, EagleProposer, MedusaProposer,
+                    NgramProposer)
+from .drafter import Drafter
 from .model import Model
 from .sampling import Filters, SamplingArrays
 from .stats import Counters, Stats
@@ -137,7 +139,7 @@ def _prefill(plan: Plan, target_params, draft_params, prompts: Array, prompt_len
         spec = sharding.cache_spec(plan.target, plan.mesh)
         cache = dataclasses.replace(cache, k=sharding.constrain(cache.k, plan.mesh, spec),
                                     v=sharding.constrain(cache.v, plan.mesh, spec))
-    logits, _, cache = model_lib.forward(target, prompts, positions, cache)
+    logits, hidden, cache = model_lib.forward(target, prompts, positions, cache)
     rows = jnp.arange(B)
     last_logits = logits[rows, prompt_lengths - 1]  # [B, V]
     probs = sampling_lib.process_logits(last_logits, request.sampling, plan.filters)
@@ -146,13 +148,26 @@ def _prefill(plan: Plan, target_params, draft_params, prompts: Array, prompt_len
     history = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
     history = history.at[rows, prompt_lengths].set(first)
     draft_state = None
-    if plan.proposer is not None:
+    if _rides(plan):
+        draft_state = plan.proposer.init(_proposer_params(plan, draft_params, target_params),
+                                         prompts, prompt_lengths, S, hidden)
+    elif plan.proposer is not None:
         draft_state = plan.proposer.init(draft_params, prompts, prompt_lengths, S)
     done = jnp.any(first[:, None] == request.eos[None, :], axis=1) | (request.max_new_tokens <= 1)
     return LoopState(
         history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
         done=done, cache=cache.rollback(prompt_lengths), draft_state=draft_state,
         counters=Counters.zeros(plan.depth), step=jnp.zeros((), jnp.int32))
+
+
+def _rides(plan: Plan) -> bool:
+    """Whether the proposer drafts from the target's hidden states (Medusa, EAGLE)."""
+    return getattr(plan.proposer, "rides_on_target", False)
+
+
+def _proposer_params(plan: Plan, draft_params, target_params):
+    return ({"drafter": draft_params, "target": target_params} if _rides(plan)
+            else draft_params)
 
 
 def _round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
@@ -175,7 +190,7 @@ def _round(plan: Plan, target_params, draft_params, request: Request,
         draft_state = state.draft_state
     else:
         draft, draft_state = plan.proposer.propose(
-            draft_params, state.draft_state, state.history, state.length, draft_keys,
+            _proposer_params(plan, draft_params, target_params), state.draft_state, state.history, state.length, draft_keys,
             request.sampling, plan.filters)
         draft_tokens, draft_probs, valid = draft.tokens, draft.probs, draft.valid
     chunk = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, G+1] (tree: [B, N])
@@ -187,34 +202,42 @@ def _round(plan: Plan, target_params, draft_params, request: Request,
             """Feed [last, d_1 .. d_{T-1}] (T static) and verify those drafts."""
             def run(cache):
                 positions = state.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-                logits, _, cache = model_lib.forward(target, chunk[:, :T], positions, cache)
+                logits, hidden, cache = model_lib.forward(target, chunk[:, :T], positions,
+                                                          cache)
                 target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
                 verdict = verify.rejection_sample(
                     verify_keys, draft_tokens[:, :T - 1],
                     None if draft_probs is None else draft_probs[:, :T - 1], target_probs,
                     None if valid is None else valid[:, :T - 1])
                 tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
-                return verify.Verdict(tokens, verdict.num_accepted), cache
+                return verify.Verdict(tokens, verdict.num_accepted), cache, hidden
             return run
 
         if valid is None:
-            verdict, cache = verify_chain(G + 1)(cache)
+            verdict, cache, hidden = verify_chain(G + 1)(cache)
         else:
             # Per-row draft lengths (n-gram lookup): feed only as many drafts as the longest row
             # proposed, so rounds without a match cost one decode step, not a γ + 1 verify. One
             # branch per length, all with static shapes; the choice is made on the device.
             proposed = jnp.where(state.done, 0, jnp.sum(valid, axis=1, dtype=jnp.int32))
             verdict, cache = jax.lax.switch(
-                jnp.max(proposed), [verify_chain(T) for T in range(1, G + 2)], cache)
+                jnp.max(proposed), [lambda c, T=T: verify_chain(T)(c)[:2]
+                                    for T in range(1, G + 2)], cache)
     else:  # every node at once: position = length + depth, each node sees its ancestors
         positions = state.length[:, None] + jnp.asarray(tree.depths)[None, :]
-        logits, _, cache = model_lib.forward(target, chunk, positions, cache,
-                                             chunk_mask=jnp.asarray(tree.ancestors))
+        logits, hidden, cache = model_lib.forward(target, chunk, positions, cache,
+                                                  chunk_mask=jnp.asarray(tree.ancestors))
         target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
         verdict = verify.tree_sample(verify_keys, tree, draft_tokens, target_probs, valid)
         cache = kv.compact(cache, state.length, verdict.path, verdict.num_accepted)
-        draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
-                                           verdict.num_accepted)
+        if hasattr(plan.proposer, "commit"):
+            draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
+                                               verdict.num_accepted)
+        # The hidden states along the accepted path, root first (entries past it are stale).
+        nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
+        hidden = jnp.take_along_axis(hidden, nodes[:, :, None], axis=1)  # [B, D+1, E]
+    if _rides(plan):
+        draft_state = plan.proposer.observe(draft_state, state.length, hidden)
     num_proposed = (jnp.full((B,), G, jnp.int32) if valid is None
                     else jnp.sum(valid, axis=1, dtype=jnp.int32))
 
@@ -325,6 +348,31 @@ def _as_key(key) -> Array:
     raise ValueError(f"key must be a jax.random.key, an int seed or None, got {key!r}")
 
 
+def _drafter_proposer(spec: SpecConfig, drafter, cfg):
+    """The Medusa / EAGLE proposer for a drafter, after checking it fits the target and spec."""
+    if not isinstance(drafter, Drafter):
+        raise ValueError(f"method {spec.method!r} needs draft= an sj.Drafter (sj.load_drafter("
+                         f"path, target)), got {type(drafter).__name__}")
+    c = drafter.config
+    if c.method != spec.method:
+        raise ValueError(f"method {spec.method!r} but the drafter is a {c.method!r} drafter")
+    if (c.hidden_size, c.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise ValueError(f"the drafter was built for hidden_size={c.hidden_size}, vocab_size="
+                         f"{c.vocab_size}; the target has {cfg.hidden_size}, {cfg.vocab_size}")
+    tree = None if spec.tree is None else Tree(spec.tree)
+    depth = spec.num_speculative_tokens if tree is None else tree.depth
+    if depth > c.max_depth:
+        raise ValueError(f"the Medusa drafter has {c.num_heads} heads, so it drafts at most "
+                         f"{c.num_heads} tokens deep; got "
+                         + (f"num_speculative_tokens={depth}" if tree is None
+                            else f"a tree of depth {depth}"))
+    if tree is not None and int(tree.children.shape[1]) > c.draft_vocab_size:
+        raise ValueError(f"the tree has {int(tree.children.shape[1])} children per node, more "
+                         f"than the drafter's {c.draft_vocab_size}-token draft vocabulary")
+    cls = MedusaProposer if c.method == "medusa" else EagleProposer
+    return cls(c, spec.num_speculative_tokens, tree)
+
+
 def _check_model(name: str, model) -> None:
     if not isinstance(model, Model):
         raise ValueError(f"{name} must be an sj.Model (from sj.init_model or sj.load_model), "
@@ -420,6 +468,8 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
             proposer = DraftModelProposer(draft.config, spec.num_speculative_tokens)
         else:
             proposer = DraftTreeProposer(draft.config, Tree(spec.tree))
+    elif spec.needs_drafter:
+        proposer = _drafter_proposer(spec, draft, cfg)
     else:
         if draft is not None:
             raise ValueError(f"method {spec.method!r} uses no draft model; drop draft=")
@@ -427,7 +477,8 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
                                  spec.prompt_lookup_max)
     gamma = 0 if proposer is None else proposer.gamma
     if spec is not None and spec.tree is not None:
-        for name, c in [("target", cfg), ("draft", draft.config if draft is not None else None)]:
+        for name, c in [("target", cfg),
+                        ("draft", draft.config if isinstance(draft, Model) else None)]:
             if c is not None and c.sliding_window is not None:
                 raise ValueError(f"tree drafts are not supported with sliding-window attention "
                                  f"(the {name} has sliding_window={c.sliding_window}); use a "
@@ -444,8 +495,11 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         data = mesh.shape[sharding.DATA]
         B_pad = -(-B_pad // data) * data  # every "data" shard gets the same number of rows
         target = sharding.shard(target, mesh)
-        if draft is not None:
+        if isinstance(draft, Model):
             draft = sharding.shard(draft, mesh, replicate=True)
+        elif draft is not None:  # a drafter's heads: small, a full copy per device
+            draft = Drafter(draft.config, jax.device_put(
+                draft.params, NamedSharding(mesh, PartitionSpec())))
     top_k_on = 0 < sampling.top_k < cfg.vocab_size
     plan = Plan(cfg, proposer, capacity,
                 Filters(top_k=min(bucket(sampling.top_k), cfg.vocab_size) if top_k_on else 0,
@@ -502,8 +556,10 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         n = int(generated[b])
         tokens[b, :n] = history[b, lengths[b]:lengths[b] + n]
     stats = Stats.summarise(
-        jax.tree.map(_fetch, state.counters), gamma=plan.depth, draft_calls_per_round=plan.depth,
-        has_draft_model=isinstance(proposer, (DraftModelProposer, DraftTreeProposer)),
+        jax.tree.map(_fetch, state.counters), gamma=plan.depth,
+        draft_calls_per_round=1 if isinstance(proposer, MedusaProposer) else plan.depth,
+        has_draft_model=isinstance(proposer, (DraftModelProposer, DraftTreeProposer,
+                                              EagleProposer, MedusaProposer)),
         generated_tokens=int(generated.sum()), batch=B,
         prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
         compile_seconds=compile_seconds)

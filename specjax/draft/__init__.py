@@ -18,6 +18,14 @@ nodes, and ``Draft.tokens`` holds nodes 1 .. N-1 in the tree's order) and
 with the accepted nodes, so the proposer can compact its own cache as the engine compacts the
 target's.
 
+Proposers that ride on the target (``rides_on_target = True``: Medusa, EAGLE) draft from the
+target's own hidden states instead of a model of their own. For them the engine passes
+``params = {"drafter": ..., "target": target params}``, gives ``init`` the prompt's hidden states
+(``init(params, prompts, prompt_lengths, capacity, hidden [B, P, E])``), and after every
+verification calls ``observe(state, start [B], hidden [B, W, E])`` with the target's hidden states
+along the round's accepted path (position start + j at index j; W = depth + 1). Both keep them in a
+``Features`` state.
+
 A proposer may offer fewer than γ drafts in a row (none included) through ``Draft.valid``; the
 verifier treats the missing ones as never proposed (the row's next token is then drawn from the
 target's own distribution at that position), so shapes stay static and nothing recompiles.
@@ -46,5 +54,9 @@ class Draft:
 
 from .model import DraftModelProposer, DraftTreeProposer  # noqa: E402
 from .ngram import NgramProposer  # noqa: E402
+from .rider import Features  # noqa: E402
+from .medusa import MedusaProposer  # noqa: E402
+from .eagle import EagleProposer  # noqa: E402
 
-__all__ = ["Draft", "DraftModelProposer", "DraftTreeProposer", "NgramProposer"]
+__all__ = ["Draft", "Features", "DraftModelProposer", "DraftTreeProposer", "NgramProposer",
+           "MedusaProposer", "EagleProposer"]

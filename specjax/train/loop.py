@@ -107,15 +107,35 @@ def distill_loss(config: ModelConfig, params, batch: jax.Array, teacher: Model,
     return kl
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _step(config: ModelConfig, cfg: TrainConfig, distill: bool, state: TrainState,
-          batch: jax.Array, teacher: Model | None):
-    if distill:
-        loss_fn = lambda p: distill_loss(config, p, batch, teacher, cfg.distill_temperature,  # noqa
-                                         cfg.distill_ce_weight)
-    else:
-        loss_fn = lambda p: lm_loss(config, p, batch)  # noqa: E731
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+@dataclasses.dataclass(frozen=True)
+class LMObjective:
+    """Next-token loss of a model; aux is unused."""
+
+    config: ModelConfig
+
+    def __call__(self, params, batch: jax.Array, aux) -> jax.Array:
+        return lm_loss(self.config, params, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillObjective:
+    """distill_loss against a teacher whose params come in as aux."""
+
+    config: ModelConfig
+    teacher: ModelConfig
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+
+    def __call__(self, params, batch: jax.Array, aux) -> jax.Array:
+        return distill_loss(self.config, params, batch, Model(self.teacher, aux),
+                            self.temperature, self.ce_weight)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _step(objective, cfg: TrainConfig, state: TrainState, batch: jax.Array, aux):
+    """One optimizer step. objective(params, batch, aux) -> loss is hashable (a frozen
+    dataclass), so it is part of the compile key; aux (a teacher's params, say) is an argument."""
+    loss, grads = jax.value_and_grad(objective)(state.params, batch, aux)
     updates, opt_state = optimizer(cfg).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     return TrainState(params, opt_state, state.step + 1), loss
@@ -133,22 +153,26 @@ def evaluate(model: Model, tokens: np.ndarray, batches: int = 8, batch_size: int
     return float(np.mean(losses))
 
 
-def _check_run(workdir: pathlib.Path, config: ModelConfig, cfg: TrainConfig,
-               teacher: Model | None) -> None:
+def _check_run(workdir: pathlib.Path, run: dict) -> None:
     """Record the run's settings in workdir/run.json; refuse to resume with other settings."""
-    run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(cfg),
-           "teacher": None if teacher is None else dataclasses.asdict(teacher.config)}
     run = json.loads(json.dumps(run))
     path = workdir / "run.json"
     if path.exists():
         old = json.loads(path.read_text())
         if old != run:
-            changed = sorted(f"{part}.{k}" for part in run for k in (run[part] or {})
-                             if (old.get(part) or {}).get(k) != (run[part] or {}).get(k))
+            changed = _differences(old, run)
             raise ValueError(f"{workdir} holds a run with other settings ({', '.join(changed)}"
                              f"); use a new work directory or the same settings")
     else:
         path.write_text(json.dumps(run, indent=1) + "\n")
+
+
+def _differences(old, new, prefix: str = "") -> list[str]:
+    """Dotted names of the settings that differ between two run records."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [name for k in sorted(set(old) | set(new))
+                for name in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
+    return [] if old == new else [prefix.rstrip(".")]
 
 
 def _manager(workdir: pathlib.Path):
@@ -166,11 +190,38 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
     """Train (or distil, when teacher is given) a model on a token stream, resuming from the
     latest checkpoint in workdir. Stops after cfg.steps steps or max_seconds (checkpointing
     first). Returns the model and the held-out evaluations [{"step", "heldout_loss"}]."""
+    if teacher is None:
+        objective, aux = LMObjective(config), None
+    else:
+        objective = DistillObjective(config, teacher.config, cfg.distill_temperature,
+                                     cfg.distill_ce_weight)
+        aux = teacher.params
+    run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(cfg),
+           "teacher": None if teacher is None else dataclasses.asdict(teacher.config)}
+    evaluate_fn = None
+    if heldout is not None:
+        def evaluate_fn(params):
+            return evaluate(Model(config, params), heldout, cfg.eval_batches, cfg.batch_size,
+                            cfg.seq_len)
+    params = (init or init_model(config, jax.random.key(cfg.seed))).params
+    params, history = fit(objective, params, aux, tokens, cfg, workdir, run,
+                          evaluate_fn=evaluate_fn, progress=progress, on_eval=on_eval,
+                          max_seconds=max_seconds)
+    return Model(config, params), history
+
+
+def fit(objective, params, aux, tokens: np.ndarray, cfg: TrainConfig, workdir, run: dict, *,
+        evaluate_fn: Callable[[Any], float] | None = None, progress: bool = True,
+        on_eval: Callable[[int, float], None] | None = None,
+        max_seconds: float | None = None) -> tuple[Any, list[dict]]:
+    """The loop under every training run: minimise objective(params, batch, aux) over batches of
+    ``tokens``, resuming from the latest checkpoint in workdir (whose run.json must match
+    ``run``). evaluate_fn(params) -> held-out loss, every cfg.eval_every steps and at the end.
+    Returns the trained params and the evaluations [{"step", "heldout_loss"}]."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _check_run(workdir, config, cfg, teacher)
+    _check_run(workdir, run)
     ocp, manager = _manager(workdir)
-    params = (init or init_model(config, jax.random.key(cfg.seed))).params
     state = TrainState(params, optimizer(cfg).init(params), jnp.zeros((), jnp.int32))
     latest = manager.latest_step()
     if latest is not None:
@@ -190,10 +241,9 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
         manager.wait_until_finished()
 
     def run_eval():
-        if heldout is None:
+        if evaluate_fn is None:
             return
-        value = evaluate(Model(config, state.params), heldout, cfg.eval_batches, cfg.batch_size,
-                         cfg.seq_len)
+        value = evaluate_fn(state.params)
         history.append({"step": int(state.step), "heldout_loss": value})
         if on_eval:
             on_eval(int(state.step), value)
@@ -202,8 +252,7 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
     try:
         while step < cfg.steps:
             batch = sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step)
-            state, loss_arr = _step(config, cfg, teacher is not None, state, jnp.asarray(batch),
-                                    teacher)
+            state, loss_arr = _step(objective, cfg, state, jnp.asarray(batch), aux)
             step += 1
             tokens_done += cfg.batch_size * cfg.seq_len
             if step % cfg.checkpoint_every == 0:
@@ -226,4 +275,4 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
     if not history or history[-1]["step"] != step:
         run_eval()
     manager.close()
-    return Model(config, state.params), history
+    return state.params, history

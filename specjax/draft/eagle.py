@@ -1,0 +1,135 @@
+"""EAGLE: a one-layer head that drafts in the target's feature space (see specjax/drafter.py).
+
+Its cache slot t holds the pair (f_t, x_{t+1}) at position t: the target's feature at t and the
+token after it. The pair's output is the predicted feature at t + 1, whose logits guess x_{t+2}.
+
+Each round starts with one catch-up forward over the previous round's W pairs, rewritten from slot
+``start`` with the target's true features along the accepted path and the tokens now in the
+history. That replaces the features the head had predicted for the tokens that were accepted, and
+its output at the row's last accepted index (position length - 1, token x_L) is the feature that
+ranks d_1. The cache is then rolled back to ``length``; everything written past it is garbage.
+After prefill the state holds only the last prompt position (W = 1 worth of data), so the first
+catch-up writes just the pair (f_{L-1}, x_L).
+
+* chain: γ - 1 single-pair forwards, the pair (predicted feature, draft) at slot length - 1 + i.
+  Drafts are sampled from the head's processed distribution q (argmax point masses when greedy),
+  so the verifier uses the sampled-draft rule.
+* tree: the tree's levels are expanded one forward each, as the draft-model tree does: node i's
+  pair (its parent's predicted feature, its token) goes at slot length - 1 + i, at its parent's
+  position length + depth - 1, under the ancestor mask; a node's children are the head's top-ranked tokens
+  after it (point masses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from .. import drafter as drafter_lib
+from .. import sampling
+from ..cache import KVCache
+from . import Draft
+from .rider import Features, RiderProposer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EagleState:
+    cache: KVCache  # the head's own one-layer cache
+    features: Features
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleProposer(RiderProposer):
+    def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int,
+             hidden: Array) -> EagleState:
+        """Write the prompt's pairs (f_t, x_{t+1}), t < length - 1; keep f_{length-1}."""
+        B, P = prompts.shape
+        nxt = jnp.concatenate([prompts[:, 1:], jnp.zeros((B, 1), prompts.dtype)], axis=1)
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        cache = KVCache.init(self.config.layer, B, capacity)
+        _, cache = drafter_lib.eagle_forward(
+            self.config, params["drafter"]["weights"], hidden,
+            drafter_lib.embed(params["target"], nxt), positions, cache)
+        return EagleState(cache.rollback(prompt_lengths - 1),
+                          Features.from_prompt(hidden, prompt_lengths, self.width))
+
+    def observe(self, state: EagleState, start: Array, hidden: Array) -> EagleState:
+        return EagleState(state.cache, Features(hidden, start))
+
+    def _catch_up(self, params, state: EagleState, history: Array, length: Array
+                  ) -> tuple[Array, KVCache]:
+        """Rewrite the last round's pairs with true features; the predicted feature at
+        position length [B, E] and the cache rolled back to length."""
+        f = state.features
+        B, W, _ = f.feats.shape
+        S = history.shape[1]
+        rows = jnp.arange(B)[:, None]
+        offsets = jnp.arange(W, dtype=jnp.int32)[None, :]
+        nxt = history[rows, jnp.minimum(f.start[:, None] + 1 + offsets, S - 1)]  # [B, W]
+        out, cache = drafter_lib.eagle_forward(
+            self.config, params["drafter"]["weights"], f.feats,
+            drafter_lib.embed(params["target"], nxt), f.start[:, None] + offsets,
+            state.cache.rollback(f.start))
+        index = jnp.clip(length - 1 - f.start, 0, W - 1)
+        return out[jnp.arange(B), index], cache.rollback(length)
+
+    def propose(self, params, state: EagleState, history: Array, length: Array, keys: Array,
+                sampling_params: sampling.SamplingArrays, filters: sampling.Filters
+                ) -> tuple[Draft, EagleState]:
+        p, cfg = params["drafter"], self.config
+        g, cache = self._catch_up(params, state, history, length)
+        if self.tree is not None:
+            return self._tree(params, state, g, cache, length)
+        step_keys = jax.vmap(lambda k: jax.random.split(k, self.chain))(keys)  # [B, G]
+
+        def draw(g, key):
+            logits = drafter_lib.draft_logits(p, g)  # [B, M]
+            if filters.greedy:
+                return p["vocab"][jnp.argmax(logits, axis=-1)].astype(jnp.int32), None
+            q = sampling.process_logits(drafter_lib.full_logits(p, logits, cfg.vocab_size),
+                                        sampling_params, filters)  # [B, V]
+            return sampling.sample(key, q), q
+
+        token, q = draw(g, step_keys[:, 0])
+        tokens, probs = [token], [q]
+        for i in range(1, self.chain):  # unrolled, as the draft model's chain
+            position = (length - 1 + i)[:, None]
+            out, cache = drafter_lib.eagle_forward(
+                cfg, p["weights"], g[:, None], drafter_lib.embed(params["target"], token)[:, None],
+                position, cache)
+            g = out[:, 0]
+            token, q = draw(g, step_keys[:, i])
+            tokens.append(token)
+            probs.append(q)
+        tokens = jnp.stack(tokens, axis=1)
+        probs = None if probs[0] is None else jnp.stack(probs, axis=1)
+        return Draft(tokens, probs), EagleState(cache, state.features)
+
+    def _tree(self, params, state: EagleState, g: Array, cache: KVCache, length: Array
+              ) -> tuple[Draft, EagleState]:
+        p, tree = params["drafter"], self.tree
+        B = g.shape[0]
+        width = int(tree.children.shape[1])
+        base = length - 1  # the slot of the root's pair (f_{L-1}, x_L), written by the catch-up
+        feats = [g[:, None]]  # per level: predicted features of its nodes [B, n, E]
+        ranked = [jax.lax.top_k(drafter_lib.draft_logits(p, g)[:, None], width)[1]]
+        tokens = []
+        for d, (start, stop) in enumerate(tree.levels):
+            first_parent = 0 if d == 0 else tree.levels[d - 1][0]
+            parent = tree.parents[start:stop] - first_parent
+            level = p["vocab"][ranked[d][:, parent, tree.ranks[start:stop]]].astype(jnp.int32)
+            tokens.append(level)
+            if d + 1 < tree.depth:
+                n = stop - start
+                positions = jnp.broadcast_to((length + d)[:, None], (B, n))  # the parents'
+                out, cache = drafter_lib.eagle_forward(
+                    self.config, p["weights"], feats[d][:, parent],
+                    drafter_lib.embed(params["target"], level), positions,
+                    cache.rollback(base + start),
+                    chunk_mask=jnp.asarray(tree.ancestors[start:stop, :stop]))
+                feats.append(out)
+                ranked.append(jax.lax.top_k(drafter_lib.draft_logits(p, out), width)[1])
+        return Draft(jnp.concatenate(tokens, axis=1), None), EagleState(cache, state.features)

@@ -1,0 +1,294 @@
+"""Drafters that ride on the target: Medusa heads and an EAGLE feature head.
+
+Neither has its own embedding, final norm or vocabulary projection: both read the target's
+final-norm hidden state (its "feature", the vector the LM head turns into logits) and decode
+through the target's frozen LM head.
+
+* **Medusa** (``method="medusa"``): K heads on the feature h_t of the last position the target
+  saw. Head k is a residual block, ``h + silu(h W_k + b_k)``, projected through the LM head; it
+  guesses the token k positions after the one the target itself predicts from h_t (head 1 guesses
+  d_1 while the verifier's own distribution gives the token before it). The heads are independent
+  of one another, so all K come out of one batched matmul per round.
+* **EAGLE** (``method="eagle"``): one decoder layer that autoregresses in feature space. Its input
+  at position t is ``fc([f_t ; embed(x_{t+1})])``: the target's feature at t and the embedding
+  (the target's) of the token that followed; its output, after an RMSNorm, is the feature it
+  predicts for t + 1, which the LM head turns into the next draft. It keeps its own one-layer KV
+  cache, rolled back like the others.
+
+Draft vocabulary: both may draft from a subset of the vocabulary, the M most frequent tokens of the
+training corpus (as FR-Spec and EAGLE-3 do), so a draft step projects onto M columns of the LM head
+instead of V. On a memory-bound CPU that projection is most of a drafter's cost. Drafts outside the
+subset are never proposed; verification is unchanged, so the output distribution is still exactly
+the target's.
+
+Parameters::
+
+    weights   trainable: medusa {"w": [K, E, E], "b": [K, E]};
+              eagle {"fc": [2E, E], "layer": one DecoderLayer, "norm": [E]}
+    vocab     [M] int32, the draft vocabulary (ids into the target's)
+    head      [E, M], the target's LM head columns for vocab (derived, never saved)
+
+Saved with orbax next to a ``drafter.json`` that records the method, sizes and the target it was
+trained for (its config and a fingerprint of its weights); ``load_drafter(path, target)`` refuses a
+different target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from . import cache as kv
+from .cache import KVCache
+from .config import ModelConfig
+from .model import DecoderLayer, Model, RMSNorm, rope_tables
+
+DRAFTER_METHODS = ("medusa", "eagle")
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    method: str  # "medusa" or "eagle"
+    hidden_size: int  # E, the target's
+    vocab_size: int  # V, the target's
+    draft_vocab_size: int  # M <= V: tokens the drafter can propose
+    num_heads: int = 0  # medusa: K heads (the deepest draft it can make); eagle: 0
+    layer: ModelConfig | None = None  # eagle: the one-layer config (the target's layer shape)
+
+    def __post_init__(self):
+        if self.method not in DRAFTER_METHODS:
+            raise ValueError(f"drafter method {self.method!r} is unknown; known: "
+                             f"{', '.join(DRAFTER_METHODS)}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, "
+                             f"{self.vocab_size}] (the target's vocab_size)")
+        if self.method == "medusa" and self.num_heads < 1:
+            raise ValueError(f"a Medusa drafter needs num_heads >= 1, got {self.num_heads}")
+        if self.method == "eagle" and self.layer is None:
+            raise ValueError("an EAGLE drafter needs its layer config")
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest draft (chain length or tree depth) this drafter can make per round."""
+        return self.num_heads if self.method == "medusa" else 16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A drafter's config (static) and parameters {"weights", "vocab", "head"}."""
+
+    config: DrafterConfig = dataclasses.field(metadata=dict(static=True))
+    params: Any
+
+
+def eagle_layer_config(target: ModelConfig) -> ModelConfig:
+    """EAGLE's layer: the target's layer shape, one layer, no sliding window."""
+    return dataclasses.replace(target, num_hidden_layers=1, sliding_window=None)
+
+
+def lm_head(target: Model) -> Array:
+    """The target's LM head as [E, V] (the embedding's transpose when tied)."""
+    p = target.params
+    if target.config.tie_word_embeddings:
+        return p["embed_tokens"]["embedding"].T
+    return p["lm_head"]["kernel"]
+
+
+def embed(target_params, tokens: Array) -> Array:
+    """The target's embedding of tokens [...] -> [..., E]."""
+    return jnp.take(target_params["embed_tokens"]["embedding"], tokens, axis=0)
+
+
+def frequent_tokens(tokens: np.ndarray, vocab_size: int, size: int) -> np.ndarray:
+    """The ``size`` most frequent ids of a token stream (ties: the smaller id), sorted by id."""
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+    return np.sort(order[:size]).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The networks
+
+
+def medusa_heads(weights, h: Array) -> Array:
+    """h [..., E] -> the K heads' features [..., K, E]: h + silu(h W_k + b_k)."""
+    z = jnp.einsum("...e,kef->...kf", h, weights["w"].astype(h.dtype)) + weights["b"].astype(
+        h.dtype)
+    return h[..., None, :] + nn.silu(z)
+
+
+class EagleNet(nn.Module):
+    """fc([feature ; embedding]) -> one decoder layer -> RMSNorm: the predicted next feature."""
+
+    config: ModelConfig  # the one-layer config
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, feats, embeds, positions, mask, k, v, start):
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        x = jnp.concatenate([feats.astype(dtype), embeds.astype(dtype)], axis=-1)
+        x = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="fc",
+                     kernel_init=nn.initializers.normal(self.init_std))(x)
+        cos, sin = rope_tables(positions, cfg)
+        x, (k, v) = DecoderLayer(cfg, self.init_std, name="layer")(x, k, v, cos, sin, mask, start)
+        return RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x), k, v
+
+
+def eagle_forward(config: DrafterConfig, weights, feats: Array, embeds: Array, positions: Array,
+                  cache: KVCache, chunk_mask: Array | None = None) -> tuple[Array, KVCache]:
+    """Feed T (feature, next-token embedding) pairs [B, T, E] at positions [B, T]; the pairs are
+    written at slots cache.length .. + T - 1 (chunk_mask as in ``model.forward``). Returns the
+    predicted features [B, T, E] and the cache with length + T."""
+    T = feats.shape[1]
+    if chunk_mask is None:
+        chunk_mask = kv.causal_mask(T)
+    mask = kv.attention_mask(cache.length, chunk_mask, cache.capacity)
+    out, k, v = EagleNet(config.layer).apply(
+        {"params": weights}, feats, embeds, positions, mask, cache.k[0], cache.v[0], cache.length)
+    return out, KVCache(k[None], v[None], cache.length + T)
+
+
+def draft_logits(params, h: Array) -> Array:
+    """Features [..., E] -> logits over the draft vocabulary [..., M] (float32)."""
+    head = params["head"]
+    return jnp.einsum("...e,em->...m", h.astype(head.dtype), head,
+                      preferred_element_type=jnp.float32)
+
+
+def full_logits(params, sub: Array, vocab_size: int) -> Array:
+    """Draft-vocabulary logits [..., M] -> [..., V], -inf outside the draft vocabulary."""
+    full = jnp.full(sub.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., params["vocab"]].set(sub)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building, saving, loading
+
+
+def _with_head(config: DrafterConfig, weights, vocab: np.ndarray, target: Model) -> Drafter:
+    vocab = jnp.asarray(vocab, jnp.int32)
+    head = jnp.take(lm_head(target), vocab, axis=1)
+    return Drafter(config, {"weights": weights, "vocab": vocab, "head": head})
+
+
+def init_drafter(target: Model, method: str, key: Array, *, num_heads: int = 4,
+                 vocab: np.ndarray | None = None, dtype: str = "float32",
+                 init_std: float = 0.02) -> Drafter:
+    """A fresh drafter for ``target``. vocab: the draft vocabulary ids (default: all V).
+
+    Medusa heads start as the identity (W = 0, b = 0), so before training every head predicts
+    what the LM head does; EAGLE's layer starts from N(0, init_std²) weights."""
+    cfg = target.config
+    vocab = np.arange(cfg.vocab_size, dtype=np.int32) if vocab is None else np.asarray(vocab)
+    if vocab.ndim != 1 or vocab.size == 0 or vocab.min() < 0 or vocab.max() >= cfg.vocab_size:
+        raise ValueError(f"vocab must be a non-empty list of token ids in [0, {cfg.vocab_size})")
+    if np.unique(vocab).size != vocab.size:
+        raise ValueError("vocab has repeated token ids")
+    E = cfg.hidden_size
+    layer = eagle_layer_config(dataclasses.replace(target.config, dtype=dtype)) \
+        if method == "eagle" else None
+    config = DrafterConfig(method, E, cfg.vocab_size, int(vocab.size),
+                           num_heads if method == "medusa" else 0, layer)
+    if method == "medusa":
+        weights = {"w": jnp.zeros((num_heads, E, E), dtype), "b": jnp.zeros((num_heads, E), dtype)}
+    else:
+        B, T = 1, 1
+        cache = KVCache.init(layer, B, T)
+        weights = jax.jit(EagleNet(layer, init_std).init)(
+            key, jnp.zeros((B, T, E), dtype), jnp.zeros((B, T, E), dtype),
+            jnp.zeros((B, T), jnp.int32), jnp.ones((B, T, T), bool), cache.k[0], cache.v[0],
+            cache.length)["params"]
+    return _with_head(config, weights, vocab, target)
+
+
+def fingerprint(target: Model) -> dict[str, list[float]]:
+    """A few values of every target weight, rounded to bfloat16: the same for the target in any
+    dtype it is stored or loaded in, different for any other trained or initialised model."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+        flat = np.asarray(jax.device_get(leaf)).reshape(-1)
+        picks = flat[np.linspace(0, flat.size - 1, 8).astype(np.int64)]
+        picks = np.asarray(jnp.asarray(picks, jnp.float32).astype(jnp.bfloat16).astype(
+            jnp.float32))
+        out["/".join(str(getattr(k, "key", k)) for k in path)] = [float(x) for x in picks]
+    return out
+
+
+def _target_record(target: Model) -> dict:
+    c = target.config
+    return {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "num_hidden_layers": c.num_hidden_layers, "fingerprint": fingerprint(target)}
+
+
+def check_target(record: dict, target: Model, source: str) -> None:
+    """Refuse a target other than the one a drafter was trained for (ValueError naming why)."""
+    c = target.config
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        if record[name] != getattr(c, name):
+            raise ValueError(f"{source} was trained for a target with {name}={record[name]}; "
+                             f"this target has {name}={getattr(c, name)}")
+    mine = fingerprint(target)
+    for name, values in record["fingerprint"].items():
+        if name not in mine or not np.allclose(mine[name], values, rtol=1e-2, atol=1e-6):
+            raise ValueError(f"{source} was trained for another target: its weight {name!r} "
+                             f"differs from this target's (load the target it was trained on, "
+                             f"or train the drafter for this one with `specjax train heads`)")
+
+
+def save_drafter(drafter: Drafter, path: str | os.PathLike, target: Model, *,
+                 dtype: str | None = None, extra: dict | None = None) -> None:
+    """Write drafter.json and the trainable weights (orbax) to ``path``; the LM head is the
+    target's and is not saved. dtype: cast the weights (e.g. "bfloat16") before saving."""
+    import orbax.checkpoint as ocp
+    path = pathlib.Path(path).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    c = drafter.config
+    weights = drafter.params["weights"]
+    if dtype is not None:
+        weights = jax.tree.map(lambda x: x.astype(dtype), weights)
+    record = {"format_version": FORMAT_VERSION, "method": c.method,
+              "num_heads": c.num_heads, "draft_vocab_size": c.draft_vocab_size,
+              "dtype": str(jax.tree.leaves(weights)[0].dtype), "target": _target_record(target),
+              **(extra or {})}
+    (path / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
+    np.save(path / "vocab.npy", np.asarray(drafter.params["vocab"]))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "weights", weights, force=True)
+
+
+def load_drafter(path: str | os.PathLike, target: Model) -> Drafter:
+    """Load a drafter saved by ``save_drafter`` for ``target``. Raises ValueError if it was
+    trained for another target. Weights take the target's dtype."""
+    import orbax.checkpoint as ocp
+    path = pathlib.Path(path).resolve()
+    meta = path / "drafter.json"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{path} is not a drafter directory (no drafter.json); train one "
+                                f"with `specjax train heads`")
+    record = json.loads(meta.read_text())
+    if record.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta}: format_version {record.get('format_version')!r} is not "
+                         f"{FORMAT_VERSION}")
+    check_target(record["target"], target, str(path))
+    vocab = np.load(path / "vocab.npy")
+    dtype = target.config.dtype
+    shape = init_drafter(target, record["method"], jax.random.key(0),
+                         num_heads=max(record["num_heads"], 1), vocab=vocab, dtype=dtype)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, shape.params["weights"])
+    with ocp.StandardCheckpointer() as ckpt:
+        weights = ckpt.restore(path / "weights", jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, record["dtype"]), abstract))
+    weights = jax.tree.map(lambda x: jnp.asarray(x, dtype), weights)
+    return _with_head(shape.config, weights, vocab, target)

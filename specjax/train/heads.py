@@ -1,0 +1,210 @@
+"""Training Medusa heads and EAGLE heads on a frozen target (optax, orbax resume via ``fit``).
+
+Both learn what the target will say, not what the corpus says (self-distillation): every batch
+runs the frozen target once for its hidden states and its next-token distributions p_t, and the
+heads are scored against those distributions restricted to the draft vocabulary.
+
+* Medusa: head k on h_t against p_{t+k} (the target's distribution for token t + k + 1), summed
+  over heads with weights 0.8^(k-1) (later heads are harder; Medusa-1 weights them down too).
+* EAGLE: the head reads (f_t, x_{t+1}) for every t with the true features (teacher forcing) and
+  is scored on the feature it predicts for t + 1: a smooth-L1 regression to f_{t+1} plus the
+  cross-entropy of its logits against p_{t+1}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import drafter as drafter_lib
+from ..cache import KVCache
+from ..config import ModelConfig
+from ..drafter import Drafter, DrafterConfig
+from ..model import Model, forward
+from .data import sample_batch
+from .loop import TrainConfig, fit
+
+log = logging.getLogger(__name__)
+
+HEAD_DECAY = 0.8  # Medusa: weight of head k is HEAD_DECAY ** (k - 1)
+
+
+def _target_outputs(target: ModelConfig, target_params, inputs):
+    """The frozen target on inputs [B, T]: logits [B, T, V] and hidden [B, T, E] (float32)."""
+    B, T = inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    logits, hidden, _ = forward(Model(target, target_params), inputs, positions,
+                                KVCache.init(target, B, T))
+    return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden.astype(jnp.float32))
+
+
+def _soft_ce(target_logits, vocab, draft_logits):
+    """Cross-entropy of draft logits [..., M] against the target's distribution restricted to
+    the draft vocabulary (mass outside it cannot be matched and is left out)."""
+    p = jax.nn.softmax(target_logits, axis=-1)[..., vocab]
+    return -jnp.sum(p * jax.nn.log_softmax(draft_logits, axis=-1), axis=-1).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsObjective:
+    """The loss of a drafter's weights on a batch [B, T + 1]; aux = {"target", "vocab"}."""
+
+    drafter: DrafterConfig
+    target: ModelConfig
+    reg_weight: float = 1.0  # EAGLE: feature regression
+    ce_weight: float = 0.5  # EAGLE: token cross-entropy
+
+    def __call__(self, weights, batch, aux) -> jax.Array:
+        target_params, vocab = aux["target"], aux["vocab"]
+        inputs = batch[:, :-1]
+        t_logits, hidden = _target_outputs(self.target, target_params, inputs)
+        head = jnp.take(drafter_lib.lm_head(Model(self.target, target_params)), vocab,
+                        axis=1).astype(jnp.float32)
+        params = {"weights": weights, "head": head}
+        T = inputs.shape[1]
+        if self.drafter.method == "medusa":
+            feats = drafter_lib.medusa_heads(weights, hidden)  # [B, T, K, E]
+            logits = drafter_lib.draft_logits(params, feats)  # [B, T, K, M]
+            total, norm = 0.0, 0.0
+            for k in range(1, self.drafter.num_heads + 1):
+                w = HEAD_DECAY ** (k - 1)
+                total += w * _soft_ce(t_logits[:, k:], vocab, logits[:, :T - k, k - 1])
+                norm += w
+            return total / norm
+        B = inputs.shape[0]
+        positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+        out, _ = drafter_lib.eagle_forward(
+            self.drafter, weights, hidden[:, :-1], drafter_lib.embed(target_params, inputs[:, 1:]),
+            positions, KVCache.init(self.drafter.layer, B, T - 1))
+        out = out.astype(jnp.float32)
+        error = jnp.abs(out - hidden[:, 1:])
+        reg = jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5).mean()  # smooth L1
+        ce = _soft_ce(t_logits[:, 1:], vocab, drafter_lib.draft_logits(params, out))
+        return self.reg_weight * reg + self.ce_weight * ce
+
+
+def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
+                num_heads: int = 4, draft_vocab_size: int | None = None,
+                heldout: np.ndarray | None = None, progress: bool = True,
+                on_eval: Callable[[int, float], None] | None = None,
+                max_seconds: float | None = None) -> tuple[Drafter, list[dict]]:
+    """Train a Medusa (``num_heads`` heads) or EAGLE drafter for the frozen ``target`` on a token
+    stream, resuming from workdir. The draft vocabulary is the ``draft_vocab_size`` most frequent
+    tokens of ``tokens`` (default: the whole vocabulary). Weights train in float32.
+    Returns the drafter (with the target's LM head columns) and the held-out evaluations."""
+    V = target.config.vocab_size
+    M = V if draft_vocab_size is None else draft_vocab_size
+    if not 1 <= M <= V:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, {V}]")
+    vocab = np.arange(V, dtype=np.int32) if M == V else drafter_lib.frequent_tokens(tokens, V, M)
+    fresh = drafter_lib.init_drafter(target, method, jax.random.key(cfg.seed),
+                                     num_heads=num_heads, vocab=vocab)
+    objective = HeadsObjective(fresh.config, target.config)
+    aux = {"target": target.params, "vocab": jnp.asarray(vocab)}
+    run = {"drafter": dataclasses.asdict(fresh.config), "train": dataclasses.asdict(cfg),
+           "target": {k: v for k, v in drafter_lib._target_record(target).items()}}
+    evaluate_fn = None
+    if heldout is not None:
+        loss = jax.jit(objective)
+
+        def evaluate_fn(weights):
+            return float(np.mean([
+                float(loss(weights, jnp.asarray(sample_batch(heldout, cfg.batch_size,
+                                                             cfg.seq_len, 12345, i)), aux))
+                for i in range(cfg.eval_batches)]))
+    weights, history = fit(objective, fresh.params["weights"], aux, tokens, cfg, workdir, run,
+                           evaluate_fn=evaluate_fn, progress=progress, on_eval=on_eval,
+                           max_seconds=max_seconds)
+    return Drafter(fresh.config, {**fresh.params, "weights": weights}), history
+
+
+def heads_main(argv=None) -> int:
+    """``specjax train heads``: train, then save the drafter next to its target."""
+    import argparse
+    from ..checkpoint import load_model
+    ap = argparse.ArgumentParser(
+        prog="specjax train heads",
+        description="Train Medusa heads or an EAGLE head on a frozen target (self-distillation "
+                    "on the target's own distributions); resumes from --workdir.")
+    ap.add_argument("method", choices=list(drafter_lib.DRAFTER_METHODS))
+    ap.add_argument("--target", default="checkpoints/code-target", help="the frozen target")
+    ap.add_argument("--data", default="~/specjax-work",
+                    help="folder with train.npy and heldout.npy (`specjax train pair data`)")
+    ap.add_argument("--workdir", required=True, help="run folder (checkpoints, run.json)")
+    ap.add_argument("--out", help="save the trained drafter here (e.g. checkpoints/code-eagle)")
+    ap.add_argument("--steps", type=int, default=600, help="the schedule's length")
+    ap.add_argument("--minutes", type=float, help="stop (after a checkpoint) after this long")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--learning-rate", type=float, default=1e-3)
+    ap.add_argument("--num-heads", type=int, default=4, help="medusa: heads (max draft depth)")
+    ap.add_argument("--draft-vocab-size", type=int,
+                    help="draft from the N most frequent training tokens (default: all)")
+    ap.add_argument("--save-dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    workdir = pathlib.Path(args.workdir).expanduser()
+    data = pathlib.Path(args.data).expanduser()
+    tokens, heldout = np.load(data / "train.npy"), np.load(data / "heldout.npy")
+    target = load_model(args.target)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                      learning_rate=args.learning_rate, warmup_steps=min(50, args.steps // 10),
+                      checkpoint_every=25, eval_every=max(args.steps // 4, 1), eval_batches=4,
+                      weight_decay=0.0, seed=0)
+    drafter, history = train_heads(
+        target, args.method, tokens, cfg, workdir, num_heads=args.num_heads,
+        draft_vocab_size=args.draft_vocab_size, heldout=heldout,
+        max_seconds=None if args.minutes is None else args.minutes * 60)
+    for h in history:
+        print(f"step {h['step']}: held-out loss {h['heldout_loss']:.4f}")
+    if args.out:
+        drafter_lib.save_drafter(drafter, args.out, target, dtype=args.save_dtype,
+                                 extra={"training": {"train": dataclasses.asdict(cfg),
+                                                     "evals": history,
+                                                     "data": str(data)}})
+        write_card(pathlib.Path(args.out), drafter, args, cfg, history,
+                   int(history[-1]["step"]) if history else 0)
+        print(f"saved {args.method} drafter for {args.target} to {args.out}")
+    return 0
+
+
+CARD = """# {folder}
+
+{what} for `{target}` ({params:,} trainable parameters, stored in {dtype}), trained by
+self-distillation on the frozen target (`specjax train heads {method}`, see the repository README).
+
+* Draft vocabulary: the {vocab:,} most frequent tokens of the training stream (`vocab.npy`).
+* Data: `train.npy` of `specjax train pair data` (the bundled target's training corpus), batches
+  of {batch} x {seq} tokens; held-out loss on `heldout.npy`.
+* Training: {steps} optimizer steps of a {schedule}-step schedule (AdamW, peak learning rate
+  {lr}), {tokens:,} tokens.
+* Held-out loss: {evals}.
+* Load with `sj.load_drafter("{folder_path}", target)`; it refuses any other target.
+
+Command: `{command}`
+"""
+
+
+def write_card(out: pathlib.Path, drafter: Drafter, args, cfg: TrainConfig, history, steps: int
+               ) -> None:
+    c = drafter.config
+    what = (f"{c.num_heads} Medusa heads" if c.method == "medusa"
+            else "An EAGLE head (one decoder layer)")
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(drafter.params["weights"]))
+    evals = ", ".join(f"{h['heldout_loss']:.3f} at step {h['step']}" for h in history) or "none"
+    command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
+               f"--steps {args.steps}" + (f" --minutes {args.minutes:g}" if args.minutes else "")
+               + (f" --draft-vocab-size {args.draft_vocab_size}" if args.draft_vocab_size else "")
+               + f" --out {args.out}")
+    (out / "README.md").write_text(CARD.format(
+        folder=out.name, what=what, target=args.target, params=params, dtype=args.save_dtype,
+        method=c.method, vocab=c.draft_vocab_size, batch=cfg.batch_size, seq=cfg.seq_len,
+        steps=steps, schedule=cfg.steps, lr=cfg.learning_rate,
+        tokens=steps * cfg.batch_size * cfg.seq_len, evals=evals, folder_path=args.out,
+        command=command))

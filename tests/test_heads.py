@@ -1,0 +1,286 @@
+"""Medusa heads and EAGLE: training, saving and loading, greedy equality, losslessness, caches."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from conftest import tiny_model
+from specjax import drafter as drafter_lib
+from specjax import engine, verify
+from specjax.draft.eagle import EagleProposer
+from specjax.sampling import Filters, SamplingArrays
+from specjax.train import TrainConfig
+from specjax.train.data import sample_batch
+from specjax.train.heads import HeadsObjective, train_heads
+from specjax.tree import Tree
+from test_lossless import (exact_joint, g_test, generate_samples, later_samples,  # noqa: F401
+                           models, tail_joints, tail_pvalues)
+
+TREE = ((0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0))
+
+
+def samples_of(target, rows=48, length=96, seed=1):
+    """A token stream sampled from the target itself: what its heads should learn to predict."""
+    rng = np.random.default_rng(seed)
+    out = sj.generate(target, [[int(x)] for x in rng.integers(0, target.config.vocab_size, rows)],
+                      sampling=sj.SamplingParams(temperature=0.7, max_new_tokens=length),
+                      key=seed)
+    return out.tokens[out.tokens >= 0].astype(np.int32)
+
+
+def quick(steps=60, **kw):
+    return TrainConfig(steps=steps, batch_size=8, seq_len=32, learning_rate=3e-3, warmup_steps=5,
+                       checkpoint_every=20, eval_every=steps, eval_batches=2, weight_decay=0.0,
+                       **kw)
+
+
+@pytest.fixture(scope="module")
+def trained(target, tmp_path_factory):
+    """Medusa (3 heads) and EAGLE trained briefly on the session target's own samples, with a
+    28-token draft vocabulary (of 32), plus the stream they were trained on."""
+    tokens = samples_of(target)
+    out = {"tokens": tokens}
+    for method in ("medusa", "eagle"):
+        out[method], out[method + "_evals"] = train_heads(
+            target, method, tokens, quick(), tmp_path_factory.mktemp(method), num_heads=3,
+            draft_vocab_size=28, heldout=tokens, progress=False)
+    return out
+
+
+# -- training -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_training_reduces_the_loss(target, trained, method):
+    tokens = trained["tokens"]
+    fresh = drafter_lib.init_drafter(target, method, jax.random.key(0), num_heads=3,
+                                     vocab=trained[method].params["vocab"])
+    objective = HeadsObjective(fresh.config, target.config)
+    aux = {"target": target.params, "vocab": fresh.params["vocab"]}
+    batch = jnp.asarray(sample_batch(tokens, 8, 32, 12345, 0))
+    before = float(objective(fresh.params["weights"], batch, aux))
+    after = float(objective(trained[method].params["weights"], batch, aux))
+    assert after < 0.9 * before, (before, after)
+    assert trained[method + "_evals"][-1]["heldout_loss"] < before
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_training_resumes_to_the_same_weights(target, trained, method, tmp_path):
+    tokens = trained["tokens"]
+    cfg = quick(steps=6, seed=3)
+    whole, _ = train_heads(target, method, tokens, cfg, tmp_path / "whole", num_heads=2,
+                           progress=False)
+    # max_seconds=0 stops after one step (checkpointing); the second call resumes from it.
+    part, _ = train_heads(target, method, tokens, cfg, tmp_path / "split", num_heads=2,
+                          progress=False, max_seconds=0)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(part.params["weights"]),
+                                                        jax.tree.leaves(whole.params["weights"])))
+    resumed, _ = train_heads(target, method, tokens, cfg, tmp_path / "split", num_heads=2,
+                             progress=False)
+    for a, b in zip(jax.tree.leaves(resumed.params["weights"]),
+                    jax.tree.leaves(whole.params["weights"])):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="other settings"):
+        train_heads(target, method, tokens, cfg, tmp_path / "split", num_heads=2,
+                    draft_vocab_size=20, progress=False)
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens():
+    tokens = np.array([5, 5, 5, 2, 2, 7, 1, 1, 1, 1])
+    np.testing.assert_array_equal(drafter_lib.frequent_tokens(tokens, 10, 3), [1, 2, 5])
+    # 7 and every unseen id tie at count 1 vs 0: 7 is more frequent; among unseen, smaller first
+    np.testing.assert_array_equal(drafter_lib.frequent_tokens(tokens, 10, 4), [1, 2, 5, 7])
+    np.testing.assert_array_equal(drafter_lib.frequent_tokens(tokens, 10, 5), [0, 1, 2, 5, 7])
+
+
+# -- saving and loading -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_save_load_round_trip_and_wrong_target(target, trained, method, tmp_path):
+    d = trained[method]
+    sj.save_drafter(d, tmp_path / method, target)
+    loaded = sj.load_drafter(tmp_path / method, target)
+    assert loaded.config == d.config
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(d.params)):
+        np.testing.assert_array_equal(a, b)
+    record = json.loads((tmp_path / method / "drafter.json").read_text())
+    assert record["method"] == method and record["draft_vocab_size"] == 28
+    # the same architecture with other weights (another seed) is refused, naming the weight
+    other = tiny_model(seed=7, vocab_size=32, hidden_size=32, layers=2, heads=4, kv_heads=2,
+                       max_pos=128)
+    with pytest.raises(ValueError, match="trained for another target.*embed_tokens"):
+        sj.load_drafter(tmp_path / method, other)
+    wider = tiny_model(seed=0, vocab_size=32, hidden_size=16, layers=2, heads=4, kv_heads=2,
+                       max_pos=128)
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        sj.load_drafter(tmp_path / method, wider)
+    # the same target stored in bfloat16 is still the same target
+    half = sj.Model(target.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), target.params))
+    sj.load_drafter(tmp_path / method, half)
+    with pytest.raises(FileNotFoundError, match="drafter.json"):
+        sj.load_drafter(tmp_path, target)
+
+
+def test_generate_refuses_bad_drafters(target, draft, trained):
+    prompts = [[1, 2, 3]]
+    with pytest.raises(ValueError, match="needs draft= an sj.Drafter"):
+        sj.generate(target, prompts, spec=dict(method="medusa"), draft=draft)
+    with pytest.raises(ValueError, match="is a 'eagle' drafter"):
+        sj.generate(target, prompts, spec=dict(method="medusa"), draft=trained["eagle"])
+    with pytest.raises(ValueError, match="3 heads.*num_speculative_tokens=4"):
+        sj.generate(target, prompts, spec=dict(method="medusa", num_speculative_tokens=4),
+                    draft=trained["medusa"])
+    with pytest.raises(ValueError, match="3 heads.*depth 4"):
+        sj.generate(target, prompts, spec=dict(method="medusa", tree=[[0], [0, 0], [0, 0, 0],
+                                                                      [0, 0, 0, 0]]),
+                    draft=trained["medusa"])
+    with pytest.raises(ValueError, match="draft must be an sj.Model"):
+        sj.generate(target, prompts, spec=dict(method="draft_model"), draft=trained["eagle"])
+    with pytest.raises(ValueError, match="num_heads"):
+        drafter_lib.init_drafter(target, "medusa", jax.random.key(0), num_heads=0)
+    with pytest.raises(ValueError, match="vocab"):
+        drafter_lib.init_drafter(target, "eagle", jax.random.key(0), vocab=[0, 32])
+
+
+# -- greedy equality ----------------------------------------------------------------------------
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+SPECS = [dict(num_speculative_tokens=1), dict(num_speculative_tokens=3), dict(tree=TREE)]
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("spec", SPECS, ids=["chain1", "chain3", "tree"])
+def test_greedy_equals_autoregressive(target, trained, method, spec):
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    ref = sj.generate(target, PROMPTS, sampling=sampling)
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=dict(method=method, **spec),
+                      draft=trained[method])
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    # the trained heads are right often enough that multi-token rounds really happen
+    assert out.stats.mean_accepted_length > 1.1, out.stats
+    if spec.get("num_speculative_tokens", 3) > 1:
+        assert out.stats.per_position_acceptance[1] > 0.02, out.stats
+
+
+def test_greedy_check_fails_when_verification_accepts_everything(target, trained, monkeypatch,
+                                                                 fresh_programs):
+    monkeypatch.setattr(verify, "acceptance_probs",
+                        lambda tokens, probs, target_probs, valid=None: jnp.ones(tokens.shape))
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    ref = sj.generate(target, PROMPTS, sampling=sampling)
+    out = sj.generate(target, PROMPTS, sampling=sampling,
+                      spec=dict(method="eagle", num_speculative_tokens=3), draft=trained["eagle"])
+    assert not np.array_equal(out.tokens, ref.tokens)
+
+
+# -- EAGLE's own cache --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_eagle_cache_holds_true_features_after_each_round(target, trained, tree):
+    """After every round, the head's cache up to the round's start equals a fresh pass over the
+    accepted sequence with the target's own features: rollback and catch-up lose nothing."""
+    d = trained["eagle"]
+    proposer = EagleProposer(d.config, 3, None if tree is None else Tree(tree))
+    plan = engine.Plan(target.config, proposer, 96, Filters(greedy=True))
+    B, P = len(PROMPTS), 16
+    padded = np.zeros((B, P), np.int32)
+    for b, p in enumerate(PROMPTS):
+        padded[b, :len(p)] = p
+    request = engine.Request(
+        keys=jax.random.split(jax.random.key(0), B),
+        sampling=SamplingArrays(temperature=jnp.zeros((B,)), top_k=jnp.zeros((B,), jnp.int32),
+                                top_p=jnp.ones((B,))),
+        max_new_tokens=jnp.full((B,), 40, jnp.int32), eos=jnp.full((8,), -1, jnp.int32))
+    state = jax.jit(engine._prefill, static_argnums=0)(
+        plan, target.params, d.params, jnp.asarray(padded),
+        jnp.asarray([len(p) for p in PROMPTS], jnp.int32), request)
+    round_ = jax.jit(engine._round, static_argnums=0)
+    multi = 0
+    for _ in range(5):
+        old = np.asarray(state.length)
+        state = round_(plan, target.params, d.params, request, state)
+        length = np.asarray(state.length)
+        multi += int(np.sum(length - old >= 2))
+        for b in range(B):
+            seq = jnp.asarray(state.history[b:b + 1, :length[b] + 1])
+            n = seq.shape[1]
+            positions = jnp.arange(n)[None]
+            _, hidden, _ = sj.forward(target, seq, positions, sj.KVCache.init(target.config, 1, n))
+            _, ref = drafter_lib.eagle_forward(
+                d.config, d.params["weights"], hidden[:, :-1],
+                drafter_lib.embed(target.params, seq[:, 1:]), positions[:, :-1],
+                sj.KVCache.init(d.config.layer, 1, n - 1))
+            upto = old[b]  # the round's catch-up rewrote pairs up to slot old - 1
+            cache = state.draft_state.cache
+            np.testing.assert_allclose(cache.k[:, b, :upto], ref.k[:, 0, :upto], atol=2e-5)
+            np.testing.assert_allclose(cache.v[:, b, :upto], ref.v[:, 0, :upto], atol=2e-5)
+            # and the features kept for the next catch-up are the target's along the path
+            f = state.draft_state.features
+            got = np.asarray(f.feats[b, :length[b] - f.start[b]])
+            np.testing.assert_allclose(got, hidden[0, f.start[b]:length[b]], atol=2e-5)
+    assert multi > 0
+
+
+# -- distributions ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_drafters(models, tmp_path_factory):
+    """test_lossless's V = 8 target with briefly trained Medusa (3 heads) and EAGLE."""
+    target, _ = models
+    tokens = samples_of(target, rows=32, length=60)
+    drafters = {m: train_heads(target, m, tokens, quick(steps=30),
+                               tmp_path_factory.mktemp("v8" + m), num_heads=3,
+                               progress=False)[0] for m in ("medusa", "eagle")}
+    return target, drafters
+
+
+@pytest.mark.parametrize("method,spec", [
+    ("medusa", dict(num_speculative_tokens=2)), ("medusa", dict(tree=((0,), (1,), (0, 0)))),
+    ("eagle", dict(num_speculative_tokens=2)), ("eagle", dict(tree=((0,), (1,), (0, 0))))],
+    ids=["medusa-chain", "medusa-tree", "eagle-chain", "eagle-tree"])
+def test_first_three_tokens_follow_the_target(tiny_drafters, method, spec):
+    target, drafters = tiny_drafters
+    t, k = 0.8, 5
+    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
+    samples = generate_samples(target, drafters[method], sampling,
+                               sj.SpecConfig(method=method, **spec))
+    assert g_test(samples, exact_joint(target, t, k, 1.0)) > 1e-3
+
+
+def test_eagle_reporting_the_wrong_q_fails_the_same_test(tiny_drafters, monkeypatch,
+                                                          fresh_programs):
+    """A drafter that samples from q but reports another distribution to the verifier (here the
+    untempered one) breaks losslessness; the distribution test must see it."""
+    target, drafters = tiny_drafters
+    propose = EagleProposer.propose
+
+    def wrong_q(self, params, state, history, length, keys, sampling_params, filters):
+        draft, state = propose(self, params, state, history, length, keys, sampling_params,
+                               filters)
+        uniform = jnp.full(draft.probs.shape, 1.0 / draft.probs.shape[-1])
+        return sj.draft.Draft(draft.tokens, uniform, draft.valid), state
+
+    monkeypatch.setattr(EagleProposer, "propose", wrong_q)
+    t, k = 0.8, 5
+    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
+    samples = generate_samples(target, drafters["eagle"], sampling,
+                               sj.SpecConfig(method="eagle", num_speculative_tokens=2))
+    assert g_test(samples, exact_joint(target, t, k, 1.0)) < 1e-6
+
+
+@pytest.mark.parametrize("method,spec", [("eagle", dict(num_speculative_tokens=3)),
+                                         ("medusa", dict(tree=TREE))],
+                         ids=["eagle-chain3", "medusa-tree"])
+def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_drafters, tail_joints, method,
+                                                         spec):
+    """Tokens 5 and 6 of rows alternating between two prompt lengths: several rounds, so the
+    features handed from one verification to the next round's drafts are in play."""
+    target, drafters = tiny_drafters
+    spec = dict(spec)
+    out = later_samples(target, drafters[method], spec.pop("num_speculative_tokens", None),
+                        method=method, **spec)
+    assert out.stats.per_position_acceptance[1] > 0.05
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
