@@ -75,3 +75,30 @@ def test_generate_command_defaults_to_the_bundled_pair(capsys):
     assert completion.startswith("def fibonacci(n):") and len(completion) > len("def fibonacci(n):")
     assert cli.main(argv + ["--method", "none"]) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == completion
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_bundled_drafters_load_and_are_accepted(bundled, method):
+    """The shipped Medusa / EAGLE heads were trained for the shipped target: they load for it
+    (and only for it), keep greedy output exact and are accepted far more than chance."""
+    target, draft, tok = bundled
+    drafter = sj.load_drafter(CKPT / f"code-{method}", target)
+    with pytest.raises(ValueError, match="another target"):
+        sj.load_drafter(CKPT / f"code-{method}", sj.Model(target.config, {
+            **target.params, "lm_head": {"kernel": -target.params["lm_head"]["kernel"]}}))
+    assert "self-distillation" in (CKPT / f"code-{method}" / "README.md").read_text()
+    from specjax.bench import load_prompts
+    prompt = [tok.encode(p["text"]) for p in load_prompts()[:3]]
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=48)
+    out = sj.generate(target, prompt, draft=drafter, sampling=sampling,
+                      spec=sj.SpecConfig(method=method, num_speculative_tokens=3))
+    np.testing.assert_array_equal(out.tokens, sj.generate(target, prompt,
+                                                          sampling=sampling).tokens)
+    assert out.stats.mean_accepted_length > 1.5, out.stats
+
+
+def test_generate_command_runs_eagle(capsys):
+    argv = ["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "24",
+            "--method", "eagle", "--compare"]
+    assert cli.main(argv) == 0
+    assert "output identical: True" in capsys.readouterr().out
