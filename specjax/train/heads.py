@@ -184,7 +184,7 @@ self-distillation on the frozen target (`specjax train heads {method}`, see the 
   of {batch} x {seq} tokens; held-out loss on `heldout.npy`.
 * Training: {steps} optimizer steps of a {schedule}-step schedule (AdamW, peak learning rate
   {lr}), {tokens:,} tokens.
-* Held-out loss: {evals}.
+* Held-out loss (the training objective on held-out batches): {evals}.
 * Load with `sj.load_drafter("{folder_path}", target)`; it refuses any other target.
 
 Command: `{command}`
