@@ -136,15 +136,13 @@ class EagleNet(nn.Module):
 
     @nn.compact
     def __call__(self, feats, embeds, positions, mask, k, v, start):
-        """k, v: the head's cache [1, B, S, K, D] (one layer)."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         x = jnp.concatenate([feats.astype(dtype), embeds.astype(dtype)], axis=-1)
         x = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="fc",
                      kernel_init=nn.initializers.normal(self.init_std))(x)
         cos, sin = rope_tables(positions, cfg)
-        (x, k, v), _ = DecoderLayer(cfg, self.init_std, name="layer")(
-            (x, k, v), 0, cos, sin, mask, start)
+        x, (k, v) = DecoderLayer(cfg, self.init_std, name="layer")(x, k, v, cos, sin, mask, start)
         return RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x), k, v
 
 
@@ -158,8 +156,8 @@ def eagle_forward(config: DrafterConfig, weights, feats: Array, embeds: Array, p
         chunk_mask = kv.causal_mask(T)
     mask = kv.attention_mask(cache.length, chunk_mask, cache.capacity)
     out, k, v = EagleNet(config.layer).apply(
-        {"params": weights}, feats, embeds, positions, mask, cache.k, cache.v, cache.length)
-    return out, KVCache(k, v, cache.length + T)
+        {"params": weights}, feats, embeds, positions, mask, cache.k[0], cache.v[0], cache.length)
+    return out, KVCache(k[None], v[None], cache.length + T)
 
 
 def draft_logits(params, h: Array) -> Array:
@@ -210,7 +208,7 @@ def init_drafter(target: Model, method: str, key: Array, *, num_heads: int = 4,
         cache = KVCache.init(layer, B, T)
         weights = jax.jit(EagleNet(layer, init_std).init)(
             key, jnp.zeros((B, T, E), dtype), jnp.zeros((B, T, E), dtype),
-            jnp.zeros((B, T), jnp.int32), jnp.ones((B, T, T), bool), cache.k, cache.v,
+            jnp.zeros((B, T), jnp.int32), jnp.ones((B, T, T), bool), cache.k[0], cache.v[0],
             cache.length)["params"]
     return _with_head(config, weights, vocab, target)
 

@@ -106,9 +106,7 @@ class Attention(nn.Module):
     init_std: float
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, k_all, v_all, layer, start):
-        """k_all, v_all: every layer's cache [L, B, S, K, D]; this layer's new entries are
-        scattered into slice ``layer`` in place (see ``Decoder``)."""
+    def __call__(self, x, cos, sin, mask, k_cache, v_cache, start):
         cfg = self.config
         B, T, _ = x.shape
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -121,11 +119,8 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rows = jnp.arange(B)[:, None]
-        slots = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
-        k_all = k_all.at[layer, rows, slots].set(k.astype(k_all.dtype))
-        v_all = v_all.at[layer, rows, slots].set(v.astype(v_all.dtype))
-        k_cache, v_cache = k_all[layer], v_all[layer]  # [B, S, K, D]
+        k_cache = kv.write(k_cache, k, start)  # [B, S, K, D]
+        v_cache = kv.write(v_cache, v, start)
         # Query heads grouped by the kv head they share: h indexes the H/K heads of a group.
         q = q.reshape(B, T, K, H // K, D)
         scores = jnp.einsum("btkhd,bskd->bkhts", q, k_cache,
@@ -134,7 +129,7 @@ class Attention(nn.Module):
         weights = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, K, H/K, T, S]
         out = jnp.einsum("bkhts,bskd->btkhd", weights, v_cache).reshape(B, T, H * D)
         out = _dense(cfg, self.init_std, cfg.hidden_size, "o_proj", bias=cfg.o_proj_bias)(out)
-        return out, k_all, v_all
+        return out, k_cache, v_cache
 
 
 class MLP(nn.Module):
@@ -155,18 +150,16 @@ class DecoderLayer(nn.Module):
     init_std: float
 
     @nn.compact
-    def __call__(self, carry, layer, cos, sin, mask, start):
-        """carry = (x [B, T, E], k_all, v_all [L, B, S, K, D]); layer: this layer's index."""
-        x, k_all, v_all = carry
+    def __call__(self, x, k_cache, v_cache, cos, sin, mask, start):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        a, k_all, v_all = Attention(cfg, self.init_std, name="self_attn")(
-            h, cos, sin, mask, k_all, v_all, layer, start)
+        a, k_cache, v_cache = Attention(cfg, self.init_std, name="self_attn")(
+            h, cos, sin, mask, k_cache, v_cache, start)
         x = x + a
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
         x = x + MLP(cfg, self.init_std, name="mlp")(h)
-        return (x, k_all, v_all), None
+        return x, (k_cache, v_cache)
 
 
 class Decoder(nn.Module):
@@ -183,16 +176,11 @@ class Decoder(nn.Module):
                          embedding_init=nn.initializers.normal(self.init_std), name="embed_tokens")
         x = embed(tokens)  # [B, T, E]
         cos, sin = rope_tables(positions, cfg)
-        # The whole cache rides in the scan's carry and each layer scatters its new entries into
-        # its own slice, so the buffers are updated in place. (Scanning over the cache as xs
-        # and ys instead makes XLA fill a fresh output cache every forward and copy it back:
-        # several cache-sized copies per decode step.)
         layers = nn.scan(
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers)(cfg, self.init_std, name="layers")
-        (x, k, v), _ = layers((x, k, v), jnp.arange(cfg.num_hidden_layers), cos, sin, mask,
-                              start)
+        x, (k, v) = layers(x, k, v, cos, sin, mask, start)
         hidden = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(hidden)

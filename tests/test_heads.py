@@ -148,11 +148,13 @@ def test_generate_refuses_bad_drafters(target, draft, trained):
 # -- greedy equality ----------------------------------------------------------------------------
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
-SPECS = [dict(num_speculative_tokens=1), dict(num_speculative_tokens=3), dict(tree=TREE)]
+GREEDY = [("medusa", dict(num_speculative_tokens=3)), ("medusa", dict(tree=TREE)),
+          ("eagle", dict(num_speculative_tokens=1)), ("eagle", dict(num_speculative_tokens=3)),
+          ("eagle", dict(tree=TREE))]
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
-@pytest.mark.parametrize("spec", SPECS, ids=["chain1", "chain3", "tree"])
+@pytest.mark.parametrize("method,spec", GREEDY, ids=["medusa-chain3", "medusa-tree",
+                                                     "eagle-chain1", "eagle-chain3", "eagle-tree"])
 def test_greedy_equals_autoregressive(target, trained, method, spec):
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
@@ -238,9 +240,9 @@ def tiny_drafters(models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method,spec", [
-    ("medusa", dict(num_speculative_tokens=2)), ("medusa", dict(tree=((0,), (1,), (0, 0)))),
-    ("eagle", dict(num_speculative_tokens=2)), ("eagle", dict(tree=((0,), (1,), (0, 0))))],
-    ids=["medusa-chain", "medusa-tree", "eagle-chain", "eagle-tree"])
+    ("medusa", dict(tree=((0,), (1,), (0, 0)))), ("eagle", dict(num_speculative_tokens=2)),
+    ("eagle", dict(tree=((0,), (1,), (0, 0))))],
+    ids=["medusa-tree", "eagle-chain", "eagle-tree"])
 def test_first_three_tokens_follow_the_target(tiny_drafters, method, spec):
     target, drafters = tiny_drafters
     t, k = 0.8, 5
@@ -272,8 +274,8 @@ def test_eagle_reporting_the_wrong_q_fails_the_same_test(tiny_drafters, monkeypa
 
 
 @pytest.mark.parametrize("method,spec", [("eagle", dict(num_speculative_tokens=3)),
-                                         ("medusa", dict(tree=TREE))],
-                         ids=["eagle-chain3", "medusa-tree"])
+                                         ("medusa", dict(num_speculative_tokens=3))],
+                         ids=["eagle-chain3", "medusa-chain3"])
 def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_drafters, tail_joints, method,
                                                          spec):
     """Tokens 5 and 6 of rows alternating between two prompt lengths: several rounds, so the
