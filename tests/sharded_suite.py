@@ -28,7 +28,9 @@ def models():
     keys = jax.random.split(jax.random.key(1), len(leaves))
     draft = sj.Model(TARGET, jax.tree.unflatten(  # a perturbed copy: drafts often accepted
         tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
-    return target, draft
+    # an (untrained) EAGLE head on the target: sharded runs must equal one device with it too
+    eagle = sj.init_drafter(target, "eagle", jax.random.key(2), init_std=0.3)
+    return target, draft, eagle
 
 
 def test_make_mesh():
@@ -69,7 +71,7 @@ def _flat(params):
 
 
 def test_params_are_sharded_as_the_table_says(models):
-    target, _ = models
+    target, _, _ = models
     mesh = sj.make_mesh(data=2, model=4)
     placed = _flat(sj.shard(target, mesh).params)
     assert set(placed) == set(EXPECTED)
@@ -96,7 +98,8 @@ def test_heads_that_do_not_divide_are_replicated():
 
 SPECS = {"autoregressive": None, "chain": sj.SpecConfig(num_speculative_tokens=3),
          "tree": sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 1), (1, 0))),
-         "ngram": sj.SpecConfig(method="ngram", num_speculative_tokens=3)}
+         "ngram": sj.SpecConfig(method="ngram", num_speculative_tokens=3),
+         "eagle": sj.SpecConfig(method="eagle", num_speculative_tokens=3)}
 
 
 # every mesh with a chain; every method on the mixed mesh and the tree on the widest "model" axis
@@ -107,9 +110,10 @@ CASES = ([(mesh, "chain") for mesh in MESHES] + [((2, 4), name) for name in SPEC
 @pytest.mark.parametrize("mesh_shape,name", CASES)
 def test_sharded_output_equals_single_device(models, mesh_shape, name):
     data, model = mesh_shape
-    target, draft = models
+    target, draft, eagle = models
     spec = SPECS[name]
-    d = draft if spec is not None and spec.needs_draft_model else None
+    d = None if spec is None else (draft if spec.needs_draft_model
+                                   else eagle if spec.needs_drafter else None)
     mesh = sj.make_mesh(data=data, model=model)
     for temperature in (0.0, 1.0):
         sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=16)
@@ -125,7 +129,7 @@ def test_sharded_output_equals_single_device(models, mesh_shape, name):
 def test_no_full_weight_gathers_inside_the_loop(models):
     """Collectives in the compiled decode loop move activations only: none is as large as the
     smallest tensor-parallel weight (per layer)."""
-    target, draft = models
+    target, draft, _ = models
     mesh = sj.make_mesh(data=1, model=8)
     engine._EXECUTABLES.clear()
     sj.generate(target, PROMPTS, draft=draft, spec=sj.SpecConfig(num_speculative_tokens=3),
@@ -142,7 +146,7 @@ def test_no_full_weight_gathers_inside_the_loop(models):
 
 @pytest.mark.parametrize("fmt", ["orbax", "hf"])
 def test_sharded_load_equals_unsharded(models, tmp_path, fmt):
-    target, _ = models
+    target, _, _ = models
     sj.save_model(target, tmp_path / "m", format=fmt)
     mesh = sj.make_mesh(data=2, model=4)
     plain = _flat(sj.load_model(tmp_path / "m").params)

@@ -184,7 +184,18 @@ def test_greedy_check_fails_when_verification_accepts_everything(target, trained
 def test_eagle_cache_holds_true_features_after_each_round(target, trained, tree):
     """After every round, the head's cache up to the round's start equals a fresh pass over the
     accepted sequence with the target's own features: rollback and catch-up lose nothing."""
-    d = trained["eagle"]
+    check_eagle_cache(target, trained["eagle"], tree)
+
+
+def test_eagle_cache_check_fails_without_the_true_features(target, trained, monkeypatch,
+                                                           fresh_programs):
+    """Control: a head that keeps its prefill features instead of the verifier's fails it."""
+    monkeypatch.setattr(EagleProposer, "observe", lambda self, state, start, hidden: state)
+    with pytest.raises(AssertionError):
+        check_eagle_cache(target, trained["eagle"], None)
+
+
+def check_eagle_cache(target, d, tree):
     proposer = EagleProposer(d.config, 3, None if tree is None else Tree(tree))
     plan = engine.Plan(target.config, proposer, 96, Filters(greedy=True))
     B, P = len(PROMPTS), 16
@@ -207,7 +218,9 @@ def test_eagle_cache_holds_true_features_after_each_round(target, trained, tree)
         length = np.asarray(state.length)
         multi += int(np.sum(length - old >= 2))
         for b in range(B):
-            seq = jnp.asarray(state.history[b:b + 1, :length[b] + 1])
+            # the whole history row (fixed shape: one compile); a causal pass makes the entries
+            # before the row's length independent of what lies after it
+            seq = jnp.asarray(state.history[b:b + 1])
             n = seq.shape[1]
             positions = jnp.arange(n)[None]
             _, hidden, _ = sj.forward(target, seq, positions, sj.KVCache.init(target.config, 1, n))
@@ -284,5 +297,5 @@ def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_drafters, tail_joi
     spec = dict(spec)
     out = later_samples(target, drafters[method], spec.pop("num_speculative_tokens", None),
                         method=method, **spec)
-    assert out.stats.per_position_acceptance[1] > 0.05
+    assert out.stats.per_position_acceptance[1] > 0.02  # rounds with 2+ accepted drafts occur
     assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
