@@ -339,8 +339,8 @@ def main(args) -> int:
     specs = []
     for m in methods:
         for spec in chain_specs(m, args.gammas) if args.gammas else ():
-            limit = drafters[m].config.max_depth if m in drafters else spec.num_speculative_tokens
-            if spec.num_speculative_tokens > limit:
+            limit = drafters[m].config.max_depth if m in drafters else None
+            if limit is not None and spec.num_speculative_tokens > limit:
                 print(f"skipping {m} chain {spec.num_speculative_tokens}: the drafter drafts at "
                       f"most {limit} deep", file=sys.stderr)
                 continue

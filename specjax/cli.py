@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from . import theory
+from .bench import CHECKPOINTS
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .engine import generate
 from .model import Model, init_model
@@ -98,7 +99,6 @@ def _demo(args) -> int:
     return 0
 
 
-CHECKPOINTS = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 def _generate(args) -> int:

@@ -78,9 +78,10 @@ class DrafterConfig:
             raise ValueError("an EAGLE drafter needs its layer config")
 
     @property
-    def max_depth(self) -> int:
-        """The deepest draft (chain length or tree depth) this drafter can make per round."""
-        return self.num_heads if self.method == "medusa" else 16
+    def max_depth(self) -> int | None:
+        """The deepest draft (chain length or tree depth) this drafter can make per round:
+        Medusa's head count; None (no limit of its own) for EAGLE."""
+        return self.num_heads if self.method == "medusa" else None
 
 
 @jax.tree_util.register_dataclass
@@ -218,15 +219,16 @@ def fingerprint(target: Model) -> dict[str, list[float]]:
     dtype it is stored or loaded in, different for any other trained or initialised model."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
-        flat = np.asarray(jax.device_get(leaf)).reshape(-1)
-        picks = flat[np.linspace(0, flat.size - 1, 8).astype(np.int64)]
-        picks = np.asarray(jnp.asarray(picks, jnp.float32).astype(jnp.bfloat16).astype(
-            jnp.float32))
+        # pick on the device: only 8 values per weight come to the host
+        index = np.linspace(0, leaf.size - 1, 8).astype(np.int64)
+        picks = np.asarray(jax.device_get(
+            leaf.reshape(-1)[index].astype(jnp.bfloat16).astype(jnp.float32)))
         out["/".join(str(getattr(k, "key", k)) for k in path)] = [float(x) for x in picks]
     return out
 
 
-def _target_record(target: Model) -> dict:
+def target_record(target: Model) -> dict:
+    """What a drafter records of its target: sizes and the weights' fingerprint."""
     c = target.config
     return {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
             "num_hidden_layers": c.num_hidden_layers, "fingerprint": fingerprint(target)}
@@ -260,7 +262,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, target: Model, *,
         weights = jax.tree.map(lambda x: x.astype(dtype), weights)
     record = {"format_version": FORMAT_VERSION, "method": c.method,
               "num_heads": c.num_heads, "draft_vocab_size": c.draft_vocab_size,
-              "dtype": str(jax.tree.leaves(weights)[0].dtype), "target": _target_record(target),
+              "dtype": str(jax.tree.leaves(weights)[0].dtype), "target": target_record(target),
               **(extra or {})}
     (path / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
     np.save(path / "vocab.npy", np.asarray(drafter.params["vocab"]))

@@ -361,7 +361,7 @@ def _drafter_proposer(spec: SpecConfig, drafter, cfg):
                          f"{c.vocab_size}; the target has {cfg.hidden_size}, {cfg.vocab_size}")
     tree = None if spec.tree is None else Tree(spec.tree)
     depth = spec.num_speculative_tokens if tree is None else tree.depth
-    if depth > c.max_depth:
+    if c.max_depth is not None and depth > c.max_depth:
         raise ValueError(f"the Medusa drafter has {c.num_heads} heads, so it drafts at most "
                          f"{c.num_heads} tokens deep; got "
                          + (f"num_speculative_tokens={depth}" if tree is None

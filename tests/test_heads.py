@@ -299,3 +299,27 @@ def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_drafters, tail_joi
                         method=method, **spec)
     assert out.stats.per_position_acceptance[1] > 0.02  # rounds with 2+ accepted drafts occur
     assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
+
+
+# -- the bench ----------------------------------------------------------------------------------
+
+def test_bench_runs_several_methods_against_one_baseline(target, draft, trained):
+    """specjax bench --method draft_model,medusa,eagle: one AR baseline, a row per method, c
+    measured for the draft model and derived (round time less verify, per draft) for the heads."""
+    from specjax.bench import run_bench
+    specs = [sj.SpecConfig(method=m, num_speculative_tokens=2)
+             for m in ("draft_model", "medusa", "eagle")]
+    result = run_bench(target, PROMPTS[:2], specs, draft=draft,
+                       drafters={m: trained[m] for m in ("medusa", "eagle")},
+                       temperatures=(0.0,), max_new_tokens=12, repeats=1, verify_repeats=2)
+    rows = result["rows"]
+    assert [r["method"] for r in rows] == ["draft_model", "medusa", "eagle"]
+    assert len({r["ar_tokens_per_second"] for r in rows}) == 1  # one shared baseline
+    assert all(r["identical_to_autoregressive"] for r in rows)
+    for r in rows:
+        assert np.isfinite(r["draft_cost_per_draft"]) and np.isfinite(r["c"])
+    for r in rows[1:]:
+        assert r["c"] == r["draft_cost_per_draft"]
+    assert rows[0]["c"] > 0 and rows[0]["c"] != rows[0]["draft_cost_per_draft"]
+    with pytest.raises(ValueError, match="needs a drafter"):
+        run_bench(target, PROMPTS[:2], specs[2:], temperatures=(0.0,))

@@ -108,7 +108,7 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     objective = HeadsObjective(fresh.config, target.config)
     aux = {"target": target.params, "vocab": jnp.asarray(vocab)}
     run = {"drafter": dataclasses.asdict(fresh.config), "train": dataclasses.asdict(cfg),
-           "target": {k: v for k, v in drafter_lib._target_record(target).items()}}
+           "target": drafter_lib.target_record(target)}
     evaluate_fn = None
     if heldout is not None:
         loss = jax.jit(objective)
