@@ -30,30 +30,31 @@ def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int
     Returns (tokens [B, γ] int32, valid [B, γ] bool): the continuation of the chosen earlier
     occurrence of the longest matching suffix (n_max .. n_min tokens), valid for as many tokens as
     the history holds after it (at most γ); all invalid when nothing matches.
+
+    Candidates are indexed by the slot e where an occurrence ends (e < last, the row's last
+    index). ``run[e]`` counts how many of the row's last tokens match backwards from e, capped at
+    n_max: a comparison of the history shifted right by i (a static slice) with the row's i-th
+    last token, for i < n_max, so one pass scores every n at once. The winner maximises (run
+    length, available continuation, e) in that order, packed into one integer for one argmax.
     """
     B, S = history.shape
     last = length  # index of the row's last token
-    rows = jnp.arange(B)[:, None]
-    starts = jnp.arange(S)[None, :]  # candidate occurrence starts j
-    tokens = jnp.zeros((B, gamma), jnp.int32)
-    count = jnp.zeros((B,), jnp.int32)
-    found = jnp.zeros((B,), bool)
-    for n in range(n_max, n_min - 1, -1):  # longest suffix first
-        suffix_start = last - n + 1  # [B]
-        match = (starts <= last[:, None] - n) & (suffix_start[:, None] >= 0)  # ends before last
-        for k in range(n):
-            want = history[jnp.arange(B), jnp.clip(suffix_start + k, 0, S - 1)]  # [B]
-            have = history[rows, jnp.clip(starts + k, 0, S - 1)]  # [B, S]
-            match &= have == want[:, None]
-        available = jnp.minimum(gamma, last[:, None] + 1 - (starts + n))  # continuation length
-        score = jnp.where(match, available * S + starts, -1)
-        best = jnp.argmax(score, axis=1)  # [B]
-        hit = jnp.max(score, axis=1) >= 0
-        take = hit & ~found
-        cont = history[rows, jnp.clip(best[:, None] + n + jnp.arange(gamma)[None, :], 0, S - 1)]
-        tokens = jnp.where(take[:, None], cont, tokens)
-        count = jnp.where(take, jnp.take_along_axis(available, best[:, None], 1)[:, 0], count)
-        found |= hit
+    rows = jnp.arange(B)
+    ends = jnp.arange(S)[None, :]  # candidate occurrence ends e
+    run = jnp.zeros((B, S), jnp.int32)
+    matching = ends < last[:, None]  # an occurrence ends before the row's last token
+    for i in range(n_max):
+        want = jnp.where(last >= i, history[rows, jnp.clip(last - i, 0, S - 1)], -1)  # [B]
+        shifted = jnp.pad(history[:, :S - i], ((0, 0), (i, 0)), constant_values=-1)  # [b, e - i]
+        matching &= (shifted == want[:, None]) & (want[:, None] >= 0)
+        run += matching.astype(jnp.int32)
+    available = jnp.clip(last[:, None] - ends, 0, gamma)  # continuation length after e
+    score = jnp.where(run >= n_min, (run * (gamma + 1) + available) * S + ends, -1)
+    best = jnp.argmax(score, axis=1)  # [B]
+    hit = jnp.max(score, axis=1) >= 0
+    count = jnp.where(hit, available[rows, best], 0)
+    tokens = history[rows[:, None], jnp.clip(best[:, None] + 1 + jnp.arange(gamma)[None, :],
+                                             0, S - 1)]
     valid = jnp.arange(gamma)[None, :] < count[:, None]
     return jnp.where(valid, tokens, 0), valid
 
