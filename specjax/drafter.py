@@ -168,9 +168,9 @@ def draft_logits(params, h: Array) -> Array:
                       preferred_element_type=jnp.float32)
 
 
-def full_logits(params, sub: Array, vocab_size: int) -> Array:
-    """Draft-vocabulary logits [..., M] -> [..., V], -inf outside the draft vocabulary."""
-    full = jnp.full(sub.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+def scatter_vocab(params, sub: Array, vocab_size: int) -> Array:
+    """Probabilities over the draft vocabulary [..., M] -> [..., V], zero elsewhere."""
+    full = jnp.zeros(sub.shape[:-1] + (vocab_size,), jnp.float32)
     return full.at[..., params["vocab"]].set(sub)
 
 

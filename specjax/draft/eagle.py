@@ -89,9 +89,11 @@ class EagleProposer(RiderProposer):
             logits = drafter_lib.draft_logits(p, g)  # [B, M]
             if filters.greedy:
                 return p["vocab"][jnp.argmax(logits, axis=-1)].astype(jnp.int32), None
-            q = sampling.process_logits(drafter_lib.full_logits(p, logits, cfg.vocab_size),
-                                        sampling_params, filters)  # [B, V]
-            return sampling.sample(key, q), q
+            # Processed and sampled over the M draft-vocabulary columns: the same distribution
+            # as over all V with -inf outside (those tokens get probability zero under
+            # temperature, top-k and top-p alike), without a V-wide softmax per draft.
+            q = sampling.process_logits(logits, sampling_params, filters)  # [B, M]
+            return p["vocab"][sampling.sample(key, q)], q
 
         token, q = draw(g, step_keys[:, 0])
         tokens, probs = [token], [q]
@@ -105,7 +107,10 @@ class EagleProposer(RiderProposer):
             tokens.append(token)
             probs.append(q)
         tokens = jnp.stack(tokens, axis=1)
-        probs = None if probs[0] is None else jnp.stack(probs, axis=1)
+        if probs[0] is not None:  # q over the whole vocabulary, as the verifier reads it
+            probs = drafter_lib.scatter_vocab(p, jnp.stack(probs, axis=1), cfg.vocab_size)
+        else:
+            probs = None
         return Draft(tokens, probs), EagleState(cache, state.features)
 
     def _tree(self, params, state: EagleState, g: Array, cache: KVCache, length: Array
