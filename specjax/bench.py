@@ -254,14 +254,17 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         row["verify_cost"] = seconds[row["verify_tokens"]] / seconds[1]
         # What a round spends besides the verify forward, in target steps, per draft: the
         # drafter's cost plus the loop's own overhead. For Medusa and EAGLE it stands in for c
-        # (no separate model to time on its own); for the draft model it sits beside c.
+        # (no separate model to time on its own); for the draft model it sits beside c. The
+        # target step is the autoregressive loop's TPOT from the same interleaved repeats (a
+        # timing taken apart from the loop can differ from it by more than a draft's cost);
+        # noise can make the figure slightly negative, which is reported as measured.
         row["draft_cost_per_draft"] = (
-            (row["spec_round_ms"] / 1e3 / seconds[1] - row["verify_cost"]) / row["gamma"])
+            (row["spec_round_ms"] / row["ar_tpot_ms"] - row["verify_cost"]) / row["gamma"])
         if row["method"] in ("medusa", "eagle"):
             row["c"] = row["draft_cost_per_draft"]
         g, alpha, c = row["gamma"], row["alpha"], row["c"]
         # the seed's formula is for chains: i.i.d. acceptance of γ drafts in a row
-        ok = np.isfinite(alpha) and row["tree"] is None
+        ok = np.isfinite(alpha) and row["tree"] is None and c >= 0
         row["predicted_speedup"] = theory.speedup(alpha, g, c) if ok else float("nan")
         row["predicted_speedup_with_verify_cost"] = (
             theory.expected_tokens_per_round(alpha, g) / (g * c + row["verify_cost"]) if ok

@@ -204,11 +204,17 @@ def _round(plan: Plan, target_params, draft_params, request: Request,
                 positions = state.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
                 logits, hidden, cache = model_lib.forward(target, chunk[:, :T], positions,
                                                           cache)
-                target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
-                verdict = verify.rejection_sample(
-                    verify_keys, draft_tokens[:, :T - 1],
-                    None if draft_probs is None else draft_probs[:, :T - 1], target_probs,
-                    None if valid is None else valid[:, :T - 1])
+                row_valid = None if valid is None else valid[:, :T - 1]
+                if plan.filters.greedy:  # one-hot p: the same verdict from argmaxes alone
+                    verdict = verify.greedy_verdict(
+                        draft_tokens[:, :T - 1], jnp.argmax(logits, axis=-1), row_valid)
+                else:
+                    target_probs = sampling_lib.process_logits(logits, request.sampling,
+                                                               plan.filters)
+                    verdict = verify.rejection_sample(
+                        verify_keys, draft_tokens[:, :T - 1],
+                        None if draft_probs is None else draft_probs[:, :T - 1], target_probs,
+                        row_valid)
                 tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
                 return verify.Verdict(tokens, verdict.num_accepted), cache, hidden
             return run

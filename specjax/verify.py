@@ -110,6 +110,26 @@ def rejection_sample(keys: Array, draft_tokens: Array, draft_probs: Array | None
     return Verdict(tokens.astype(jnp.int32), num_accepted)
 
 
+def greedy_verdict(draft_tokens: Array, target_tokens: Array, valid: Array | None = None
+                   ) -> Verdict:
+    """``rejection_sample`` for calls where every row is greedy, without distributions.
+
+    draft_tokens [B, G]; target_tokens [B, G+1], the argmax of the target's logits at each
+    position; valid as in ``rejection_sample``. With one-hot p both rules accept draft k exactly
+    when it equals the target's argmax (and was proposed), and the row's last token, recovered or
+    bonus, is the argmax at its position: the same verdict, from [B, G+1] integers instead of
+    [B, G+1, V] probabilities and a draw.
+    """
+    G = draft_tokens.shape[1]
+    match = draft_tokens == target_tokens[:, :G]
+    if valid is not None:
+        match &= valid
+    num_accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+    index = jnp.arange(G + 1)[None, :]
+    tokens = jnp.where(index <= num_accepted[:, None], target_tokens, -1)
+    return Verdict(tokens.astype(jnp.int32), num_accepted)
+
+
 # -- trees ---------------------------------------------------------------------------------------
 
 def _remove(p: Array, token: Array, where: Array) -> Array:

@@ -180,3 +180,42 @@ def test_greedy_rows_accept_exactly_the_argmax():
             v = verify.rejection_sample(jax.random.split(jax.random.key(0), 1), toks, qq, p)
             assert int(v.num_accepted[0]) == expect_n
             assert list(np.asarray(v.tokens[0])) == expect
+
+
+def _greedy_cases(seed=0, B=64, G=4, vocab=5):
+    """Random drafts that agree with the argmax path for a random prefix, random valid prefixes."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(B, G + 1, vocab)).astype(np.float32)
+    argmax = logits.argmax(-1)
+    agree = rng.integers(0, G + 1, size=B)  # drafts equal the argmax before this index
+    drafts = np.where(np.arange(G)[None] < agree[:, None], argmax[:, :G],
+                      rng.integers(0, vocab, size=(B, G)))
+    valid = np.arange(G)[None] < rng.integers(0, G + 1, size=B)[:, None]
+    return (jnp.asarray(logits), jnp.asarray(argmax, jnp.int32), jnp.asarray(drafts, jnp.int32),
+            jnp.asarray(valid))
+
+
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_greedy_verdict_equals_the_rule_on_one_hots(with_valid):
+    """The engine's greedy fast path gives the verdict of rejection_sample on one-hot p, for
+    every row (drafts agreeing with the argmax for 0..γ positions, any valid prefix)."""
+    logits, argmax, drafts, valid = _greedy_cases()
+    valid = valid if with_valid else None
+    one_hot = jax.nn.one_hot(argmax, logits.shape[-1], dtype=jnp.float32)
+    keys = jax.random.split(jax.random.key(1), drafts.shape[0])
+    want = verify.rejection_sample(keys, drafts, None, one_hot, valid)
+    got = verify.greedy_verdict(drafts, argmax, valid)
+    np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert 0 < int(jnp.sum(want.num_accepted)) < drafts.size  # both outcomes occur
+
+
+def test_greedy_verdict_comparison_catches_ignored_validity():
+    """Control: a fast path that forgets the valid mask accepts drafts that were never proposed,
+    and the comparison above sees it."""
+    logits, argmax, drafts, valid = _greedy_cases()
+    one_hot = jax.nn.one_hot(argmax, logits.shape[-1], dtype=jnp.float32)
+    keys = jax.random.split(jax.random.key(1), drafts.shape[0])
+    want = verify.rejection_sample(keys, drafts, None, one_hot, valid)
+    broken = verify.greedy_verdict(drafts, argmax, None)
+    assert not np.array_equal(broken.num_accepted, want.num_accepted)
