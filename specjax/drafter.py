@@ -186,8 +186,10 @@ def _with_head(config: DrafterConfig, weights, vocab: np.ndarray, target: Model)
 
 def init_drafter(target: Model, method: str, key: Array, *, num_heads: int = 4,
                  vocab: np.ndarray | None = None, dtype: str = "float32",
-                 init_std: float = 0.02) -> Drafter:
+                 intermediate_size: int | None = None, init_std: float = 0.02) -> Drafter:
     """A fresh drafter for ``target``. vocab: the draft vocabulary ids (default: all V).
+    intermediate_size: EAGLE's MLP width (default: the target's); a narrower one makes each
+    draft step cheaper.
 
     Medusa heads start as the identity (W = 0, b = 0), so before training every head predicts
     what the LM head does; EAGLE's layer starts from N(0, init_std²) weights."""
@@ -197,9 +199,15 @@ def init_drafter(target: Model, method: str, key: Array, *, num_heads: int = 4,
         raise ValueError(f"vocab must be a non-empty list of token ids in [0, {cfg.vocab_size})")
     if np.unique(vocab).size != vocab.size:
         raise ValueError("vocab has repeated token ids")
+    if intermediate_size is not None and (method != "eagle" or int(intermediate_size) < 1):
+        raise ValueError(f"intermediate_size={intermediate_size!r}: only an EAGLE drafter has "
+                         f"an MLP width, and it must be >= 1")
     E = cfg.hidden_size
-    layer = eagle_layer_config(dataclasses.replace(target.config, dtype=dtype)) \
-        if method == "eagle" else None
+    layer = None
+    if method == "eagle":
+        layer = eagle_layer_config(dataclasses.replace(target.config, dtype=dtype))
+        if intermediate_size is not None:
+            layer = dataclasses.replace(layer, intermediate_size=int(intermediate_size))
     config = DrafterConfig(method, E, cfg.vocab_size, int(vocab.size),
                            num_heads if method == "medusa" else 0, layer)
     if method == "medusa":
@@ -262,6 +270,7 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, target: Model, *,
         weights = jax.tree.map(lambda x: x.astype(dtype), weights)
     record = {"format_version": FORMAT_VERSION, "method": c.method,
               "num_heads": c.num_heads, "draft_vocab_size": c.draft_vocab_size,
+              "intermediate_size": None if c.layer is None else c.layer.intermediate_size,
               "dtype": str(jax.tree.leaves(weights)[0].dtype), "target": target_record(target),
               **(extra or {})}
     (path / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -287,7 +296,8 @@ def load_drafter(path: str | os.PathLike, target: Model) -> Drafter:
     vocab = np.load(path / "vocab.npy")
     dtype = target.config.dtype
     shape = init_drafter(target, record["method"], jax.random.key(0),
-                         num_heads=max(record["num_heads"], 1), vocab=vocab, dtype=dtype)
+                         num_heads=max(record["num_heads"], 1), vocab=vocab, dtype=dtype,
+                         intermediate_size=record.get("intermediate_size"))
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, shape.params["weights"])
     with ocp.StandardCheckpointer() as ckpt:
         weights = ckpt.restore(path / "weights", jax.tree.map(

@@ -124,6 +124,27 @@ def test_save_load_round_trip_and_wrong_target(target, trained, method, tmp_path
         sj.load_drafter(tmp_path, target)
 
 
+def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_path):
+    """An EAGLE head with its own MLP width (narrower than the target's) keeps that width through
+    save and load and decodes exactly as autoregressive greedy; Medusa has no such width."""
+    d = drafter_lib.init_drafter(target, "eagle", jax.random.key(3), intermediate_size=24)
+    assert d.config.layer.intermediate_size == 24 != target.config.intermediate_size
+    assert d.params["weights"]["layer"]["mlp"]["up_proj"]["kernel"].shape[-1] == 24
+    sj.save_drafter(d, tmp_path / "narrow", target)
+    loaded = sj.load_drafter(tmp_path / "narrow", target)
+    assert loaded.config == d.config
+    prompts = [[1, 2, 3, 4, 5], [7, 1]]
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=12)
+    want = sj.generate(target, prompts, sampling=sampling).tokens
+    got = sj.generate(target, prompts, sampling=sampling, draft=loaded,
+                      spec=sj.SpecConfig(method="eagle", num_speculative_tokens=3)).tokens
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="intermediate_size=8.*only an EAGLE"):
+        drafter_lib.init_drafter(target, "medusa", jax.random.key(0), intermediate_size=8)
+    with pytest.raises(ValueError, match="intermediate_size=0"):
+        drafter_lib.init_drafter(target, "eagle", jax.random.key(0), intermediate_size=0)
+
+
 def test_generate_refuses_bad_drafters(target, draft, trained):
     prompts = [[1, 2, 3]]
     with pytest.raises(ValueError, match="needs draft= an sj.Drafter"):

@@ -91,6 +91,7 @@ class HeadsObjective:
 
 def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
                 num_heads: int = 4, draft_vocab_size: int | None = None,
+                intermediate_size: int | None = None,
                 heldout: np.ndarray | None = None, progress: bool = True,
                 on_eval: Callable[[int, float], None] | None = None,
                 max_seconds: float | None = None) -> tuple[Drafter, list[dict]]:
@@ -104,7 +105,8 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
         raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, {V}]")
     vocab = np.arange(V, dtype=np.int32) if M == V else drafter_lib.frequent_tokens(tokens, V, M)
     fresh = drafter_lib.init_drafter(target, method, jax.random.key(cfg.seed),
-                                     num_heads=num_heads, vocab=vocab)
+                                     num_heads=num_heads, vocab=vocab,
+                                     intermediate_size=intermediate_size)
     objective = HeadsObjective(fresh.config, target.config)
     aux = {"target": target.params, "vocab": jnp.asarray(vocab)}
     run = {"drafter": dataclasses.asdict(fresh.config), "train": dataclasses.asdict(cfg),
@@ -146,6 +148,8 @@ def heads_main(argv=None) -> int:
     ap.add_argument("--num-heads", type=int, default=4, help="medusa: heads (max draft depth)")
     ap.add_argument("--draft-vocab-size", type=int,
                     help="draft from the N most frequent training tokens (default: all)")
+    ap.add_argument("--intermediate-size", type=int,
+                    help="eagle: the head's MLP width (default: the target's)")
     ap.add_argument("--save-dtype", default="bfloat16")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -159,7 +163,8 @@ def heads_main(argv=None) -> int:
                       weight_decay=0.0, seed=0)
     drafter, history = train_heads(
         target, args.method, tokens, cfg, workdir, num_heads=args.num_heads,
-        draft_vocab_size=args.draft_vocab_size, heldout=heldout,
+        draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
+        heldout=heldout,
         max_seconds=None if args.minutes is None else args.minutes * 60)
     for h in history:
         print(f"step {h['step']}: held-out loss {h['heldout_loss']:.4f}")
@@ -195,12 +200,14 @@ def write_card(out: pathlib.Path, drafter: Drafter, args, cfg: TrainConfig, hist
                ) -> None:
     c = drafter.config
     what = (f"{c.num_heads} Medusa heads" if c.method == "medusa"
-            else "An EAGLE head (one decoder layer)")
+            else f"An EAGLE head (one decoder layer, MLP width {c.layer.intermediate_size})")
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(drafter.params["weights"]))
     evals = ", ".join(f"{h['heldout_loss']:.3f} at step {h['step']}" for h in history) or "none"
     command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
                f"--steps {args.steps}" + (f" --minutes {args.minutes:g}" if args.minutes else "")
                + (f" --draft-vocab-size {args.draft_vocab_size}" if args.draft_vocab_size else "")
+               + (f" --intermediate-size {args.intermediate_size}"
+                  if getattr(args, "intermediate_size", None) else "")
                + f" --out {args.out}")
     (out / "README.md").write_text(CARD.format(
         folder=out.name, what=what, target=args.target, params=params, dtype=args.save_dtype,
