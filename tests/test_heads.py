@@ -190,8 +190,12 @@ def test_greedy_equals_autoregressive(target, trained, method, spec):
 
 def test_greedy_check_fails_when_verification_accepts_everything(target, trained, monkeypatch,
                                                                  fresh_programs):
-    monkeypatch.setattr(verify, "acceptance_probs",
-                        lambda tokens, probs, target_probs, valid=None: jnp.ones(tokens.shape))
+    def accept_all(draft_tokens, target_tokens, valid=None):  # greedy calls verify this way
+        G = draft_tokens.shape[1]
+        tokens = jnp.concatenate([draft_tokens, target_tokens[:, G:]], axis=1)
+        return verify.Verdict(tokens, jnp.full(draft_tokens.shape[:1], G, jnp.int32))
+
+    monkeypatch.setattr(verify, "greedy_verdict", accept_all)
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
     out = sj.generate(target, PROMPTS, sampling=sampling,
