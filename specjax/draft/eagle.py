@@ -107,10 +107,9 @@ class EagleProposer(RiderProposer):
             tokens.append(token)
             probs.append(q)
         tokens = jnp.stack(tokens, axis=1)
-        if probs[0] is not None:  # q over the whole vocabulary, as the verifier reads it
-            probs = drafter_lib.scatter_vocab(p, jnp.stack(probs, axis=1), cfg.vocab_size)
-        else:
-            probs = None
+        # q over the whole vocabulary, as the verifier reads it
+        probs = None if probs[0] is None else drafter_lib.scatter_vocab(
+            p, jnp.stack(probs, axis=1), cfg.vocab_size)
         return Draft(tokens, probs), EagleState(cache, state.features)
 
     def _tree(self, params, state: EagleState, g: Array, cache: KVCache, length: Array

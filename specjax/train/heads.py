@@ -207,7 +207,7 @@ def write_card(out: pathlib.Path, drafter: Drafter, args, cfg: TrainConfig, hist
                f"--steps {args.steps}" + (f" --minutes {args.minutes:g}" if args.minutes else "")
                + (f" --draft-vocab-size {args.draft_vocab_size}" if args.draft_vocab_size else "")
                + (f" --intermediate-size {args.intermediate_size}"
-                  if getattr(args, "intermediate_size", None) else "")
+                  if args.intermediate_size else "")
                + f" --out {args.out}")
     (out / "README.md").write_text(CARD.format(
         folder=out.name, what=what, target=args.target, params=params, dtype=args.save_dtype,
