@@ -16,9 +16,12 @@ Figures per (temperature, γ):
   formula), mean accepted length (tokens per round, bonus included), per-position acceptance
   (fraction of rounds whose k-th draft was accepted)
 * c: the draft's TPOT over the target's, both decoding autoregressively in the same loop
-  (0 for n-gram lookup, which runs no model). Medusa and EAGLE have no model to time on its own:
-  their c is ``draft_cost_per_draft``, a round's time less its verify forward, in target steps
-  per draft (the drafter plus the loop's overhead; also reported for the other methods)
+  (0 for n-gram lookup, which runs no model). A draft restricted to a draft vocabulary decodes
+  that loop with its whole LM head, so its c is scaled by its cut step's time over its whole
+  step (``draft_step_vocab_scale``, two forwards timed side by side). Medusa and EAGLE have no
+  model to time on its own: their c is ``draft_cost_per_draft``, a round's time less its verify
+  forward, in target steps per draft (the drafter plus the loop's overhead; also reported for
+  the other methods)
 * several methods can run in one bench (``--method draft_model,medusa,eagle``): one AR baseline,
   every variant interleaved with it
 * predicted: the seed's formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` from the measured α and c;
@@ -46,7 +49,8 @@ from . import theory
 from .cache import KVCache
 from .config import SamplingParams, SpecConfig
 from .engine import bucket, generate
-from .model import Model, forward
+from .draft.model import DRAFT_VOCAB, draft_vocab_size, forward_draft
+from .model import Model
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
@@ -80,7 +84,7 @@ def _chunks(model: Model, tokens, cache: KVCache):
 
     def body(_, carry):  # the cache is carried, so its writes happen in place as in generate
         tokens, c = carry
-        logits, _, c = forward(model, tokens, positions, c)
+        logits, c = forward_draft(model, tokens, positions, c)  # a draft's own vocabulary
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), c.rollback(cache.length)
     return jax.lax.fori_loop(0, INNER, body, (tokens, cache))[0]
 
@@ -249,8 +253,20 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     capacity = bucket(max(len(p) for p in prompts) + max_new_tokens + max(sizes))
     timers = {1: forward_timer(target, 1, capacity, context)}
     timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
+    restricted = use_draft is not None and DRAFT_VOCAB in use_draft.params
+    if restricted:  # the draft's step with its cut LM head against the same draft whole
+        full = Model(use_draft.config, {k: v for k, v in use_draft.params.items()
+                                        if k != DRAFT_VOCAB})
+        timers["draft-full"] = forward_timer(full, 1, capacity, context)
+        timers["draft-vocab"] = forward_timer(use_draft, 1, capacity, context)
     seconds = median_seconds(timers, verify_repeats)
+    # The draft-ar loop decodes with the draft's full LM head (its own distribution); a draft
+    # restricted to a draft vocabulary drafts with the cut head, so its c is scaled by the ratio
+    # of the two steps, timed side by side.
+    vocab_scale = seconds["draft-vocab"] / seconds["draft-full"] if restricted else 1.0
     for row in rows:
+        if row["method"] == "draft_model":
+            row["c"] *= vocab_scale
         row["verify_cost"] = seconds[row["verify_tokens"]] / seconds[1]
         # What a round spends besides the verify forward, in target steps, per draft: the
         # drafter's cost plus the loop's own overhead. For Medusa and EAGLE it stands in for c
@@ -279,6 +295,9 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                       prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
                       batch_size=1, target_params=target.config.num_params,
                       draft_params=use_draft.config.num_params if use_draft is not None else 0,
+                      draft_vocab_size=(draft_vocab_size(use_draft) if use_draft is not None
+                                        else None),
+                      draft_step_vocab_scale=vocab_scale,
                       target_step_ms=1e3 * seconds[1], verify_context=context),
         rows=rows)
 
@@ -321,6 +340,7 @@ def _tree_json(text: str):
 def main(args) -> int:
     """``specjax bench`` (arguments parsed in specjax.cli)."""
     from .checkpoint import load_model
+    from .draft import load_draft
     from .drafter import load_drafter
     from .tokenizer import load_tokenizer
     texts = load_prompts(args.prompts)
@@ -336,7 +356,8 @@ def main(args) -> int:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
         prompts = [p[-args.max_prompt_tokens:] for p in prompts]  # keep the end: it is continued
     methods = args.method
-    draft = load_model(args.draft, dtype=args.dtype) if "draft_model" in methods else None
+    draft = (load_draft(args.draft, dtype=args.dtype, full_vocab=args.full_draft_vocab)
+             if "draft_model" in methods else None)
     drafters = {m: load_drafter(getattr(args, m) or CHECKPOINTS / f"code-{m}", target)
                 for m in methods if m in ("medusa", "eagle")}
     specs = []

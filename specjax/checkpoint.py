@@ -452,6 +452,9 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
     folder = pathlib.Path(path)
     if format not in ("orbax", "hf"):
         raise ValueError(f"format must be 'orbax' or 'hf', got {format!r}")
+    if "draft_vocab" in model.params:
+        raise ValueError("this model was restricted to a draft vocabulary "
+                         "(sj.draft.restrict_vocab); save the model before restricting it")
     cfg = model.config
     arch = hf_architecture(cfg) if format == "hf" else None  # refuse before writing anything
     folder.mkdir(parents=True, exist_ok=True)

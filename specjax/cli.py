@@ -119,7 +119,9 @@ def _generate(args) -> int:
     tok = load_tokenizer(args.target)
     draft = None
     if spec is not None and spec.needs_draft_model:
-        draft = load_model(args.draft or CHECKPOINTS / "code-draft", dtype=args.dtype)
+        from .draft import load_draft
+        draft = load_draft(args.draft or CHECKPOINTS / "code-draft", dtype=args.dtype,
+                           full_vocab=args.full_draft_vocab)
     elif spec is not None and spec.needs_drafter:
         from .drafter import load_drafter
         draft = load_drafter(args.draft or CHECKPOINTS / f"code-{spec.method}", target)
@@ -168,6 +170,9 @@ def _add_generate(sub) -> None:
                    help="draft model folder for --method draft_model, heads folder for medusa / "
                         "eagle (default: the bundled checkpoints/code-draft, code-medusa, "
                         "code-eagle)")
+    g.add_argument("--full-draft-vocab", action="store_true",
+                   help="draft over the whole vocabulary even when the draft folder ships a "
+                        "draft vocabulary (draft_vocab.npy; the bundled draft does)")
     g.add_argument("--method", default="draft_model",
                    choices=["draft_model", "ngram", "medusa", "eagle", "none"],
                    help="how drafts are made; none = plain autoregressive decoding")
@@ -220,6 +225,9 @@ def _add_bench(sub) -> None:
                    help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
     b.add_argument("--draft", default=str(CHECKPOINTS / "code-draft"),
                    help="draft model folder for --method draft_model (default: bundled)")
+    b.add_argument("--full-draft-vocab", action="store_true",
+                   help="draft over the whole vocabulary even when the draft folder ships a "
+                        "draft vocabulary (draft_vocab.npy; the bundled draft does)")
     b.add_argument("--method", type=_methods, default=["draft_model"], metavar="M,M,...",
                    help="draft methods to compare in one run: draft_model, ngram, medusa, eagle "
                         "(default draft_model)")

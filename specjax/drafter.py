@@ -111,6 +111,24 @@ def embed(target_params, tokens: Array) -> Array:
     return jnp.take(target_params["embed_tokens"]["embedding"], tokens, axis=0)
 
 
+def check_vocab(vocab, vocab_size: int) -> np.ndarray:
+    """A draft vocabulary as int32 [M], or ValueError: it must be distinct ids in [0, V)."""
+    ids = np.asarray(vocab)
+    if (ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer)
+            or ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"a draft vocabulary must be a non-empty 1-D list of token ids in "
+                         f"[0, {vocab_size}), got {_describe(ids)}")
+    if np.unique(ids).size != ids.size:
+        raise ValueError("the draft vocabulary has repeated token ids")
+    return ids.astype(np.int32)
+
+
+def _describe(ids: np.ndarray) -> str:
+    if ids.size == 0 or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.number):
+        return f"an array of shape {ids.shape} and dtype {ids.dtype}"
+    return f"{ids.size} ids from {ids.min()} to {ids.max()} ({ids.dtype})"
+
+
 def frequent_tokens(tokens: np.ndarray, vocab_size: int, size: int) -> np.ndarray:
     """The ``size`` most frequent ids of a token stream (ties: the smaller id), sorted by id."""
     counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)[:vocab_size]
@@ -194,11 +212,8 @@ def init_drafter(target: Model, method: str, key: Array, *, num_heads: int = 4,
     Medusa heads start as the identity (W = 0, b = 0), so before training every head predicts
     what the LM head does; EAGLE's layer starts from N(0, init_std²) weights."""
     cfg = target.config
-    vocab = np.arange(cfg.vocab_size, dtype=np.int32) if vocab is None else np.asarray(vocab)
-    if vocab.ndim != 1 or vocab.size == 0 or vocab.min() < 0 or vocab.max() >= cfg.vocab_size:
-        raise ValueError(f"vocab must be a non-empty list of token ids in [0, {cfg.vocab_size})")
-    if np.unique(vocab).size != vocab.size:
-        raise ValueError("vocab has repeated token ids")
+    vocab = np.arange(cfg.vocab_size, dtype=np.int32) if vocab is None else check_vocab(
+        vocab, cfg.vocab_size)
     if intermediate_size is not None and (method != "eagle" or int(intermediate_size) < 1):
         raise ValueError(f"intermediate_size={intermediate_size!r}: only an EAGLE drafter has "
                          f"an MLP width, and it must be >= 1")

@@ -42,6 +42,7 @@ from .cache import KVCache
 from .config import MAX_EOS_IDS, SamplingParams, SpecConfig
 from .draft import (DraftModelProposer, DraftTreeProposer, EagleProposer, MedusaProposer,
                     NgramProposer)
+from .draft.model import draft_vocab_size
 from .drafter import Drafter
 from .model import Model
 from .sampling import Filters, SamplingArrays
@@ -473,7 +474,11 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         if spec.tree is None:
             proposer = DraftModelProposer(draft.config, spec.num_speculative_tokens)
         else:
-            proposer = DraftTreeProposer(draft.config, Tree(spec.tree))
+            tree, M = Tree(spec.tree), draft_vocab_size(draft)
+            if int(tree.children.shape[1]) > M:
+                raise ValueError(f"the tree gives a node {int(tree.children.shape[1])} children, "
+                                 f"more than the draft's {M}-token draft vocabulary")
+            proposer = DraftTreeProposer(draft.config, tree)
     elif spec.needs_drafter:
         proposer = _drafter_proposer(spec, draft, cfg)
     else:

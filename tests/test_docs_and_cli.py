@@ -90,6 +90,37 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
 
 
+def test_a_draft_folder_with_a_draft_vocabulary(model_folders, capsys, tmp_path):
+    """generate and bench restrict a draft to the draft_vocab.npy its folder ships (unless told
+    --full-draft-vocab); greedy output stays the target's; bad files are refused by name."""
+    import json
+    import shutil
+    folder = tmp_path / "d"
+    shutil.copytree(model_folders / "d", folder)
+    np.save(folder / "draft_vocab.npy", np.arange(0, 300, 3))  # 100 of the 300 ids
+    base = ["generate", "--target", str(model_folders / "t"), "--draft", str(folder),
+            "--max-new-tokens", "12"]
+    texts = []
+    for extra in ([], ["--full-draft-vocab"], ["--method", "none"]):
+        assert cli.main(base + extra) == 0
+        texts.append(capsys.readouterr().out.split("\n\n")[0])
+    assert texts[0] == texts[1] == texts[2]
+    for extra, size, restricted in ([], 100, True), (["--full-draft-vocab"], 300, False):
+        out = tmp_path / "bench.json"
+        assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft", str(folder),
+                         "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "8",
+                         "--repeats", "1", "--verify-repeats", "2", "--num-prompts", "1",
+                         "--max-prompt-tokens", "20", "--json", str(out)] + extra) == 0
+        settings = json.loads(out.read_text())["settings"]
+        assert settings["draft_vocab_size"] == size
+        assert (settings["draft_step_vocab_scale"] != 1.0) == restricted
+    capsys.readouterr()
+    np.save(folder / "draft_vocab.npy", np.array([1, 1, 2]))
+    with pytest.raises(SystemExit):
+        cli.main(base)
+    assert re.search("draft_vocab.npy: .*repeated token ids", capsys.readouterr().err)
+
+
 def test_generate_command_errors(model_folders, capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--target", str(tmp_path / "missing")])

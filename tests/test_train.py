@@ -121,9 +121,12 @@ def test_pair_stages_end_to_end(tmp_path):
     pair.stage_target(work, None, target, quick, progress=False)
     pair.stage_draft(work, None, draft, quick, target, quick, progress=False)
     pair.stage_export(work, tmp_path / "out", (("target", target, quick),
-                                               ("draft", draft, quick)))
+                                               ("draft", draft, quick)), draft_vocab_size=100)
     t = sj.load_model(tmp_path / "out" / "code-target")
-    d = sj.load_model(tmp_path / "out" / "code-draft")
+    d = sj.draft.load_draft(tmp_path / "out" / "code-draft")
+    vocab = np.asarray(d.params["draft_vocab"]["vocab"])  # the 100 most frequent training tokens
+    counts = np.bincount(np.load(work / "train.npy"), minlength=300)
+    assert len(vocab) == 100 and counts[vocab].min() >= np.delete(counts, vocab).max()
     tok = sj.load_tokenizer(tmp_path / "out" / "code-target")
     assert t.config.dtype == "bfloat16" and t.config.num_hidden_layers == 2
     out = sj.generate(t, ["def f1(x):"], tokenizer=tok, draft=d, spec=sj.SpecConfig(),

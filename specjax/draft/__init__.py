@@ -52,11 +52,11 @@ class Draft:
     valid: Array | None = None  # [B, G] bool, a prefix per row: drafts actually proposed; None = all
 
 
-from .model import DraftModelProposer, DraftTreeProposer  # noqa: E402
+from .model import DraftModelProposer, DraftTreeProposer, load_draft, restrict_vocab  # noqa: E402
 from .ngram import NgramProposer  # noqa: E402
 from .rider import Features  # noqa: E402
 from .medusa import MedusaProposer  # noqa: E402
 from .eagle import EagleProposer  # noqa: E402
 
 __all__ = ["Draft", "Features", "DraftModelProposer", "DraftTreeProposer", "NgramProposer",
-           "MedusaProposer", "EagleProposer"]
+           "MedusaProposer", "EagleProposer", "load_draft", "restrict_vocab"]

@@ -9,6 +9,12 @@ Each round the draft runs γ forwards: one two-token forward, then γ - 1 single
 
 So the draft cache never needs to be told what was accepted: rollback is setting its length to
 length - 1 before the write.
+
+A draft model may propose from a subset of the vocabulary (``restrict_vocab``, the idea of
+FR-Spec): its LM head is cut to the M columns of that subset. A small draft spends most of each
+step in the vocabulary projection (the bundled draft's LM head is 73% of the weights a step
+multiplies by), so each step gets much cheaper. It stays lossless: q is zero outside the subset
+(renormalised over it), and the verifier corrects any q.
 """
 
 from __future__ import annotations
@@ -17,14 +23,86 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
+from .. import drafter as drafter_lib
 from .. import model as model_lib
 from .. import sampling
 from ..cache import KVCache, compact
 from ..config import ModelConfig
+from ..model import Model
 from ..tree import Tree
 from . import Draft
+
+DRAFT_VOCAB = "draft_vocab"
+"""The params entry ``restrict_vocab`` adds: {"vocab": [M] token ids, "head": [E, M]}."""
+
+
+def restrict_vocab(draft: Model, vocab) -> Model:
+    """``draft`` proposing only from the token ids ``vocab`` (for example the M most frequent
+    tokens of its training data: ``sj.drafter.frequent_tokens``).
+
+    Returns the model with its LM head's columns for ``vocab`` added to its params under
+    ``DRAFT_VOCAB``; as a draft (``sj.generate(..., draft=)``) it computes only those M logits.
+    The full head stays in place, so the model still runs on its own, but it is not saved
+    (``sj.save_model`` refuses it: save the model before restricting it)."""
+    if not isinstance(draft, Model):
+        raise ValueError(f"restrict_vocab expects an sj.Model, got {type(draft).__name__}")
+    V = draft.config.vocab_size
+    vocab = drafter_lib.check_vocab(vocab, V)
+    params = {k: v for k, v in draft.params.items() if k != DRAFT_VOCAB}
+    vocab = jnp.asarray(vocab, jnp.int32)
+    head = jnp.take(drafter_lib.lm_head(Model(draft.config, params)), vocab, axis=1)
+    return Model(draft.config, {**params, DRAFT_VOCAB: {"vocab": vocab, "head": head}})
+
+
+VOCAB_FILE = "draft_vocab.npy"
+"""A draft model folder may ship its draft vocabulary here (token ids, as ``np.save`` writes)."""
+
+
+def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> Model:
+    """``sj.load_model(path, dtype)``, restricted to the draft vocabulary the folder ships in
+    ``draft_vocab.npy`` unless there is none or ``full_vocab`` is set."""
+    import pathlib
+
+    from ..checkpoint import load_model
+    model = load_model(path, dtype)
+    file = pathlib.Path(path) / VOCAB_FILE
+    if full_vocab or not file.exists():
+        return model
+    try:
+        vocab = np.load(file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the draft vocabulary {file}: {e}") from e
+    try:
+        return restrict_vocab(model, vocab)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
+
+
+def draft_vocab_size(draft: Model) -> int:
+    """M: how many tokens the draft can propose (its vocab_size unless restricted)."""
+    sub = draft.params.get(DRAFT_VOCAB)
+    return draft.config.vocab_size if sub is None else int(sub["vocab"].shape[0])
+
+
+def forward_draft(draft: Model, tokens: Array, positions: Array, cache: KVCache,
+                  chunk_mask: Array | None = None) -> tuple[Array, KVCache]:
+    """A draft forward: logits over its draft vocabulary [B, T, M] and the extended cache. With a
+    restricted vocabulary the full-vocabulary logits are never used, and the compiler drops
+    them."""
+    logits, hidden, cache = model_lib.forward(draft, tokens, positions, cache, chunk_mask)
+    sub = draft.params.get(DRAFT_VOCAB)
+    if sub is not None:
+        logits = drafter_lib.draft_logits(sub, hidden)
+    return logits, cache
+
+
+def _token_ids(draft: Model, index: Array) -> Array:
+    """Indices into the draft vocabulary -> token ids (the identity when unrestricted)."""
+    sub = draft.params.get(DRAFT_VOCAB)
+    return index if sub is None else sub["vocab"][index]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,15 +129,16 @@ class DraftModelProposer:
 
         # Two-token catch-up forward at slots length-1, length (see module docstring).
         cache = cache.rollback(length - 1)
-        logits, _, cache = model_lib.forward(
+        logits, cache = forward_draft(
             draft, jnp.stack([prev, last], 1), jnp.stack([length - 1, length], 1), cache)
         def draw(logits, key):
-            """The next draft and the distribution it was drawn from; greedy calls propose the
-            argmax as a point mass (q is one-hot anyway), skipping the softmax and the draw."""
+            """The next draft and the distribution it was drawn from (over the draft vocabulary);
+            greedy calls propose the argmax as a point mass (q is one-hot anyway), skipping the
+            softmax and the draw."""
             if filters.greedy:
-                return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-            q = sampling.process_logits(logits, sampling_params, filters)  # [B, V]
-            return sampling.sample(key, q), q
+                return _token_ids(draft, jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+            q = sampling.process_logits(logits, sampling_params, filters)  # [B, M]
+            return _token_ids(draft, sampling.sample(key, q)), q
 
         token, q = draw(logits[:, -1], step_keys[:, 0])
 
@@ -67,13 +146,16 @@ class DraftModelProposer:
         # the draft cache through a loop, which measured slower per round on a CPU.
         tokens, probs = [token], [q]
         for i in range(1, self.gamma):
-            logits, _, cache = model_lib.forward(draft, token[:, None], (length + i)[:, None],
-                                                 cache)
+            logits, cache = forward_draft(draft, token[:, None], (length + i)[:, None], cache)
             token, q = draw(logits[:, 0], step_keys[:, i])
             tokens.append(token)
             probs.append(q)
         tokens = jnp.stack(tokens, axis=1)  # [B, G]
-        probs = None if probs[0] is None else jnp.stack(probs, axis=1)  # [B, G, V]
+        if probs[0] is None:
+            return Draft(tokens, None), cache
+        probs = jnp.stack(probs, axis=1)  # [B, G, M]
+        if DRAFT_VOCAB in params:  # widen to [B, G, V] once per round, for the verifier
+            probs = drafter_lib.scatter_vocab(params[DRAFT_VOCAB], probs, self.config.vocab_size)
         return Draft(tokens, probs), cache
 
 
@@ -115,10 +197,13 @@ class DraftTreeProposer:
         ranks, parents, ancestors = tree.ranks, tree.parents, tree.ancestors
         width = int(tree.children.shape[1])
 
+        def top(logits):  # the draft's `width` best token ids after each node
+            return _token_ids(draft, jax.lax.top_k(logits, width)[1])
+
         cache = cache.rollback(length - 1)
-        logits, _, cache = model_lib.forward(
+        logits, cache = forward_draft(
             draft, jnp.stack([prev, last], 1), jnp.stack([length - 1, length], 1), cache)
-        ranked = [jax.lax.top_k(logits[:, -1:], width)[1]]  # per level: [B, nodes, width]
+        ranked = [top(logits[:, -1:])]  # per level: [B, nodes, width]
         tokens = []  # per level: [B, nodes]
         for d, (start, stop) in enumerate(tree.levels):
             first_parent = 0 if d == 0 else tree.levels[d - 1][0]
@@ -128,10 +213,10 @@ class DraftTreeProposer:
             if d + 1 < tree.depth:  # the deepest level's children are never needed
                 n = stop - start
                 positions = jnp.broadcast_to((length + d + 1)[:, None], (B, n))
-                logits, _, cache = model_lib.forward(
+                logits, cache = forward_draft(
                     draft, level, positions, cache.rollback(length + start),
                     chunk_mask=jnp.asarray(ancestors[start:stop, :stop]))
-                ranked.append(jax.lax.top_k(logits, width)[1])
+                ranked.append(top(logits))
         return Draft(jnp.concatenate(tokens, axis=1), None), cache
 
     def commit(self, cache: KVCache, start: Array, path: Array, num_accepted: Array) -> KVCache:

@@ -39,10 +39,15 @@ DRAFT = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=38
 TARGET_TRAINING = TrainConfig(steps=1800, batch_size=16, seq_len=256, learning_rate=1e-3,
                               warmup_steps=200, checkpoint_every=25, eval_every=200, seed=0)
 SCHEDULE_NOTES = {"target": " (the schedule was first set for 8000 steps and cut to 1800 at "
-                             "step 825, so the learning rate dropped from 9.9e-4 to 7.0e-4 there)"}
-DRAFT_TRAINING = TrainConfig(steps=1200, batch_size=16, seq_len=256, learning_rate=2e-3,
+                             "step 825, so the learning rate dropped from 9.9e-4 to 7.0e-4 there)",
+                  "draft": " (the schedule was first set for 1200 steps and extended to 2400 at "
+                            "step 1200, so the learning rate rose from 2.0e-4 back to 1.2e-3 there)"}
+DRAFT_TRAINING = TrainConfig(steps=2400, batch_size=16, seq_len=256, learning_rate=2e-3,
                              warmup_steps=100, checkpoint_every=25, eval_every=200, seed=1,
                              distill_ce_weight=0.1)
+# The bundled draft drafts from the most frequent tokens of the training stream only (its LM
+# head cut to these columns, `draft_vocab.npy`; see specjax/draft/model.py).
+DRAFT_VOCAB_SIZE = 2048
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +154,7 @@ from scratch on this machine (2-core CPU) on Python source code. {blurb}
 | training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{distil}{note} |
 | held-out loss | {loss:.3f} nats/token on held-out files (32 batches, stored bf16 weights) |
 | acceptance (draft vs target, γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}); T = 0.8: {acc_t:.3f} ({len_t:.2f}) |
-
+{vocab_row}
 **Data.** The CPython {python} standard library (`Lib/**/*.py`, site-packages excluded, files
 over 200 kB dropped): {train_files} training files ({train_tokens:,} tokens) and {heldout_files}
 held-out files ({heldout_tokens:,} tokens), split by a hash of each file's path
@@ -165,9 +170,11 @@ programs.
 
 
 def stage_export(workdir: pathlib.Path, out: pathlib.Path,
-                 runs=(("target", TARGET, TARGET_TRAINING), ("draft", DRAFT, DRAFT_TRAINING))
-                 ) -> None:
+                 runs=(("target", TARGET, TARGET_TRAINING), ("draft", DRAFT, DRAFT_TRAINING)),
+                 draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> None:
     from ..checkpoint import cast, load_model, save_model
+    from ..draft.model import VOCAB_FILE, load_draft
+    from ..drafter import frequent_tokens
     from ..tokenizer import load_tokenizer
     import shutil
     _, heldout = _tokens(workdir)
@@ -179,7 +186,12 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
         save_model(cast(model, "bfloat16"), folder, format="hf", eos_token_id=0)  # <|endoftext|>
         if name == "target":
             shutil.copy(workdir / "tokenizer" / "tokenizer.json", folder / "tokenizer.json")
-        stored = load_model(folder, dtype="float32")
+        else:
+            np.save(folder / VOCAB_FILE, frequent_tokens(np.load(workdir / "train.npy",
+                                                                 mmap_mode="r"),
+                                                         config.vocab_size, draft_vocab_size))
+        # the draft restricted to its draft vocabulary, as it drafts (its loss is the full head's)
+        stored = (load_draft if name == "draft" else load_model)(folder, dtype="float32")
         info[name] = dict(folder=folder, model=stored, config=config, settings=settings,
                           step=step, loss=evaluate(stored, heldout, batches=32))
         print(f"{folder}: step {step}, held-out loss {info[name]['loss']:.4f}")
@@ -215,7 +227,11 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             len_t=acc["t0.8"]["mean_accepted_length"], python=corpus.get("python", "?"),
             train_files=corpus.get("train_files", 0), heldout_files=corpus.get("heldout_files", 0),
             train_tokens=corpus.get("train_tokens", 0),
-            heldout_tokens=corpus.get("heldout_tokens", 0)))
+            heldout_tokens=corpus.get("heldout_tokens", 0),
+            vocab_row=("" if name == "target" else
+                       f"| draft vocabulary | drafts only from the {draft_vocab_size} most "
+                       f"frequent tokens of the training files (`{VOCAB_FILE}`; "
+                       f"`sj.draft.load_draft` applies it, `--full-draft-vocab` ignores it) |\n")))
 
 
 def main(argv=None) -> int:

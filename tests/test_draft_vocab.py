@@ -1,0 +1,135 @@
+"""A draft model restricted to a draft vocabulary (sj.draft.restrict_vocab): it proposes only
+tokens of the subset, reports q over the whole vocabulary (zero outside the subset), and decoding
+stays greedy-exact and distribution-exact. A deliberately wrong q fails the same test."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax import sampling
+from specjax.draft import model as draft_model
+from specjax.draft import restrict_vocab
+from test_lossless import exact_joint, g_test, generate_samples
+from test_lossless import models  # noqa: F401  (the fixture: an 8-token target and drafts)
+
+GREEDY = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+PROMPTS = [[1, 5, 9], [2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+
+
+@pytest.fixture(scope="module")
+def noisy(target):
+    """The target with perturbed weights: it agrees with the target often, not always."""
+    leaves, tree = jax.tree.flatten(target.params)
+    keys = jax.random.split(jax.random.key(9), len(leaves))
+    return sj.Model(target.config, jax.tree.unflatten(
+        tree, [x + 0.03 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return sj.generate(target, PROMPTS, sampling=GREEDY)
+
+
+def half_of_the_target_tokens(target, reference):
+    """16 of the 32 ids, holding about half of the tokens greedy decoding emits: the target's
+    choice is often outside the draft vocabulary, so those drafts must be rejected."""
+    counts = np.bincount(np.asarray(reference.tokens).ravel(), minlength=32)
+    ranked = np.argsort(-counts, kind="stable")
+    return np.sort(np.concatenate([ranked[:16:2], ranked[16::2][:8]]))
+
+
+@pytest.mark.parametrize("spec", [dict(num_speculative_tokens=1), dict(num_speculative_tokens=4),
+                                  dict(tree=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))],
+                         ids=["gamma1", "gamma4", "tree"])
+def test_restricted_draft_is_greedy_exact(target, noisy, reference, spec):
+    vocab = half_of_the_target_tokens(target, reference)
+    out = sj.generate(target, PROMPTS, sampling=GREEDY, draft=restrict_vocab(noisy, vocab),
+                      spec=sj.SpecConfig(method="draft_model", **spec))
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    assert 0.1 < out.stats.acceptance_rate < 0.9, out.stats.acceptance_rate
+    emitted = np.asarray(reference.tokens).ravel()
+    assert not np.isin(emitted, vocab).all()  # the target did emit tokens the draft cannot
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_proposals_come_from_the_draft_vocabulary(target, noisy, temperature):
+    """Tokens in the subset; q over V sums to one, is zero outside the subset and equals the
+    processed draft logits over the subset alone."""
+    vocab = np.array([0, 3, 4, 7, 11, 12, 20, 21, 25, 31])
+    draft = restrict_vocab(noisy, vocab)
+    proposer = draft_model.DraftModelProposer(draft.config, 3)
+    B, P = 2, 5
+    prompts = jnp.asarray([[1, 5, 9, 2, 6], [3, 1, 4, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([5, 3], jnp.int32)
+    cache = proposer.init(draft.params, prompts, lengths, 32)
+    history = jnp.zeros((B, 32), jnp.int32).at[:, :P].set(prompts)
+    arrays = sampling.SamplingArrays(temperature=jnp.full((B,), temperature, jnp.float32),
+                                     top_k=jnp.zeros((B,), jnp.int32),
+                                     top_p=jnp.ones((B,), jnp.float32))
+    filters = sampling.Filters(greedy=temperature == 0)
+    out, _ = proposer.propose(draft.params, cache, history, lengths - 1,
+                              jax.random.split(jax.random.key(0), B), arrays, filters)
+    assert np.isin(np.asarray(out.tokens), vocab).all()
+    if temperature == 0:
+        assert out.probs is None
+        return
+    q = np.asarray(out.probs)  # [B, G, V]
+    np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+    outside = np.setdiff1d(np.arange(32), vocab)
+    assert (q[..., outside] == 0).all()
+    tok = np.asarray(out.tokens)
+    assert (np.take_along_axis(q, tok[..., None], -1) > 0).all()
+
+
+def test_bad_vocabularies_are_refused(target, draft):
+    for vocab, message in [([], "non-empty"), ([0, 32], r"\[0, 32\)"), ([-1, 2], r"\[0, 32\)"),
+                           ([1.5, 2.0], "token ids"), ([[1, 2]], "1-D"), ([3, 3], "repeated")]:
+        with pytest.raises(ValueError, match=message):
+            restrict_vocab(draft, vocab)
+    with pytest.raises(ValueError, match="sj.Model"):
+        restrict_vocab(draft.params, [1, 2])
+    small = restrict_vocab(draft, [1, 2])
+    with pytest.raises(ValueError, match="3 children.*2-token draft vocabulary"):
+        sj.generate(target, [[1, 2]], sampling=GREEDY, draft=small,
+                    spec=sj.SpecConfig(tree=((0,), (1,), (2,))))
+    with pytest.raises(ValueError, match="save the model before restricting"):
+        sj.save_model(small, "/nonexistent/never-written")
+
+
+def test_restricting_twice_replaces_the_subset(draft):
+    twice = restrict_vocab(restrict_vocab(draft, [1, 2, 3]), [4, 5])
+    assert draft_model.draft_vocab_size(twice) == 2
+    assert draft_model.draft_vocab_size(draft) == 32
+    np.testing.assert_array_equal(twice.params["draft_vocab"]["vocab"], [4, 5])
+
+
+# -- distributions: exact enumeration of the first three tokens on an 8-token vocabulary ------
+
+V8_VOCAB = [0, 2, 3, 5, 6]  # 5 of the 8 ids
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 0.9)], ids=["T1", "T0.7-topk5-topp0.9"])
+def test_restricted_draft_follows_the_target(models, t, k, p):
+    target, drafts = models
+    sampling_params = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    samples = generate_samples(target, restrict_vocab(drafts["close"], V8_VOCAB),
+                               sampling_params, sj.SpecConfig(num_speculative_tokens=3))
+    assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+
+
+def _shifted_scatter(params, sub, vocab_size):
+    """q written to the wrong ids (the subset rolled by one): the verifier sees a q that is not
+    the distribution the drafts were drawn from."""
+    full = jnp.zeros(sub.shape[:-1] + (vocab_size,), jnp.float32)
+    return full.at[..., jnp.roll(params["vocab"], 1)].set(sub)
+
+
+def test_a_wrong_q_fails_the_same_test(models, monkeypatch, fresh_programs):
+    target, drafts = models
+    monkeypatch.setattr(draft_model.drafter_lib, "scatter_vocab", _shifted_scatter)
+    sampling_params = sj.SamplingParams(temperature=1.0, max_new_tokens=3)
+    samples = generate_samples(target, restrict_vocab(drafts["close"], V8_VOCAB),
+                               sampling_params, sj.SpecConfig(num_speculative_tokens=3))
+    assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6
