@@ -99,6 +99,7 @@ def test_heads_that_do_not_divide_are_replicated():
 SPECS = {"autoregressive": None, "chain": sj.SpecConfig(num_speculative_tokens=3),
          "tree": sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 1), (1, 0))),
          "ngram": sj.SpecConfig(method="ngram", num_speculative_tokens=3),
+         "draft-vocab": sj.SpecConfig(num_speculative_tokens=3),  # a draft cut to half the ids
          "eagle": sj.SpecConfig(method="eagle", num_speculative_tokens=3)}
 
 
@@ -114,6 +115,8 @@ def test_sharded_output_equals_single_device(models, mesh_shape, name):
     spec = SPECS[name]
     d = None if spec is None else (draft if spec.needs_draft_model
                                    else eagle if spec.needs_drafter else None)
+    if name == "draft-vocab":
+        d = sj.draft.restrict_vocab(draft, np.arange(0, draft.config.vocab_size, 2))
     mesh = sj.make_mesh(data=data, model=model)
     for temperature in (0.0, 1.0):
         sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=16)
