@@ -61,7 +61,7 @@ def main():
     args = ap.parse_args()
     ckpt = bench.CHECKPOINTS
     target = sj.load_model(ckpt / "code-target", dtype="float32")
-    draft = sj.load_model(ckpt / "code-draft", dtype="float32")
+    draft = sj.draft.load_draft(ckpt / "code-draft", dtype="float32")  # as shipped: cut vocabulary
     eagle = sj.load_drafter(ckpt / "code-eagle", target)
     tok = sj.load_tokenizer(ckpt / "code-target")
     prompts = [tok.encode(p["text"]) for p in bench.load_prompts()][:args.prompts]
