@@ -49,7 +49,7 @@ from . import theory
 from .cache import KVCache
 from .config import SamplingParams, SpecConfig
 from .engine import bucket, generate
-from .draft.model import DRAFT_VOCAB, draft_vocab_size, forward_draft
+from .draft.model import DRAFT_VOCAB, draft_vocab_size, forward_draft, unrestricted
 from .model import Model
 from .tree import Tree
 
@@ -255,9 +255,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
     restricted = use_draft is not None and DRAFT_VOCAB in use_draft.params
     if restricted:  # the draft's step with its cut LM head against the same draft whole
-        full = Model(use_draft.config, {k: v for k, v in use_draft.params.items()
-                                        if k != DRAFT_VOCAB})
-        timers["draft-full"] = forward_timer(full, 1, capacity, context)
+        timers["draft-full"] = forward_timer(unrestricted(use_draft), 1, capacity, context)
         timers["draft-vocab"] = forward_timer(use_draft, 1, capacity, context)
     seconds = median_seconds(timers, verify_repeats)
     # The draft-ar loop decodes with the draft's full LM head (its own distribution); a draft

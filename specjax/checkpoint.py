@@ -452,7 +452,8 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
     folder = pathlib.Path(path)
     if format not in ("orbax", "hf"):
         raise ValueError(f"format must be 'orbax' or 'hf', got {format!r}")
-    if "draft_vocab" in model.params:
+    from .draft.model import DRAFT_VOCAB
+    if DRAFT_VOCAB in model.params:
         raise ValueError("this model was restricted to a draft vocabulary "
                          "(sj.draft.restrict_vocab); save the model before restricting it")
     cfg = model.config

@@ -196,10 +196,15 @@ def scatter_vocab(params, sub: Array, vocab_size: int) -> Array:
 # Building, saving, loading
 
 
-def _with_head(config: DrafterConfig, weights, vocab: np.ndarray, target: Model) -> Drafter:
+def vocab_head(model: Model, vocab) -> dict:
+    """{"vocab": ids [M] int32, "head": the model's LM head columns for them [E, M]}: what
+    ``draft_logits`` and ``scatter_vocab`` read."""
     vocab = jnp.asarray(vocab, jnp.int32)
-    head = jnp.take(lm_head(target), vocab, axis=1)
-    return Drafter(config, {"weights": weights, "vocab": vocab, "head": head})
+    return {"vocab": vocab, "head": jnp.take(lm_head(model), vocab, axis=1)}
+
+
+def _with_head(config: DrafterConfig, weights, vocab: np.ndarray, target: Model) -> Drafter:
+    return Drafter(config, {"weights": weights, **vocab_head(target, vocab)})
 
 
 def init_drafter(target: Model, method: str, key: Array, *, num_heads: int = 4,

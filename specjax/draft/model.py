@@ -49,12 +49,15 @@ def restrict_vocab(draft: Model, vocab) -> Model:
     (``sj.save_model`` refuses it: save the model before restricting it)."""
     if not isinstance(draft, Model):
         raise ValueError(f"restrict_vocab expects an sj.Model, got {type(draft).__name__}")
-    V = draft.config.vocab_size
-    vocab = drafter_lib.check_vocab(vocab, V)
-    params = {k: v for k, v in draft.params.items() if k != DRAFT_VOCAB}
-    vocab = jnp.asarray(vocab, jnp.int32)
-    head = jnp.take(drafter_lib.lm_head(Model(draft.config, params)), vocab, axis=1)
-    return Model(draft.config, {**params, DRAFT_VOCAB: {"vocab": vocab, "head": head}})
+    vocab = drafter_lib.check_vocab(vocab, draft.config.vocab_size)
+    whole = unrestricted(draft)
+    return Model(draft.config, {**whole.params,
+                                DRAFT_VOCAB: drafter_lib.vocab_head(whole, vocab)})
+
+
+def unrestricted(draft: Model) -> Model:
+    """The draft with its whole vocabulary again (the identity for one never restricted)."""
+    return Model(draft.config, {k: v for k, v in draft.params.items() if k != DRAFT_VOCAB})
 
 
 VOCAB_FILE = "draft_vocab.npy"
