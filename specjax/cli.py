@@ -111,7 +111,8 @@ def _generate(args) -> int:
     else:
         spec = SpecConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                           prompt_lookup_min=args.prompt_lookup_min,
-                          prompt_lookup_max=args.prompt_lookup_max)
+                          prompt_lookup_max=args.prompt_lookup_max,
+                          prompt_lookup_length_factor=args.prompt_lookup_length_factor)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens)
     _bundled(args.target)
@@ -179,6 +180,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="GAMMA")
     g.add_argument("--prompt-lookup-min", type=int, default=2)
     g.add_argument("--prompt-lookup-max", type=int, default=4)
+    g.add_argument("--prompt-lookup-length-factor", type=float, default=None, metavar="F",
+                   help="ngram: a match of n tokens proposes at most ceil(F x n) drafts "
+                        "(default: up to GAMMA)")
     g.add_argument("--speculative-config", metavar="JSON",
                    help='vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         "overrides --method and --num-speculative-tokens")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 from typing import Any, Mapping
 
@@ -196,6 +197,8 @@ class SpecConfig:
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up in the row's own text
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up (tried first)
+    # ngram: a match of n tokens proposes at most ceil(factor × n) of the γ (None: up to γ)
+    prompt_lookup_length_factor: float | None = None
     # A static draft tree in vLLM's speculative_token_tree format: one path of child ranks per
     # node, e.g. ((0,), (1,), (0, 0)); see specjax/tree.py. None = a chain of γ drafts.
     tree: tuple[tuple[int, ...], ...] | None = None
@@ -222,6 +225,13 @@ class SpecConfig:
         _require_int(self, "num_speculative_tokens", self.num_speculative_tokens, 1)
         _require_int(self, "prompt_lookup_min", self.prompt_lookup_min, 1)
         _require_int(self, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        factor = self.prompt_lookup_length_factor
+        if factor is not None:
+            _require_real(self, "prompt_lookup_length_factor", factor,
+                          lambda x: math.isfinite(x) and x > 0, "a finite number > 0 or None")
+        if factor is not None and self.method != "ngram":
+            raise ValueError(f"SpecConfig.prompt_lookup_length_factor is for method 'ngram', not "
+                             f"{self.method!r}")
 
     @property
     def needs_draft_model(self) -> bool:

@@ -485,7 +485,7 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         if draft is not None:
             raise ValueError(f"method {spec.method!r} uses no draft model; drop draft=")
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                 spec.prompt_lookup_max)
+                                 spec.prompt_lookup_max, spec.prompt_lookup_length_factor)
     gamma = 0 if proposer is None else proposer.gamma
     if spec is not None and spec.tree is not None:
         for name, c in [("target", cfg),

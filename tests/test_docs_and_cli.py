@@ -88,6 +88,14 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
     assert cli.main(base + ["--speculative-config", '{"tree": [[0], [1], [0, 0]]}']) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
+    assert cli.main(base + ["--method", "ngram", "--num-speculative-tokens", "8",
+                            "--prompt-lookup-min", "1", "--prompt-lookup-length-factor",
+                            "1.5"]) == 0
+    assert capsys.readouterr().out.split("\n\n")[0] == spec_text
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--method", "ngram", "--prompt-lookup-length-factor", "-1"])
+    assert "prompt_lookup_length_factor must be a finite number > 0 or None, got -1.0" in (
+        capsys.readouterr().err)
 
 
 def test_a_draft_folder_with_a_draft_vocabulary(model_folders, capsys, tmp_path):

@@ -85,16 +85,19 @@ def ngram_prompt(target):
 
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
 @pytest.mark.parametrize("gamma,which", [(None, None), (2, "close"), (3, "close"), (3, "small"),
-                                         (2, "ngram")],
+                                         (2, "ngram"), (3, "ngram-factor")],
                          ids=["autoregressive", "gamma2-close", "gamma3-close", "gamma3-small",
-                              "ngram"])
+                              "ngram", "ngram-factor"])
 def test_first_three_tokens_follow_the_target(models, t, k, p, gamma, which):
     target, drafts = models
     draft = drafts.get(which)
     sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    # ngram-factor: a match of n <= 2 tokens proposes at most n of the 3, so every round's
+    # draft is cut short by the length factor
+    lookup = {"ngram": NGRAM, "ngram-factor": dict(NGRAM, prompt_lookup_length_factor=1.0)}
     spec = None if gamma is None else sj.SpecConfig(num_speculative_tokens=gamma,
-                                                    **(NGRAM if which == "ngram" else {}))
-    prompt = ngram_prompt(target) if which == "ngram" else PROMPT
+                                                    **lookup.get(which, {}))
+    prompt = ngram_prompt(target) if which in lookup else PROMPT
     joint = exact_joint(target, t, k, p, prompt)
     samples = generate_samples(target, draft, sampling, spec, prompt=prompt)
     assert g_test(samples, joint) > 1e-3

@@ -2,6 +2,8 @@
 with per-row draft lengths, and exact verification with partial drafts."""
 
 import itertools
+import math
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,9 +15,10 @@ from test_verify import V, Tables, round_then_target
 from specjax import verify
 
 
-def reference_lookup(seq, gamma, n_min, n_max):
+def reference_lookup(seq, gamma, n_min, n_max, length_factor=None):
     """seq: the row's whole sequence (last token included). Documented rule: longest suffix
-    first; among its earlier occurrences, the longest continuation (<= γ), then the latest."""
+    first; among its earlier occurrences, the longest continuation (<= γ), then the latest; with
+    length_factor, a match of n tokens keeps at most ceil(length_factor × n) of it."""
     L = len(seq) - 1
     for n in range(n_max, n_min - 1, -1):
         if n > L:  # the suffix must have an earlier occurrence ending before the last token
@@ -29,13 +32,14 @@ def reference_lookup(seq, gamma, n_min, n_max):
                 if best is None or key > best[0]:
                     best = (key, cont)
         if best is not None:
-            return best[1]
+            return best[1] if length_factor is None else best[1][:math.ceil(length_factor * n)]
     return []
 
 
-@pytest.mark.parametrize("vocab,gamma,n_min,n_max", [(3, 4, 2, 4), (2, 3, 1, 3), (5, 5, 2, 2),
-                                                     (4, 1, 1, 4)])
-def test_lookup_matches_reference(vocab, gamma, n_min, n_max):
+@pytest.mark.parametrize("vocab,gamma,n_min,n_max,factor", [
+    (3, 4, 2, 4, None), (2, 3, 1, 3, None), (5, 5, 2, 2, None), (4, 1, 1, 4, None),
+    (2, 8, 1, 6, 1.5), (3, 7, 1, 4, 0.5), (2, 6, 2, 5, 1.0)])
+def test_lookup_matches_reference(vocab, gamma, n_min, n_max, factor):
     rng = np.random.default_rng(vocab * 10 + gamma)
     S, B = 48, 64
     history = np.full((B, S), -1, np.int32)  # garbage after each row's end
@@ -47,16 +51,19 @@ def test_lookup_matches_reference(vocab, gamma, n_min, n_max):
         history[b, len(seq):] = rng.integers(0, vocab, size=S - len(seq))  # stale tokens
         seqs.append(seq)
     tokens, valid = ngram.lookup(jnp.asarray(history), jnp.asarray(lengths, jnp.int32), gamma,
-                                 n_min, n_max)
+                                 n_min, n_max, factor)
     tokens, valid = np.asarray(tokens), np.asarray(valid)
-    found = 0
+    found, capped = 0, 0
     for b, seq in enumerate(seqs):
-        want = reference_lookup([int(t) for t in seq], gamma, n_min, n_max)
+        seq = [int(t) for t in seq]
+        want = reference_lookup(seq, gamma, n_min, n_max, factor)
         k = int(valid[b].sum())
         assert valid[b, :k].all() and not valid[b, k:].any()  # a prefix
         assert list(tokens[b, :k]) == want, (b, seq)
         found += k > 0
+        capped += len(reference_lookup(seq, gamma, n_min, n_max)) > k
     assert 0 < found < B  # both cases occur
+    assert (capped > 0) == (factor is not None)  # the cap bites (short matches) only with one
 
 
 def test_lookup_edge_cases():
@@ -68,17 +75,26 @@ def test_lookup_edge_cases():
     assert list(np.asarray(tokens[1])[np.asarray(valid[1])]) == [4, 4]
     # row 2: two tokens, nothing earlier to match
     assert not np.asarray(valid[2]).any()
+    # a length factor: a 2-token match keeps ceil(0.75 × 2) = 2 of its 3 tokens, a 3-token
+    # match ceil(0.75 × 3) = 3 of 3
+    h = jnp.asarray([[1, 2, 3, 1, 2, 0, 0, 0], [5, 1, 2, 6, 7, 8, 5, 1, 2]][0:1])
+    tokens, valid = ngram.lookup(h, jnp.asarray([4]), 3, 2, 3, 0.75)
+    assert list(np.asarray(tokens[0])[np.asarray(valid[0])]) == [3, 1]
+    h = jnp.asarray([[5, 1, 2, 6, 7, 8, 5, 1, 2]])
+    tokens, valid = ngram.lookup(h, jnp.asarray([8]), 3, 2, 3, 0.75)
+    assert list(np.asarray(tokens[0])[np.asarray(valid[0])]) == [6, 7, 8]
 
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5], [2], [7, 7, 7, 7, 7, 7], [5, 9, 2, 6, 5, 3]]
 
 
-@pytest.mark.parametrize("gamma,lo,hi", [(2, 1, 2), (4, 2, 4), (6, 1, 3)])
-def test_greedy_ngram_equals_autoregressive(target, gamma, lo, hi):
+@pytest.mark.parametrize("gamma,lo,hi,factor", [(2, 1, 2, None), (4, 2, 4, None),
+                                               (6, 1, 3, None), (8, 1, 4, 1.5)])
+def test_greedy_ngram_equals_autoregressive(target, gamma, lo, hi, factor):
     sampling = sj.SamplingParams(temperature=0, max_new_tokens=48)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
     spec = sj.SpecConfig(method="ngram", num_speculative_tokens=gamma, prompt_lookup_min=lo,
-                         prompt_lookup_max=hi)
+                         prompt_lookup_max=hi, prompt_lookup_length_factor=factor)
     out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     s = out.stats
@@ -93,6 +109,13 @@ def test_ngram_spec_errors(target, draft):
         sj.SpecConfig(method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         sj.SpecConfig(method="ngram", prompt_lookup_min=0)
+    for bad in (0, -1.5, float("nan"), float("inf"), "2", True):
+        with pytest.raises(ValueError, match=r"prompt_lookup_length_factor .*got " + re.escape(
+                repr(bad))):
+            sj.SpecConfig(method="ngram", prompt_lookup_length_factor=bad)
+    with pytest.raises(ValueError, match="prompt_lookup_length_factor is for method 'ngram', "
+                                         "not 'draft_model'"):
+        sj.SpecConfig(method="draft_model", prompt_lookup_length_factor=1.5)
     spec = sj.SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
                                '"prompt_lookup_min": 1, "prompt_lookup_max": 2}')
     assert spec.prompt_lookup_max == 2 and not spec.needs_draft_model

@@ -10,6 +10,11 @@ among those the most recent. Recent text is the likeliest to be continued the sa
 body just written, the line being copied); preferring a full-length continuation first means a
 run like "a a a a" still proposes γ tokens instead of the single token after its latest match.
 
+How many tokens: the whole continuation, up to γ, unless ``length_factor`` is set; then a match
+of n tokens proposes at most ceil(length_factor × n). A long match is likelier to go on matching
+than a short one, so the draft grows with the evidence for it: with a large γ, a two-token match
+proposes a few tokens and an eight-token match many (the rule of suffix-tree speculation).
+
 Rows with no match propose nothing (``valid`` all False) and decode one token that round.
 """
 
@@ -18,18 +23,20 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from . import Draft
 
 
-def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int
-           ) -> tuple[Array, Array]:
+def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int,
+           length_factor: float | None = None) -> tuple[Array, Array]:
     """history [B, S] with each row's sequence in history[b, :length[b] + 1].
 
     Returns (tokens [B, γ] int32, valid [B, γ] bool): the continuation of the chosen earlier
     occurrence of the longest matching suffix (n_max .. n_min tokens), valid for as many tokens as
-    the history holds after it (at most γ); all invalid when nothing matches.
+    the history holds after it (at most γ, and at most ceil(length_factor × n) for a match of n
+    tokens when length_factor is given); all invalid when nothing matches.
 
     Candidates are indexed by the slot e where an occurrence ends (e < last, the row's last
     index). ``run[e]`` counts how many of the row's last tokens match backwards from e, capped at
@@ -53,6 +60,9 @@ def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int
     best = jnp.argmax(score, axis=1)  # [B]
     hit = jnp.max(score, axis=1) >= 0
     count = jnp.where(hit, available[rows, best], 0)
+    if length_factor is not None:  # n ≤ n_max is static, so the caps are a static table
+        caps = np.minimum(np.ceil(length_factor * np.arange(n_max + 1) - 1e-9), gamma)
+        count = jnp.minimum(count, jnp.asarray(caps, jnp.int32)[run[rows, best]])
     tokens = history[rows[:, None], jnp.clip(best[:, None] + 1 + jnp.arange(gamma)[None, :],
                                              0, S - 1)]
     valid = jnp.arange(gamma)[None, :] < count[:, None]
@@ -64,6 +74,7 @@ class NgramProposer:
     gamma: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    prompt_lookup_length_factor: float | None = None
 
     def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int):
         return None  # stateless: everything it needs is in the history
@@ -71,5 +82,5 @@ class NgramProposer:
     def propose(self, params, state, history: Array, length: Array, keys: Array,
                 sampling_params, filters) -> tuple[Draft, None]:
         tokens, valid = lookup(history, length, self.gamma, self.prompt_lookup_min,
-                               self.prompt_lookup_max)
+                               self.prompt_lookup_max, self.prompt_lookup_length_factor)
         return Draft(tokens, None, valid), None
