@@ -2,7 +2,7 @@
 prompts without repetition (greedy, and sampled at T = 1 with the same key for both), in one run.
 
     .venv/bin/python experiments/bench_ngram.py [--target checkpoints/code-target]
-        [--settings 4,2,4 8,2,8,1.5] [--prompts grounded grounded-check free "free T=1"]
+        [--settings 4,2,4 8,2,8,1.5 12,2,8,1.5] [--prompts grounded grounded-check free "free T=1"]
         [--max-new-tokens 128] [--repeats 3] [--json out.json]
 
 Each setting is gamma,min,max[,length factor] (SpecConfig's num_speculative_tokens,
@@ -115,9 +115,9 @@ def run(target, tok, prompt, specs, n, repeats, temperature=0.0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="checkpoints/code-target")
-    ap.add_argument("--settings", nargs="+", default=["4,2,4", "8,2,8,1.5"],
+    ap.add_argument("--settings", nargs="+", default=["4,2,4", "8,2,8,1.5", "12,2,8,1.5"],
                     help="n-gram settings to compare in one run, each gamma,min,max[,factor] "
-                         "(default: the SpecConfig defaults at gamma 4, and gamma 8 with "
+                         "(default: the SpecConfig defaults at gamma 4, and gamma 8 and 12 with "
                          "lookup 2..8 and length factor 1.5)")
     ap.add_argument("--prompts", nargs="+", default=list(PROMPT_SETS), choices=list(PROMPT_SETS))
     ap.add_argument("--max-new-tokens", type=int, default=128)
