@@ -154,15 +154,27 @@ def _pooled(outs) -> dict:
                 rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted)
 
 
-def chain_specs(method: str, gammas) -> list[SpecConfig]:
+def chain_specs(method: str, gammas, **options) -> list[SpecConfig]:
+    """Chains of each γ; options are further SpecConfig fields (the lookup settings of ngram)."""
     if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in gammas):
         raise ValueError(f"gammas must be ints >= 1, got {list(gammas)!r}")
-    return [SpecConfig(method=method, num_speculative_tokens=g) for g in gammas]
+    return [SpecConfig(method=method, num_speculative_tokens=g, **options) for g in gammas]
+
+
+def _lookup(spec: SpecConfig) -> dict | None:
+    if spec.method != "ngram":
+        return None
+    return dict(min=spec.prompt_lookup_min, max=spec.prompt_lookup_max,
+                length_factor=spec.prompt_lookup_length_factor)
 
 
 def _label(spec: SpecConfig) -> str:
     if spec.tree is None:
-        return f"chain {spec.num_speculative_tokens}"
+        lookup = _lookup(spec)
+        if lookup is None:
+            return f"chain {spec.num_speculative_tokens}"
+        factor = "" if lookup["length_factor"] is None else f" x{lookup['length_factor']:g}"
+        return f"chain {spec.num_speculative_tokens} ({lookup['min']}..{lookup['max']}{factor})"
     tree = Tree(spec.tree)
     return f"tree {tree.num_nodes - 1}/{tree.depth}"  # nodes / depth
 
@@ -229,7 +241,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 gamma=spec.num_speculative_tokens,
                 depth=spec.num_speculative_tokens if tree is None else tree.depth,
                 verify_tokens=spec.num_speculative_tokens + 1,
-                tree=None if tree is None else tree.to_json(),
+                tree=None if tree is None else tree.to_json(), lookup=_lookup(spec),
                 ar_tokens_per_second=ar.median("tokens_per_second"),
                 spec_tokens_per_second=sp.median("tokens_per_second"),
                 speedup=sp.median("tokens_per_second") / ar.median("tokens_per_second"),
@@ -306,12 +318,13 @@ def format_table(result: dict) -> str:
              f"median of {s['repeats']} interleaved repeats; {result['machine']['cpu_count']} "
              f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
              ""]
-    head = (f"{'method':<12}{'variant':<12}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
+    width = max([12] + [len(r["label"]) + 1 for r in result["rows"]])
+    head = (f"{'method':<12}{'variant':<{width}}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
             f"{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'α':>6}{'len':>6}{'c':>7}{'verify':>7}"
             f"{'predicted':>10}{'pred·v':>7}  per-position acceptance")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
-        line = (f"{r['method']:<12}{r['label']:<12}{r['temperature']:>4g} "
+        line = (f"{r['method']:<12}{r['label']:<{width}}{r['temperature']:>4g} "
                 f"{r['ar_tokens_per_second']:9.1f}{r['spec_tokens_per_second']:11.1f}"
                 f"{r['speedup']:8.2f}x{r['spec_ttft_ms']:8.1f}"
                 f"{r['ar_tpot_ms']:9.2f}/{r['spec_tpot_ms']:<7.2f}"
@@ -360,7 +373,11 @@ def main(args) -> int:
                 for m in methods if m in ("medusa", "eagle")}
     specs = []
     for m in methods:
-        for spec in chain_specs(m, args.gammas) if args.gammas else ():
+        lookup = (dict(prompt_lookup_min=args.prompt_lookup_min,
+                       prompt_lookup_max=args.prompt_lookup_max,
+                       prompt_lookup_length_factor=args.prompt_lookup_length_factor)
+                  if m == "ngram" else {})
+        for spec in chain_specs(m, args.gammas, **lookup) if args.gammas else ():
             limit = drafters[m].config.max_depth if m in drafters else None
             if limit is not None and spec.num_speculative_tokens > limit:
                 print(f"skipping {m} chain {spec.num_speculative_tokens}: the drafter drafts at "

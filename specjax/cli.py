@@ -240,6 +240,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
                    metavar="G,G,...", help="chains of this many drafts to compare (default "
                                            "2,4,6; '' for none, e.g. with --tree)")
+    b.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram (default 2)")
+    b.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram (default 4)")
+    b.add_argument("--prompt-lookup-length-factor", type=float, default=None, metavar="F",
+                   help="ngram: a match of n tokens proposes at most ceil(F x n) drafts")
     b.add_argument("--tree", action="append", metavar="JSON",
                    help="also a static draft tree, vLLM's speculative_token_tree format, e.g. "
                         "'[[0],[1],[0,0]]' (repeatable; for every method but ngram)")

@@ -194,10 +194,13 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "ngram",
                      "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "8",
                      "--repeats", "1", "--verify-repeats", "1", "--num-prompts", "1",
-                     "--max-prompt-tokens", "40",
+                     "--max-prompt-tokens", "40", "--prompt-lookup-min", "1",
+                     "--prompt-lookup-max", "3", "--prompt-lookup-length-factor", "1.5",
                      "--json", str(out)]) == 0
     row, = json.loads(out.read_text())["rows"]
     assert row["c"] == 0 and row["method"] == "ngram" and row["identical_to_autoregressive"]
+    assert row["lookup"] == {"min": 1, "max": 3, "length_factor": 1.5}
+    assert row["label"] == "chain 2 (1..3 x1.5)"
     capsys.readouterr()
     for argv, message in [(["--gammas", "0"], "gammas must be ints >= 1"),
                           (["--gammas", "x"], "comma-separated ints"),
@@ -207,7 +210,9 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
                           (["--repeats", "0"], "repeats must be an int >= 1"),
                           (["--num-prompts", "0"], "--num-prompts must be >= 1"),
                           (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
-                          (["--prompts", str(tmp_path / "none.json")], "cannot read bench prompts")]:
+                          (["--prompts", str(tmp_path / "none.json")], "cannot read bench prompts"),
+                          (["--method", "ngram", "--prompt-lookup-length-factor", "0"],
+                           "prompt_lookup_length_factor must be a finite number > 0")]:
         with pytest.raises(SystemExit):
             cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                       str(model_folders / "d")] + argv)
