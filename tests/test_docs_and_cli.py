@@ -80,6 +80,7 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     assert cli.main(base + ["--compare"]) == 0
     printed = capsys.readouterr().out
     assert "output identical: True" in printed and "acceptance rate" in printed
+    assert "(median of 3 interleaved passes each)" in printed
     spec_text = printed.split("\n\n")[0]
     assert cli.main(base + ["--method", "none"]) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
@@ -92,6 +93,9 @@ def test_generate_command_matches_method_none(model_folders, capsys):
                             "--prompt-lookup-min", "1", "--prompt-lookup-length-factor",
                             "1.5"]) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--compare", "--repeats", "0"])
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(base + ["--method", "ngram", "--prompt-lookup-length-factor", "-1"])
     assert "prompt_lookup_length_factor must be a finite number > 0 or None, got -1.0" in (
