@@ -161,6 +161,12 @@ def chain_specs(method: str, gammas, **options) -> list[SpecConfig]:
     return [SpecConfig(method=method, num_speculative_tokens=g, **options) for g in gammas]
 
 
+def lookup_options(args) -> dict:
+    """SpecConfig's n-gram lookup fields from the command line's --prompt-lookup-* flags."""
+    return dict(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                prompt_lookup_length_factor=args.prompt_lookup_length_factor)
+
+
 def _lookup(spec: SpecConfig) -> dict | None:
     if spec.method != "ngram":
         return None
@@ -373,10 +379,7 @@ def main(args) -> int:
                 for m in methods if m in ("medusa", "eagle")}
     specs = []
     for m in methods:
-        lookup = (dict(prompt_lookup_min=args.prompt_lookup_min,
-                       prompt_lookup_max=args.prompt_lookup_max,
-                       prompt_lookup_length_factor=args.prompt_lookup_length_factor)
-                  if m == "ngram" else {})
+        lookup = lookup_options(args) if m == "ngram" else {}
         for spec in chain_specs(m, args.gammas, **lookup) if args.gammas else ():
             limit = drafters[m].config.max_depth if m in drafters else None
             if limit is not None and spec.num_speculative_tokens > limit:

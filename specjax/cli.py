@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from . import theory
-from .bench import CHECKPOINTS
+from .bench import CHECKPOINTS, lookup_options
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .engine import generate
 from .model import Model, init_model
@@ -113,9 +113,7 @@ def _generate(args) -> int:
         spec = None
     else:
         spec = SpecConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
-                          prompt_lookup_min=args.prompt_lookup_min,
-                          prompt_lookup_max=args.prompt_lookup_max,
-                          prompt_lookup_length_factor=args.prompt_lookup_length_factor)
+                          **lookup_options(args))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens)
     _bundled(args.target)
@@ -170,6 +168,15 @@ def _generate(args) -> int:
     return 0
 
 
+def _add_lookup(parser) -> None:
+    """The n-gram lookup flags, shared by generate and bench (see ``lookup_options``)."""
+    parser.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram (default 2)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram (default 4)")
+    parser.add_argument("--prompt-lookup-length-factor", type=float, default=None, metavar="F",
+                        help="ngram: a match of n tokens proposes at most ceil(F x n) drafts "
+                             "(default: up to GAMMA)")
+
+
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="complete a prompt, speculatively (default: the bundled pair)",
                        description="Complete a prompt with a target model, speculatively, and "
@@ -190,11 +197,7 @@ def _add_generate(sub) -> None:
                    choices=["draft_model", "ngram", "medusa", "eagle", "none"],
                    help="how drafts are made; none = plain autoregressive decoding")
     g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="GAMMA")
-    g.add_argument("--prompt-lookup-min", type=int, default=2)
-    g.add_argument("--prompt-lookup-max", type=int, default=4)
-    g.add_argument("--prompt-lookup-length-factor", type=float, default=None, metavar="F",
-                   help="ngram: a match of n tokens proposes at most ceil(F x n) drafts "
-                        "(default: up to GAMMA)")
+    _add_lookup(g)
     g.add_argument("--speculative-config", metavar="JSON",
                    help='vLLM style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         "overrides --method and --num-speculative-tokens")
@@ -252,10 +255,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
                    metavar="G,G,...", help="chains of this many drafts to compare (default "
                                            "2,4,6; '' for none, e.g. with --tree)")
-    b.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram (default 2)")
-    b.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram (default 4)")
-    b.add_argument("--prompt-lookup-length-factor", type=float, default=None, metavar="F",
-                   help="ngram: a match of n tokens proposes at most ceil(F x n) drafts")
+    _add_lookup(b)
     b.add_argument("--tree", action="append", metavar="JSON",
                    help="also a static draft tree, vLLM's speculative_token_tree format, e.g. "
                         "'[[0],[1],[0,0]]' (repeatable; for every method but ngram)")

@@ -89,10 +89,17 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
     assert cli.main(base + ["--speculative-config", '{"tree": [[0], [1], [0, 0]]}']) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
-    assert cli.main(base + ["--method", "ngram", "--num-speculative-tokens", "8",
-                            "--prompt-lookup-min", "1", "--prompt-lookup-length-factor",
-                            "1.5"]) == 0
-    assert capsys.readouterr().out.split("\n\n")[0] == spec_text
+    ngram = base + ["--method", "ngram", "--num-speculative-tokens", "8", "--prompt-lookup-min",
+                    "1"]
+    figures = {}
+    for extra in ([], ["--prompt-lookup-length-factor", "0.5"]):
+        assert cli.main(ngram + extra) == 0
+        text, figures[len(extra)] = capsys.readouterr().out.split("\n\n")[:2]
+        assert text == spec_text
+    # the factor reaches the lookup: a 1-token match now proposes one draft, not up to 8, so
+    # fewer drafts are proposed for the same accepted ones
+    acceptance = lambda line: float(line.split("acceptance rate ", 1)[1].split(",")[0])  # noqa: E731
+    assert acceptance(figures[2]) > acceptance(figures[0])
     with pytest.raises(SystemExit):
         cli.main(base + ["--compare", "--repeats", "0"])
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int,
     hit = jnp.max(score, axis=1) >= 0
     count = jnp.where(hit, available[rows, best], 0)
     if length_factor is not None:  # n ≤ n_max is static, so the caps are a static table
-        caps = np.minimum(np.ceil(length_factor * np.arange(n_max + 1) - 1e-9), gamma)
+        caps = np.minimum(np.ceil(length_factor * np.arange(n_max + 1)), gamma)
         count = jnp.minimum(count, jnp.asarray(caps, jnp.int32)[run[rows, best]])
     tokens = history[rows[:, None], jnp.clip(best[:, None] + 1 + jnp.arange(gamma)[None, :],
                                              0, S - 1)]
