@@ -1,4 +1,4 @@
-"""Where the time of a speculative round goes (random weights; issue: core engine benchmark).
+"""Where the time of a speculative round goes (random weights).
 
 For a ~25M and a ~150M target and a ~3M draft, all measured in this one run:
 
@@ -25,10 +25,9 @@ import json
 import statistics
 
 import jax
-import numpy as np
 
 import specjax as sj
-from specjax import bench
+from specjax import timing
 
 CONFIGS = {
     "target-25M": sj.ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
@@ -46,11 +45,11 @@ CONTEXT = PROMPT_LEN + NEW_TOKENS // 2  # cache fill for the single-forward timi
 
 
 def forward_timer(model, T, capacity):
-    return bench.forward_timer(model, T, capacity, CONTEXT)
+    return timing.forward_timer(model, T, capacity, CONTEXT)
 
 
 def median_ms(timers: dict, repeats: int) -> dict:
-    return {k: 1e3 * s for k, s in bench.median_seconds(timers, repeats).items()}
+    return {k: 1e3 * s for k, s in timing.median_seconds(timers, repeats).items()}
 
 
 def loop_ms(target, draft, gamma, repeats):

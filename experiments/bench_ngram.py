@@ -100,7 +100,8 @@ def run(target, tok, prompt, specs, n, repeats, temperature=0.0):
     for name in specs:
         ng = best[name]
         if temperature == 0:
-            assert np.array_equal(ar.tokens, ng.tokens), f"{name} output differs from autoregressive"
+            assert np.array_equal(ar.tokens, ng.tokens), (
+                f"{name} output differs from autoregressive")
         s = ng.stats
         figures[name] = dict(
             ar_tokens_per_second=ar.stats.decode_tokens_per_second,

@@ -1,4 +1,4 @@
-"""Chains against trees on the bundled pair (issue: tree drafts), all in one run.
+"""Chains against trees on the bundled pair, all in one run.
 
 For each temperature (greedy and 0.8): plain autoregressive decoding, the draft model alone (for
 c), a chain of 4 drafts and trees of the same or nearby depth, each over the held-out bench
@@ -26,7 +26,7 @@ TREES = {
     "top-1 path": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
     "narrow-deep": [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 1]],
     # depth 3
-    "issue": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+    "six-node": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
     "balanced": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]],
     # depth 2
     "wide-shallow": [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0]],

@@ -25,10 +25,10 @@ import statistics
 import numpy as np
 
 import specjax as sj
-from specjax import bench
+from specjax import bench, timing
 from specjax.draft import restrict_vocab
-from specjax.draft.model import VOCAB_FILE
-from specjax.drafter import frequent_tokens
+from specjax.draft.draft_model import VOCAB_FILE
+from specjax.draft.vocab import frequent_tokens
 from specjax.engine import bucket
 
 
@@ -64,10 +64,10 @@ def main():
     # A draft step with each head, timed alone (the same timer as the bench's verify cost).
     capacity = bucket(max(map(len, prompts)) + args.max_new_tokens + args.gamma + 1)
     context = int(np.mean([len(p) for p in prompts])) + args.max_new_tokens // 2
-    timers = {"target": bench.forward_timer(target, 1, capacity, context)}
-    timers.update({name: bench.forward_timer(d, 1, capacity, context)
+    timers = {"target": timing.forward_timer(target, 1, capacity, context)}
+    timers.update({name: timing.forward_timer(d, 1, capacity, context)
                    for name, d in drafts.items()})
-    step = bench.median_seconds(timers, 20)
+    step = timing.median_seconds(timers, 20)
     print("one forward, median of 20 (ms): " + ", ".join(
         f"{k} {1e3 * v:.3f}" for k, v in step.items()))
 

@@ -1,7 +1,7 @@
 """specjax vs Hugging Face assisted generation on the same HF-format target/draft pair, greedy.
 
 The pair is the `specjax demo` pair exported to Hugging Face format (a random 15.7M target and its
-own first layer as the draft) until the trained default pair ships. Both libraries load the same
+own first layer as the draft). Both libraries load the same
 folders; the script checks that the outputs are identical and prints tokens/s for each, with
 plain greedy decoding in each library as the baseline, all in one run.
 
@@ -72,7 +72,8 @@ def main():
             outputs.setdefault(name, out.tokens[0])
     ref = outputs["hf greedy"]
     print(f"pair: the random demo target {ours_t.config.num_params / 1e6:.1f}M, draft = its "
-          f"first layer, in HF format; prompt of {len(prompt)} tokens, {n} new tokens, greedy, gamma "
+          f"first layer, in HF format; prompt of {len(prompt)} tokens, {n} new tokens, greedy, "
+          f"gamma "
           f"{args.gamma}, best of {args.repeats} after a warm-up")
     print(f"{'':22}{'tokens/s':>10}{'vs hf greedy':>14}  output == hf greedy")
     base = n / min(runs["hf greedy"][1:])

@@ -31,13 +31,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from bench_ngram import PROMPT_SETS, setting
 
 import specjax as sj
 from specjax import model as model_lib
 from specjax.cache import KVCache
-
-from bench_ngram import PROMPT_SETS, setting
 
 
 def occurrences(history: list[int], n_min: int, n_max: int) -> list[tuple[int, int]]:
@@ -130,7 +128,8 @@ def main():
                     choices=["longest-latest", "latest", "earliest", "frequent"])
     ap.add_argument("--prompts", nargs="+", default=list(PROMPT_SETS), choices=list(PROMPT_SETS))
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--samples", type=int, default=4, help="sampled continuations per prompt at T > 0")
+    ap.add_argument("--samples", type=int, default=4,
+                    help="sampled continuations per prompt at T > 0")
     ap.add_argument("--slope", type=float, help="verify cost per extra width, in decode steps")
     args = ap.parse_args()
     specs = {text: setting(text) for text in args.settings}

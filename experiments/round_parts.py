@@ -28,11 +28,10 @@ import statistics
 import jax.numpy as jnp
 
 import specjax as sj
-import specjax.engine as engine
 from specjax import bench
 from specjax.draft import Draft
+from specjax.draft.draft_model import DraftModelProposer
 from specjax.draft.eagle import EagleProposer
-from specjax.draft.model import DraftModelProposer
 
 
 class ConstDraft(DraftModelProposer):
@@ -61,35 +60,31 @@ def main():
     args = ap.parse_args()
     ckpt = bench.CHECKPOINTS
     target = sj.load_model(ckpt / "code-target", dtype="float32")
-    draft = sj.draft.load_draft(ckpt / "code-draft", dtype="float32")  # as shipped: cut vocabulary
-    eagle = sj.load_drafter(ckpt / "code-eagle", target)
+    draft = sj.load_draft_model(ckpt / "code-draft", dtype="float32")  # as shipped: cut vocabulary
+    eagle = sj.load_heads(ckpt / "code-eagle", target)
     tok = sj.load_tokenizer(ckpt / "code-target")
     prompts = [tok.encode(p["text"]) for p in bench.load_prompts()][:args.prompts]
     sampling = sj.SamplingParams(temperature=args.temperature, max_new_tokens=128)
-    chain = sj.SpecConfig(num_speculative_tokens=args.gamma)
-    heads = sj.SpecConfig(method="eagle", num_speculative_tokens=args.gamma)
-    # (spec, drafter, the class the engine builds the proposer from)
-    variants = {"ar": (None, None, None),
-                "draft_model": (chain, draft, ("DraftModelProposer", DraftModelProposer)),
-                "draft_model-const": (chain, draft, ("DraftModelProposer", ConstDraft)),
-                "eagle": (heads, eagle, ("EagleProposer", EagleProposer)),
-                "eagle-no-catchup": (heads, eagle, ("EagleProposer", EagleNoCatchUp)),
-                "eagle-const": (heads, eagle, ("EagleProposer", EagleConst))}
+    G = args.gamma
+    dm, eg = sj.draft.DraftModelProposer(draft.config, G), EagleProposer(eagle.config, G)
+    # (proposer, its params): each variant swapped in through generate(proposer=...)
+    variants = {"ar": (None, None),
+                "draft_model": (dm, draft),
+                "draft_model-const": (ConstDraft(draft.config, G), draft),
+                "eagle": (eg, eagle.params),
+                "eagle-no-catchup": (EagleNoCatchUp(eagle.config, G), eagle.params),
+                "eagle-const": (EagleConst(eagle.config, G), eagle.params)}
     rounds = {k: [] for k in variants}
-    try:
-        for rep in range(args.repeats + 1):
-            for name, (spec, d, patch) in variants.items():
-                if patch is not None:  # the engine looks its proposer classes up by name
-                    setattr(engine, *patch)
-                seconds = num_rounds = 0
-                for i, p in enumerate(prompts):
-                    s = sj.generate(target, [p], sampling=sampling, spec=spec, draft=d, key=i).stats
-                    seconds += s.decode_seconds
-                    num_rounds += s.num_rounds
-                if rep:
-                    rounds[name].append(1e3 * seconds / num_rounds)
-    finally:
-        engine.DraftModelProposer, engine.EagleProposer = DraftModelProposer, EagleProposer
+    for rep in range(args.repeats + 1):
+        for name, (proposer, params) in variants.items():
+            seconds = num_rounds = 0
+            for i, p in enumerate(prompts):
+                s = sj.generate(target, [p], sampling=sampling, proposer=proposer, draft=params,
+                                key=i).stats
+                seconds += s.decode_seconds
+                num_rounds += s.num_rounds
+            if rep:
+                rounds[name].append(1e3 * seconds / num_rounds)
     ar = statistics.median(rounds["ar"])
     print(f"gamma {args.gamma}, T = {args.temperature}, {len(prompts)} prompts, median of "
           f"{args.repeats} interleaved repeats")

@@ -1,4 +1,4 @@
-"""Per-device memory of the sharded generate program as the "model" axis grows (issue: sharding).
+"""Per-device memory of the sharded generate program as the "model" axis grows.
 
 On fake CPU devices timings mean little, so this reports what the compiler says: for a ~160M
 parameter target (float32, 640 MB of weights) and its chain draft, the compiled decode loop's
@@ -8,7 +8,8 @@ time, for meshes data=1 x model=m over the first m of 8 devices. Weights per dev
 row repeats model=8 with the embedding and LM head replicated instead (the other choice the
 partition table could make).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python experiments/sharded_memory.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        .venv/bin/python experiments/sharded_memory.py
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
 from specjax import engine, sharding  # noqa: E402
 
 TARGET = sj.ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
@@ -55,20 +54,17 @@ def main() -> int:
     rows = []
     prompts = [[1 + i] * 64 for i in range(args.batch)]
     split_rules = sharding.RULES
-    replicated_rules = tuple((pattern, P() if "embed" in pattern or "lm_head" in pattern
-                              else spec) for pattern, spec in split_rules)
+    replicated_rules = {k: v for k, v in split_rules.items() if k != "vocab"}  # V replicated
     for m, rules in [(m, split_rules) for m in args.models] + [(8, replicated_rules)]:
-        sharding.RULES = rules
         label = f"1 x {m}" + ("" if rules is split_rules else " (V repl.)")
         mesh = sj.make_mesh(data=1, model=m, devices=jax.devices()[:m])
-        engine._EXECUTABLES.clear()
-        out = sj.generate(target, prompts, draft=draft, mesh=mesh,
+        placed = sj.shard(target, mesh, rules=rules)  # generate keeps a placement it is given
+        engine.PROGRAMS.clear()
+        out = sj.generate(placed, prompts, draft=draft, mesh=mesh,
                           spec=sj.SpecConfig(num_speculative_tokens=4),
                           sampling=sj.SamplingParams(temperature=0, max_new_tokens=64))
-        decode = [exe for sig, exe in engine._EXECUTABLES.items()
-                  if sig[0] is engine._decode_jit][0]
+        (decode,) = engine.PROGRAMS.programs()[-1].executables("decode")
         mem = decode.memory_analysis()
-        placed = sj.shard(target, mesh)
         per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(
             placed.params))
         row = dict(model=m, argument_bytes=mem.argument_size_in_bytes,

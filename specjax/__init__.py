@@ -7,35 +7,71 @@
                       draft=draft, key=jax.random.key(42))
 """
 
-# Configuration
-from .config import ModelConfig, RopeScaling, SamplingParams, SpecConfig
+import warnings as _warnings
 
-# Models and caches
-from .model import Model, init_model, logits, forward
+# Building blocks (pure functions, usable on their own)
+from . import draft, sampling, theory, verify
 from .cache import KVCache
 
 # Checkpoints
-from .checkpoint import load_model, save_model, CheckpointError
-from .tokenizer import load_tokenizer, Tokenizer
+from .checkpoint import CheckpointError, load_model, save_model
 
-# Drafters that ride on the target (Medusa heads, EAGLE)
-from .drafter import Drafter, DrafterConfig, init_drafter, load_drafter, save_drafter
+# Configuration
+from .config import ModelConfig, RopeScaling, SamplingParams, SpecConfig
+
+# Drafts: a separate draft model, and heads that ride on the target (Medusa, EAGLE)
+from .draft import (
+    DraftModel,
+    DraftVocab,
+    Heads,
+    HeadsConfig,
+    init_heads,
+    load_draft_model,
+    load_heads,
+    save_heads,
+)
 
 # Generation
-from .engine import generate, Generation
+from .engine import Generation, generate
+
+# Models and caches
+from .model import Model, forward, init_model, logits, prefill
 from .sharding import make_mesh, shard
 from .stats import Stats
-
-# Building blocks (pure functions, usable on their own)
-from . import sampling, verify, theory, draft
+from .tokenizer import Tokenizer, load_tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
     "load_model", "save_model", "CheckpointError", "load_tokenizer", "Tokenizer",
-    "Model", "init_model", "logits", "forward", "KVCache",
-    "Drafter", "DrafterConfig", "init_drafter", "load_drafter", "save_drafter",
+    "Model", "init_model", "logits", "forward", "prefill", "KVCache",
+    "DraftModel", "DraftVocab", "load_draft_model",
+    "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
     "generate", "Generation", "Stats", "make_mesh", "shard",
     "sampling", "verify", "theory", "draft",
 ]
+
+# Old names, kept for one version: each use warns with the new name.
+_RENAMED = {"Drafter": "Heads", "DrafterConfig": "HeadsConfig", "init_drafter": "init_heads",
+            "load_drafter": "load_heads", "save_drafter": "save_heads"}
+
+
+def __getattr__(name):
+    if name in _RENAMED:
+        _warnings.warn(f"sj.{name} is renamed sj.{_RENAMED[name]}", DeprecationWarning,
+                       stacklevel=2)
+        return globals()[_RENAMED[name]]
+    if name == "drafter":
+        _warnings.warn("specjax.drafter moved to specjax.draft.heads (networks, loading) and "
+                       "specjax.draft.vocab (draft vocabularies)", DeprecationWarning,
+                       stacklevel=2)
+        import types
+
+        from .draft import heads, vocab
+        names = {k: v for m in (vocab, heads) for k, v in vars(m).items()
+                 if not k.startswith("__")}
+        names.update({old: names[new] for old, new in _RENAMED.items()},
+                     DRAFTER_METHODS=heads.HEADS_METHODS)
+        return types.SimpleNamespace(**names)
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")

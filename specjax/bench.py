@@ -12,9 +12,9 @@ Figures per (temperature, γ):
 * speed-up: spec tokens/s / AR tokens/s
 * TTFT: prefill plus the first token, mean over prompts; TPOT: decode seconds per decode token
 * acceptance rate (accepted / proposed drafts, vLLM's figure), α (a draft's chance to pass given
-  that the drafts before it passed: accepted / (accepted + rejected), the α of the seed's
-  formula), mean accepted length (tokens per round, bonus included), per-position acceptance
-  (fraction of rounds whose k-th draft was accepted)
+  that the drafts before it passed: accepted / (accepted + rejected), the α of the speed-up
+  formula in specjax/theory.py), mean accepted length (tokens per round, bonus included),
+  per-position acceptance (fraction of rounds whose k-th draft was accepted)
 * c: the draft's TPOT over the target's, both decoding autoregressively in the same loop
   (0 for n-gram lookup, which runs no model). A draft restricted to a draft vocabulary decodes
   that loop with its whole LM head, so its c is scaled by its cut step's time over its whole
@@ -24,10 +24,11 @@ Figures per (temperature, γ):
   the other methods)
 * several methods can run in one bench (``--method draft_model,medusa,eagle``): one AR baseline,
   every variant interleaved with it
-* predicted: the seed's formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` from the measured α and c;
-  it assumes verifying γ + 1 tokens costs one target step. ``verify`` is the measured cost of that
-  forward in target steps, and ``predicted·v`` puts it in the denominator (γc + v): the gap
-  between the two predictions is what the verify forward costs on this machine.
+* predicted: the formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` (specjax/theory.py) from the
+  measured α and c; it assumes verifying γ + 1 tokens costs one target step. ``verify`` is the
+  measured cost of that forward in target steps, and ``predicted·v`` puts it in the denominator
+  (γc + v): the gap between the two predictions is what the verify forward costs on this
+  machine.
 """
 
 from __future__ import annotations
@@ -42,15 +43,14 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import theory
-from .cache import KVCache
 from .config import SamplingParams, SpecConfig
+from .draft.draft_model import as_draft_model
 from .engine import bucket, generate
-from .draft.model import DRAFT_VOCAB, draft_vocab_size, forward_draft, unrestricted
 from .model import Model
+from .timing import forward_timer, median_seconds
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
@@ -69,46 +69,6 @@ def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
                               and p["text"] for p in prompts):
         raise ValueError(f"{path} must hold a non-empty list of prompts with non-empty 'text'")
     return prompts
-
-
-# -- single-forward timings: the verify forward's cost in target steps -------------------------
-
-INNER = 16  # forwards per timed call: one dispatch is amortised, as inside the decode loop
-
-
-@jax.jit
-def _chunks(model: Model, tokens, cache: KVCache):
-    """INNER dependent forwards of a T-token chunk at the same cache slots, in one program."""
-    T = tokens.shape[1]
-    positions = cache.length[:, None] + jnp.arange(T)[None, :]
-
-    def body(_, carry):  # the cache is carried, so its writes happen in place as in generate
-        tokens, c = carry
-        logits, c = forward_draft(model, tokens, positions, c)  # a draft's own vocabulary
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), c.rollback(cache.length)
-    return jax.lax.fori_loop(0, INNER, body, (tokens, cache))[0]
-
-
-def forward_timer(model: Model, T: int, capacity: int, context: int):
-    """A function timing one T-token forward (seconds) with the cache filled to context slots."""
-    cache = KVCache.init(model.config, 1, capacity).rollback(jnp.array([context]))
-    tokens = jnp.ones((1, T), jnp.int32)
-    _chunks(model, tokens, cache).block_until_ready()  # compile
-
-    def run() -> float:
-        t0 = time.perf_counter()
-        _chunks(model, tokens, cache).block_until_ready()
-        return (time.perf_counter() - t0) / INNER
-    return run
-
-
-def median_seconds(timers: dict, repeats: int) -> dict:
-    """Median of interleaved repeats of each timer."""
-    samples = {k: [] for k in timers}
-    for _ in range(repeats):
-        for k, f in timers.items():
-            samples[k].append(f())
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 # -- the bench ----------------------------------------------------------------------------------
@@ -150,7 +110,8 @@ def _pooled(outs) -> dict:
                 accepted_length_distribution=[float(x) for x in lengths / rounds],
                 mean_accepted_length=emitted / rounds,
                 per_position_acceptance=[float(x) for x in per_position / rounds],
-                proposal_rate=sum(o.stats.proposal_rate * o.stats.num_rounds for o in outs) / rounds,
+                proposal_rate=sum(o.stats.proposal_rate * o.stats.num_rounds
+                                  for o in outs) / rounds,
                 rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted)
 
 
@@ -192,7 +153,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
               verify_repeats: int = 20, log=None) -> dict:
     """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
     per (temperature, spec). specs: SpecConfigs (chains or trees) of any methods; draft: the
-    draft model for "draft_model"; drafters: {"medusa": Drafter, "eagle": Drafter} for those."""
+    draft model for "draft_model"; drafters: {"medusa": Heads, "eagle": Heads} for those."""
     specs = [SpecConfig.parse(s) for s in specs]
     if not specs:
         raise ValueError("specs is empty: give at least one SpecConfig")
@@ -200,7 +161,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     if draft is not None:
         drafts["draft_model"] = draft
     for s in specs:
-        if (s.needs_draft_model or s.needs_drafter) and s.method not in drafts:
+        if (s.needs_draft_model or s.needs_heads) and s.method not in drafts:
             raise ValueError(f"method {s.method!r} needs a "
                              + ("draft model (draft=)" if s.needs_draft_model
                                 else "drafter (drafters={...})"))
@@ -212,7 +173,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     if not prompts:
         raise ValueError("prompts is empty")
     log = log or (lambda msg: None)
-    use_draft = drafts.get("draft_model") if "draft_model" in methods else None
+    use_draft = (as_draft_model(drafts["draft_model"]) if "draft_model" in methods
+                 else None)
 
     rows = []
     for temperature in temperatures:
@@ -220,10 +182,10 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                   max_new_tokens=max_new_tokens)
         variants = {"ar": (target, None, None)}
         if use_draft is not None:
-            variants["draft-ar"] = (use_draft, None, None)
+            variants["draft-ar"] = (use_draft.model, None, None)
         variants.update({i: (target, s, drafts.get(s.method)) for i, s in enumerate(specs)})
 
-        def run_all(model, spec, d):
+        def run_all(model, spec, d, sampling=sampling):
             return [generate(model, [p], sampling=sampling, spec=spec, draft=d, key=seed + i)
                     for i, p in enumerate(prompts)]
 
@@ -271,9 +233,9 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     capacity = bucket(max(len(p) for p in prompts) + max_new_tokens + max(sizes))
     timers = {1: forward_timer(target, 1, capacity, context)}
     timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
-    restricted = use_draft is not None and DRAFT_VOCAB in use_draft.params
+    restricted = use_draft is not None and use_draft.vocab is not None
     if restricted:  # the draft's step with its cut LM head against the same draft whole
-        timers["draft-full"] = forward_timer(unrestricted(use_draft), 1, capacity, context)
+        timers["draft-full"] = forward_timer(use_draft.model, 1, capacity, context)
         timers["draft-vocab"] = forward_timer(use_draft, 1, capacity, context)
     seconds = median_seconds(timers, verify_repeats)
     # The draft-ar loop decodes with the draft's full LM head (its own distribution); a draft
@@ -295,7 +257,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         if row["method"] in ("medusa", "eagle"):
             row["c"] = row["draft_cost_per_draft"]
         g, alpha, c = row["gamma"], row["alpha"], row["c"]
-        # the seed's formula is for chains: i.i.d. acceptance of γ drafts in a row
+        # the formula is for chains: i.i.d. acceptance of γ drafts in a row
         ok = np.isfinite(alpha) and row["tree"] is None and c >= 0
         row["predicted_speedup"] = theory.speedup(alpha, g, c) if ok else float("nan")
         row["predicted_speedup_with_verify_cost"] = (
@@ -311,7 +273,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                       prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
                       batch_size=1, target_params=target.config.num_params,
                       draft_params=use_draft.config.num_params if use_draft is not None else 0,
-                      draft_vocab_size=(draft_vocab_size(use_draft) if use_draft is not None
+                      draft_vocab_size=(use_draft.vocab_size if use_draft is not None
                                         else None),
                       draft_step_vocab_scale=vocab_scale,
                       target_step_ms=1e3 * seconds[1], verify_context=context),
@@ -325,8 +287,9 @@ def format_table(result: dict) -> str:
              f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
              ""]
     width = max([12] + [len(r["label"]) + 1 for r in result["rows"]])
-    head = (f"{'method':<12}{'variant':<{width}}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}{'speed-up':>9}"
-            f"{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'α':>6}{'len':>6}{'c':>7}{'verify':>7}"
+    head = (f"{'method':<12}{'variant':<{width}}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}"
+            f"{'speed-up':>9}{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'α':>6}{'len':>6}"
+            f"{'c':>7}{'verify':>7}"
             f"{'predicted':>10}{'pred·v':>7}  per-position acceptance")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
@@ -357,8 +320,7 @@ def _tree_json(text: str):
 def main(args) -> int:
     """``specjax bench`` (arguments parsed in specjax.cli)."""
     from .checkpoint import load_model
-    from .draft import load_draft
-    from .drafter import load_drafter
+    from .draft import load_draft_model, load_heads
     from .tokenizer import load_tokenizer
     texts = load_prompts(args.prompts)
     if args.num_prompts is not None:
@@ -373,9 +335,9 @@ def main(args) -> int:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
         prompts = [p[-args.max_prompt_tokens:] for p in prompts]  # keep the end: it is continued
     methods = args.method
-    draft = (load_draft(args.draft, dtype=args.dtype, full_vocab=args.full_draft_vocab)
+    draft = (load_draft_model(args.draft, dtype=args.dtype, full_vocab=args.full_draft_vocab)
              if "draft_model" in methods else None)
-    drafters = {m: load_drafter(getattr(args, m) or CHECKPOINTS / f"code-{m}", target)
+    drafters = {m: load_heads(getattr(args, m) or CHECKPOINTS / f"code-{m}", target)
                 for m in methods if m in ("medusa", "eagle")}
     specs = []
     for m in methods:

@@ -1,6 +1,6 @@
 """The KV cache: fixed-capacity buffers plus per-row lengths.
 
-Contract (DESIGN.md): entries at index >= ``length[b]`` are garbage and invisible to attention,
+Contract: entries at index >= ``length[b]`` are garbage and invisible to attention,
 except the slots of the chunk being written, which see each other through the intra-chunk mask.
 Rollback is ``length = new_length``; nothing is zeroed or copied. Capacity S is static and chosen
 by the engine, which refuses on the host any request that could write past it.
@@ -25,7 +25,7 @@ class KVCache:
     length: Array  # [B] int32: valid entries per row
 
     @classmethod
-    def init(cls, config: ModelConfig, batch: int, capacity: int) -> "KVCache":
+    def init(cls, config: ModelConfig, batch: int, capacity: int) -> KVCache:
         shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads,
                  config.head_dim)
         zeros = jnp.zeros(shape, jnp.dtype(config.dtype))
@@ -35,7 +35,7 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def rollback(self, length: Array) -> "KVCache":
+    def rollback(self, length: Array) -> KVCache:
         """Keep the first ``length[b]`` entries of each row. Also used to advance after a write."""
         return dataclasses.replace(self, length=jnp.asarray(length, jnp.int32))
 

@@ -23,7 +23,8 @@ import logging
 import os
 import pathlib
 import struct
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -418,8 +419,8 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     if mesh is not None:
-        from .sharding import _check_mesh
-        _check_mesh(mesh)
+        from .sharding import check_mesh
+        check_mesh(mesh)
     if (folder / SPECJAX_FILE).exists():
         model = _load_orbax(folder, dtype, None if replicate else mesh)
         if mesh is not None and replicate:
@@ -430,6 +431,7 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
         if mesh is None:
             return _load_hf(folder, dtype, lambda path, array, cfg: jax.device_put(array))
         from jax.sharding import NamedSharding, PartitionSpec
+
         from .sharding import param_spec
 
         def place(path, array, cfg):
@@ -452,10 +454,10 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
     folder = pathlib.Path(path)
     if format not in ("orbax", "hf"):
         raise ValueError(f"format must be 'orbax' or 'hf', got {format!r}")
-    from .draft.model import DRAFT_VOCAB
-    if DRAFT_VOCAB in model.params:
-        raise ValueError("this model was restricted to a draft vocabulary "
-                         "(sj.draft.restrict_vocab); save the model before restricting it")
+    if not isinstance(model, Model):
+        raise ValueError(f"save_model expects an sj.Model, got {type(model).__name__} (for a "
+                         f"draft model with a draft vocabulary, save its .model and the vocabulary "
+                         f"ids beside it as draft_vocab.npy)")
     cfg = model.config
     arch = hf_architecture(cfg) if format == "hf" else None  # refuse before writing anything
     folder.mkdir(parents=True, exist_ok=True)

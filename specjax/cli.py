@@ -22,6 +22,7 @@ import numpy as np
 from . import theory
 from .bench import CHECKPOINTS, lookup_options
 from .config import ModelConfig, SamplingParams, SpecConfig
+from .draft import names as draft_methods
 from .engine import generate
 from .model import Model, init_model
 
@@ -62,8 +63,8 @@ def _demo(args) -> int:
     target = demo_target(jax.random.key(args.seed))
     draft = first_layers(target, args.draft_layers)
     print(f"target: random {DEMO_TARGET.num_params / 1e6:.1f}M-parameter Llama-style model, "
-          f"{DEMO_TARGET.num_hidden_layers} layers (random weights: a stand-in until the "
-          f"trained default pair ships)")
+          f"{DEMO_TARGET.num_hidden_layers} layers (random weights; `specjax generate` runs "
+          f"the bundled trained pair)")
     print(f"draft:  its first {args.draft_layers} layer(s) with the same embedding and head "
           f"(layer-skip self-speculation)")
     print(f"batch of {len(prompts)}, {args.max_new_tokens} new tokens, "
@@ -121,12 +122,12 @@ def _generate(args) -> int:
     tok = load_tokenizer(args.target)
     draft = None
     if spec is not None and spec.needs_draft_model:
-        from .draft import load_draft
-        draft = load_draft(args.draft or CHECKPOINTS / "code-draft", dtype=args.dtype,
-                           full_vocab=args.full_draft_vocab)
-    elif spec is not None and spec.needs_drafter:
-        from .drafter import load_drafter
-        draft = load_drafter(args.draft or CHECKPOINTS / f"code-{spec.method}", target)
+        from .draft import load_draft_model
+        draft = load_draft_model(args.draft or CHECKPOINTS / "code-draft", dtype=args.dtype,
+                                 full_vocab=args.full_draft_vocab)
+    elif spec is not None and spec.needs_heads:
+        from .draft import load_heads
+        draft = load_heads(args.draft or CHECKPOINTS / f"code-{spec.method}", target)
     runs = [("speculative" if spec else "autoregressive", spec, draft)]
     if args.compare and spec is not None:
         runs.append(("autoregressive", None, None))
@@ -162,7 +163,8 @@ def _generate(args) -> int:
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
         same = np.array_equal(ar.tokens, sp.tokens)
-        print(f"speed-up {sp.stats.decode_tokens_per_second / ar.stats.decode_tokens_per_second:.2f}x"
+        ratio = sp.stats.decode_tokens_per_second / ar.stats.decode_tokens_per_second
+        print(f"speed-up {ratio:.2f}x"
               f" (median of {args.repeats} interleaved passes each)"
               + (f"; output identical: {same}" if args.temperature == 0 else ""))
     return 0
@@ -178,7 +180,8 @@ def _add_lookup(parser) -> None:
 
 
 def _add_generate(sub) -> None:
-    g = sub.add_parser("generate", help="complete a prompt, speculatively (default: the bundled pair)",
+    g = sub.add_parser("generate",
+                       help="complete a prompt, speculatively (default: the bundled pair)",
                        description="Complete a prompt with a target model, speculatively, and "
                                    "print the completion and the acceptance and speed figures.")
     g.add_argument("--prompt", default="def fibonacci(n):")
@@ -194,7 +197,7 @@ def _add_generate(sub) -> None:
                    help="draft over the whole vocabulary even when the draft folder ships a "
                         "draft vocabulary (draft_vocab.npy; the bundled draft does)")
     g.add_argument("--method", default="draft_model",
-                   choices=["draft_model", "ngram", "medusa", "eagle", "none"],
+                   choices=[*draft_methods(), "none"],
                    help="how drafts are made; none = plain autoregressive decoding")
     g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="GAMMA")
     _add_lookup(g)
@@ -226,7 +229,7 @@ def _numbers(kind, allow_empty: bool = False):
 
 
 def _methods(text: str) -> list[str]:
-    from .config import METHODS
+    METHODS = draft_methods()
     methods = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
@@ -250,7 +253,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--method", type=_methods, default=["draft_model"], metavar="M,M,...",
                    help="draft methods to compare in one run: draft_model, ngram, medusa, eagle "
                         "(default draft_model)")
-    b.add_argument("--medusa", help="Medusa heads folder (default: bundled checkpoints/code-medusa)")
+    b.add_argument("--medusa",
+                   help="Medusa heads folder (default: bundled checkpoints/code-medusa)")
     b.add_argument("--eagle", help="EAGLE head folder (default: bundled checkpoints/code-eagle)")
     b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
                    metavar="G,G,...", help="chains of this many drafts to compare (default "
@@ -301,7 +305,8 @@ def main(argv=None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     _add_generate(sub)
     _add_bench(sub)
-    sub.add_parser("train", help="train models (`specjax train pair --help`, `specjax train heads --help`)", add_help=False)
+    sub.add_parser("train", add_help=False,
+                   help="train models (`specjax train pair --help`, `specjax train heads --help`)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["train", "heads"]:
         from .train.heads import heads_main

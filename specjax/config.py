@@ -15,7 +15,8 @@ import dataclasses
 import json
 import math
 import numbers
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -179,19 +180,21 @@ class SamplingParams:
         return self.eos_token_id or ()
 
 
-METHODS = ("draft_model", "ngram", "medusa", "eagle")
-"""Draft methods this version knows; ``SpecConfig.method`` must be one of them."""
-
-NEEDS_DRAFT_MODEL = ("draft_model",)
-NEEDS_DRAFTER = ("medusa", "eagle")  # draft= is an sj.Drafter riding on the target
-TREE_METHODS = ("draft_model", "medusa", "eagle")  # methods that can expand a static tree (SpecConfig.tree)
+def _method(name: str):
+    """The registered draft method ``name`` (specjax/draft/registry.py); ValueError if unknown."""
+    from .draft import registry  # the package registers the built-in methods on import
+    try:
+        return registry.get(name)
+    except ValueError:
+        raise ValueError(f"SpecConfig.method {name!r} is unknown; known methods: "
+                         f"{', '.join(registry.names())}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpecConfig:
     """Speculative decoding settings, in vLLM's ``--speculative-config`` vocabulary."""
 
-    method: str = "draft_model"  # which proposer makes the drafts
+    method: str = "draft_model"  # which proposer makes the drafts (specjax.draft.names())
     # γ: drafts per round (the target verifies γ + 1 positions). None: 4 for a chain, the number
     # of tree nodes with a tree (given with a tree, it must equal that number, as in vLLM).
     num_speculative_tokens: int | None = None
@@ -204,9 +207,7 @@ class SpecConfig:
     tree: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"SpecConfig.method {self.method!r} is unknown; known methods: "
-                             f"{', '.join(METHODS)}")
+        method = _method(self.method)
         if self.tree is not None:
             from .tree import Tree
             tree = Tree(self.tree)  # validates; raises ValueError naming the bad path
@@ -214,12 +215,15 @@ class SpecConfig:
             if self.num_speculative_tokens is None:
                 object.__setattr__(self, "num_speculative_tokens", len(tree.paths))
             elif self.num_speculative_tokens != len(tree.paths):
-                raise ValueError(f"SpecConfig.num_speculative_tokens={self.num_speculative_tokens!r}"
+                raise ValueError(f"SpecConfig.num_speculative_tokens="
+                                 f"{self.num_speculative_tokens!r}"
                                  f" but the tree has {len(tree.paths)} nodes: they must agree "
                                  f"(or leave num_speculative_tokens out)")
-            if self.method not in TREE_METHODS:
+            if not method.tree:
+                from .draft import registry
+                tree_methods = [n for n in registry.names() if registry.get(n).tree]
                 raise ValueError(f"SpecConfig.tree is not supported with method "
-                                 f"{self.method!r}; tree methods: {', '.join(TREE_METHODS)}")
+                                 f"{self.method!r}; tree methods: {', '.join(tree_methods)}")
         elif self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", 4)
         _require_int(self, "num_speculative_tokens", self.num_speculative_tokens, 1)
@@ -235,14 +239,24 @@ class SpecConfig:
 
     @property
     def needs_draft_model(self) -> bool:
-        return self.method in NEEDS_DRAFT_MODEL
+        """Whether draft= must be a draft model (sj.Model or sj.DraftModel)."""
+        return _method(self.method).draft == "model"
+
+    @property
+    def needs_heads(self) -> bool:
+        """Whether draft= must be Medusa or EAGLE heads (sj.Heads)."""
+        return _method(self.method).draft == "heads"
 
     @property
     def needs_drafter(self) -> bool:
-        return self.method in NEEDS_DRAFTER
+        """Deprecated: ``needs_heads``."""
+        import warnings
+        warnings.warn("SpecConfig.needs_drafter is renamed needs_heads", DeprecationWarning,
+                      stacklevel=2)
+        return self.needs_heads
 
     @classmethod
-    def parse(cls, spec: "SpecConfig | Mapping[str, Any] | str | None") -> "SpecConfig | None":
+    def parse(cls, spec: SpecConfig | Mapping[str, Any] | str | None) -> SpecConfig | None:
         """Accept a SpecConfig, a dict, a JSON string (vLLM style), or None (no speculation)."""
         if spec is None or isinstance(spec, SpecConfig):
             return spec

@@ -8,13 +8,17 @@ Loop invariant, per row b::
 
 A round feeds the target the chunk [last, d_1 .. d_γ] at positions length .. length + γ, verifies,
 writes the num_accepted + 1 new tokens into history after the last one and advances length by
-what was emitted. Each row moves by its own count; done rows stay frozen. With ``spec=None`` the
-same round runs with γ = 0 (no proposer): plain autoregressive decoding, our baseline.
+what was emitted. Each row moves by its own count; done rows stay frozen. With no proposer the
+same round runs with γ = 0: plain autoregressive decoding, our baseline.
 
 Shapes that are fixed per program (static, part of the compile key): batch B, prompt bucket P,
 capacity S (cache and history), γ, the model configs, and whether top-k / top-p filters are
 compiled in. Everything else (prompt lengths, max_new_tokens, temperature, top-k, top-p, EOS ids,
 keys) is an array, so nearby request sizes share a compiled program.
+
+``generate`` is a short script of named steps: ``check_request`` → ``build_proposer`` →
+``plan_program`` → ``place`` → ``build_inputs`` → ``Program.run`` (compiled once per plan and
+argument shapes, cached in ``PROGRAMS``) → ``collect``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import functools
 import logging
 import numbers
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,30 +39,29 @@ from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import cache as kv
-from . import sharding
-from . import model as model_lib
 from . import sampling as sampling_lib
-from . import verify
+from . import sharding, verify
 from .cache import KVCache
-from .config import MAX_EOS_IDS, SamplingParams, SpecConfig
-from .draft import (DraftModelProposer, DraftTreeProposer, EagleProposer, MedusaProposer,
-                    NgramProposer)
-from .draft.model import draft_vocab_size
-from .drafter import Drafter
-from .model import Model
+from .config import MAX_EOS_IDS, ModelConfig, SamplingParams, SpecConfig
+from .draft import base as draft_base
+from .draft import registry
+from .model import Model, forward, prefill
 from .sampling import Filters, SamplingArrays
 from .stats import Counters, Stats
-from .tree import Tree
 
 log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a compiled program is made of
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything static about one compiled program."""
 
-    target: Any  # ModelConfig of the target
-    proposer: Any  # a proposer (see specjax.draft), or None for autoregressive decoding
+    target: ModelConfig  # the target's config
+    proposer: Any  # a proposer (specjax.draft.base.Proposer), or None for autoregressive decoding
     capacity: int  # S: cache and history slots per row
     filters: Filters  # which sampling filters are compiled in
     mesh: Any = None  # a ("data", "model") jax.sharding.Mesh for sharded runs, or None
@@ -75,6 +79,11 @@ class Plan:
     def depth(self) -> int:
         """The most drafts a round can accept: γ for a chain, the tree's depth for a tree."""
         return self.gamma if self.tree is None else self.tree.depth
+
+    @property
+    def rides(self) -> bool:
+        """Whether the proposer drafts from the target's hidden states (Medusa, EAGLE)."""
+        return draft_base.rides_on_target(self.proposer)
 
 
 @jax.tree_util.register_dataclass
@@ -109,6 +118,118 @@ class Generation:
     text: list[str] | None = None  # decoded rows, when generate was asked for text
 
 
+# ---------------------------------------------------------------------------------------------
+# Traced code: prefill and one round
+
+
+def _proposer_params(plan: Plan, draft_params, target_params):
+    return {"heads": draft_params, "target": target_params} if plan.rides else draft_params
+
+
+def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, prompt_lengths: Array,
+                  request: Request) -> LoopState:
+    """Run the prompts [B, P] (right-padded) through target and proposer; draw the first token."""
+    B, P = prompts.shape
+    S = plan.capacity
+    cache = KVCache.init(plan.target, B, S)
+    if plan.mesh is not None:  # the target cache: rows over "data", kv heads over "model"
+        spec = sharding.cache_spec(plan.target, plan.mesh)
+        cache = dataclasses.replace(cache, k=sharding.constrain(cache.k, plan.mesh, spec),
+                                    v=sharding.constrain(cache.v, plan.mesh, spec))
+    logits, hidden, cache = prefill(Model(plan.target, target_params), prompts, cache)
+    rows = jnp.arange(B)
+    last_logits = logits[rows, prompt_lengths - 1]  # [B, V]
+    probs = sampling_lib.process_logits(last_logits, request.sampling, plan.filters)
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(request.keys)
+    first = sampling_lib.sample(keys, probs)
+    history = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
+    history = history.at[rows, prompt_lengths].set(first)
+    draft_state = None
+    if plan.proposer is not None:
+        params = _proposer_params(plan, draft_params, target_params)
+        extra = (hidden,) if plan.rides else ()
+        draft_state = plan.proposer.init(params, prompts, prompt_lengths, S, *extra)
+    done = jnp.any(first[:, None] == request.eos[None, :], axis=1) | (request.max_new_tokens <= 1)
+    return LoopState(
+        history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
+        done=done, cache=cache.rollback(prompt_lengths), draft_state=draft_state,
+        counters=Counters.zeros(plan.depth), step=jnp.zeros((), jnp.int32))
+
+
+def round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
+    """Fresh draft and verify keys [B] for round ``step``: each row's key folded with the round
+    number (prefill used 0), so no random number is reused across rows or rounds."""
+    keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step + 1)
+    draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+    return draft_keys, verify_keys
+
+
+def _propose(plan: Plan, target_params, draft_params, request: Request, state: LoopState,
+             keys: Array) -> tuple[draft_base.Draft, Any]:
+    """This round's drafts (γ = 0: none) and the proposer's new state."""
+    B = state.length.shape[0]
+    if plan.proposer is None:
+        return draft_base.Draft(jnp.zeros((B, 0), jnp.int32), None), state.draft_state
+    return plan.proposer.propose(
+        _proposer_params(plan, draft_params, target_params), state.draft_state, state.history,
+        state.length, keys, request.sampling, plan.filters)
+
+
+def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
+                  chunk: Array, draft: draft_base.Draft, keys: Array, T: int):
+    """Feed [last, d_1 .. d_{T-1}] (T static) and verify those drafts.
+
+    Returns the verdict (tokens padded to γ + 1), the cache, and the target's hidden states
+    padded to [B, γ + 1, E] (None unless the proposer rides on the target)."""
+    G = plan.gamma
+    positions = state.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    logits, hidden, cache = forward(target, chunk[:, :T], positions,
+                                    state.cache.rollback(state.length))
+    drafts = draft.tokens[:, :T - 1]
+    valid = None if draft.valid is None else draft.valid[:, :T - 1]
+    if plan.filters.greedy:  # one-hot p: the same verdict from argmaxes alone
+        verdict = verify.greedy_verdict(drafts, jnp.argmax(logits, axis=-1), valid)
+    else:
+        target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
+        verdict = verify.rejection_sample(
+            keys, drafts, None if draft.probs is None else draft.probs[:, :T - 1], target_probs,
+            valid)
+    tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
+    hidden = jnp.pad(hidden, ((0, 0), (0, G + 1 - T), (0, 0))) if plan.rides else None
+    return verify.Verdict(tokens, verdict.num_accepted), cache, hidden
+
+
+def _verify_chain_any_length(plan: Plan, target: Model, request: Request, state: LoopState,
+                             chunk: Array, draft: draft_base.Draft, keys: Array):
+    """Per-row draft lengths (``Draft.valid``, e.g. n-gram lookup): feed only as many drafts as
+    the longest row proposed, so rounds without a match cost one decode step, not a γ + 1 verify.
+    One branch per length, all with static shapes; the choice is made on the device."""
+    proposed = jnp.where(state.done, 0, jnp.sum(draft.valid, axis=1, dtype=jnp.int32))
+    branches = [lambda T=T: _verify_chain(plan, target, request, state, chunk, draft, keys, T)
+                for T in range(1, plan.gamma + 2)]
+    return jax.lax.switch(jnp.max(proposed), branches)
+
+
+def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, chunk: Array,
+                 draft: draft_base.Draft, keys: Array, draft_state):
+    """Every node at once: position = length + depth, each node sees its ancestors. The accepted
+    path is compacted in the target's cache and (``commit``) the proposer's. Returns the verdict,
+    cache, hidden states along the accepted path [B, D+1, E] (root first), and draft state."""
+    tree, B = plan.tree, chunk.shape[0]
+    positions = state.length[:, None] + jnp.asarray(tree.depths)[None, :]
+    logits, hidden, cache = forward(target, chunk, positions, state.cache.rollback(state.length),
+                                    chunk_mask=jnp.asarray(tree.ancestors))
+    target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
+    verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid)
+    cache = kv.compact(cache, state.length, verdict.path, verdict.num_accepted)
+    if hasattr(plan.proposer, "commit"):  # a proposer with a cache of its own compacts it too
+        draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
+                                           verdict.num_accepted)
+    nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
+    hidden = jnp.take_along_axis(hidden, nodes[:, :, None], axis=1)  # entries past it are stale
+    return verdict, cache, hidden, draft_state
+
+
 def _emit(state: LoopState, tokens: Array, num_accepted: Array, request: Request
           ) -> tuple[Array, Array, Array]:
     """How many of a round's tokens each row keeps: EOS and max_new_tokens cut the round short.
@@ -128,126 +249,26 @@ def _emit(state: LoopState, tokens: Array, num_accepted: Array, request: Request
     return n_emit, hit_eos, history
 
 
-def _prefill(plan: Plan, target_params, draft_params, prompts: Array, prompt_lengths: Array,
-             request: Request) -> LoopState:
-    """Run the prompts [B, P] (right-padded) through target and proposer; draw the first token."""
-    B, P = prompts.shape
-    S = plan.capacity
-    target = Model(plan.target, target_params)
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    cache = KVCache.init(plan.target, B, S)
-    if plan.mesh is not None:  # the target cache: rows over "data", kv heads over "model"
-        spec = sharding.cache_spec(plan.target, plan.mesh)
-        cache = dataclasses.replace(cache, k=sharding.constrain(cache.k, plan.mesh, spec),
-                                    v=sharding.constrain(cache.v, plan.mesh, spec))
-    logits, hidden, cache = model_lib.forward(target, prompts, positions, cache)
-    rows = jnp.arange(B)
-    last_logits = logits[rows, prompt_lengths - 1]  # [B, V]
-    probs = sampling_lib.process_logits(last_logits, request.sampling, plan.filters)
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(request.keys)
-    first = sampling_lib.sample(keys, probs)
-    history = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
-    history = history.at[rows, prompt_lengths].set(first)
-    draft_state = None
-    if _rides(plan):
-        draft_state = plan.proposer.init(_proposer_params(plan, draft_params, target_params),
-                                         prompts, prompt_lengths, S, hidden)
-    elif plan.proposer is not None:
-        draft_state = plan.proposer.init(draft_params, prompts, prompt_lengths, S)
-    done = jnp.any(first[:, None] == request.eos[None, :], axis=1) | (request.max_new_tokens <= 1)
-    return LoopState(
-        history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
-        done=done, cache=cache.rollback(prompt_lengths), draft_state=draft_state,
-        counters=Counters.zeros(plan.depth), step=jnp.zeros((), jnp.int32))
-
-
-def _rides(plan: Plan) -> bool:
-    """Whether the proposer drafts from the target's hidden states (Medusa, EAGLE)."""
-    return getattr(plan.proposer, "rides_on_target", False)
-
-
-def _proposer_params(plan: Plan, draft_params, target_params):
-    return ({"drafter": draft_params, "target": target_params} if _rides(plan)
-            else draft_params)
-
-
-def _round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
-    """Fresh draft and verify keys [B] for round ``step``: each row's key folded with the round
-    number (prefill used 0), so no random number is reused across rows or rounds."""
-    round_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step + 1)
-    draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(round_keys), 1, 0)
-    return draft_keys, verify_keys
-
-
-def _round(plan: Plan, target_params, draft_params, request: Request,
-           state: LoopState) -> LoopState:
+def round_step(plan: Plan, target_params, draft_params, request: Request,
+               state: LoopState) -> LoopState:
     """One speculative round (γ = 0: one autoregressive step) for every row."""
     B = state.length.shape[0]
-    G = plan.gamma
-    draft_keys, verify_keys = _round_keys(request.keys, state.step)
+    draft_keys, verify_keys = round_keys(request.keys, state.step)
+    draft, draft_state = _propose(plan, target_params, draft_params, request, state, draft_keys)
     last = state.history[jnp.arange(B), state.length]
-    if plan.proposer is None:
-        draft_tokens, draft_probs, valid = jnp.zeros((B, 0), jnp.int32), None, None
-        draft_state = state.draft_state
-    else:
-        draft, draft_state = plan.proposer.propose(
-            _proposer_params(plan, draft_params, target_params), state.draft_state, state.history, state.length, draft_keys,
-            request.sampling, plan.filters)
-        draft_tokens, draft_probs, valid = draft.tokens, draft.probs, draft.valid
-    chunk = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, G+1] (tree: [B, N])
+    chunk = jnp.concatenate([last[:, None], draft.tokens], axis=1)  # [B, G+1] (tree: [B, N])
     target = Model(plan.target, target_params)
-    cache = state.cache.rollback(state.length)
-    tree = plan.tree
-    if tree is None:
-        def verify_chain(T: int):
-            """Feed [last, d_1 .. d_{T-1}] (T static) and verify those drafts."""
-            def run(cache):
-                positions = state.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-                logits, hidden, cache = model_lib.forward(target, chunk[:, :T], positions,
-                                                          cache)
-                row_valid = None if valid is None else valid[:, :T - 1]
-                if plan.filters.greedy:  # one-hot p: the same verdict from argmaxes alone
-                    verdict = verify.greedy_verdict(
-                        draft_tokens[:, :T - 1], jnp.argmax(logits, axis=-1), row_valid)
-                else:
-                    target_probs = sampling_lib.process_logits(logits, request.sampling,
-                                                               plan.filters)
-                    verdict = verify.rejection_sample(
-                        verify_keys, draft_tokens[:, :T - 1],
-                        None if draft_probs is None else draft_probs[:, :T - 1], target_probs,
-                        row_valid)
-                tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
-                return verify.Verdict(tokens, verdict.num_accepted), cache, hidden
-            return run
-
-        if valid is None:
-            verdict, cache, hidden = verify_chain(G + 1)(cache)
-        else:
-            # Per-row draft lengths (n-gram lookup): feed only as many drafts as the longest row
-            # proposed, so rounds without a match cost one decode step, not a γ + 1 verify. One
-            # branch per length, all with static shapes; the choice is made on the device.
-            proposed = jnp.where(state.done, 0, jnp.sum(valid, axis=1, dtype=jnp.int32))
-            verdict, cache = jax.lax.switch(
-                jnp.max(proposed), [lambda c, T=T: verify_chain(T)(c)[:2]
-                                    for T in range(1, G + 2)], cache)
-    else:  # every node at once: position = length + depth, each node sees its ancestors
-        positions = state.length[:, None] + jnp.asarray(tree.depths)[None, :]
-        logits, hidden, cache = model_lib.forward(target, chunk, positions, cache,
-                                                  chunk_mask=jnp.asarray(tree.ancestors))
-        target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
-        verdict = verify.tree_sample(verify_keys, tree, draft_tokens, target_probs, valid)
-        cache = kv.compact(cache, state.length, verdict.path, verdict.num_accepted)
-        if hasattr(plan.proposer, "commit"):
-            draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
-                                               verdict.num_accepted)
-        # The hidden states along the accepted path, root first (entries past it are stale).
-        nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
-        hidden = jnp.take_along_axis(hidden, nodes[:, :, None], axis=1)  # [B, D+1, E]
-    if _rides(plan):
+    args = (plan, target, request, state, chunk, draft, verify_keys)
+    if plan.tree is not None:
+        verdict, cache, hidden, draft_state = _verify_tree(*args, draft_state)
+    elif draft.valid is None:
+        verdict, cache, hidden = _verify_chain(*args, plan.gamma + 1)
+    else:
+        verdict, cache, hidden = _verify_chain_any_length(*args)
+    if plan.rides:
         draft_state = plan.proposer.observe(draft_state, state.length, hidden)
-    num_proposed = (jnp.full((B,), G, jnp.int32) if valid is None
-                    else jnp.sum(valid, axis=1, dtype=jnp.int32))
-
+    num_proposed = (jnp.full((B,), plan.gamma, jnp.int32) if draft.valid is None
+                    else jnp.sum(draft.valid, axis=1, dtype=jnp.int32))
     n_emit, hit_eos, history = _emit(state, verdict.tokens, verdict.num_accepted, request)
     length = state.length + n_emit
     num_generated = state.num_generated + n_emit
@@ -259,46 +280,133 @@ def _round(plan: Plan, target_params, draft_params, request: Request,
         step=state.step + 1)
 
 
-def _decode(plan: Plan, target_params, draft_params, request: Request,
-            state: LoopState) -> LoopState:
+def decode(plan: Plan, target_params, draft_params, request: Request,
+           state: LoopState) -> LoopState:
     """Rounds until every row is done; no host sync inside."""
-    body = lambda s: _round(plan, target_params, draft_params, request, s)  # noqa: E731
+    body = lambda s: round_step(plan, target_params, draft_params, request, s)  # noqa: E731
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
-_prefill_jit = jax.jit(_prefill, static_argnums=0)
-_decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=4)
-_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
-_MAX_EXECUTABLES = 64  # least recently used programs beyond this are dropped
-_compile_count = 0
+# ---------------------------------------------------------------------------------------------
+# Compiled programs
+
+
+_STAGES = {
+    "prefill": jax.jit(prefill_state, static_argnums=0),
+    "round": jax.jit(round_step, static_argnums=0),
+    "decode": jax.jit(decode, static_argnums=0, donate_argnums=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    prefill_seconds: float  # prefill and first token, compile excluded
+    decode_seconds: float  # the decode loop, compile excluded
+    compile_seconds: float  # compiling in this call (0 when the executables were cached)
+
+
+class Program:
+    """One plan's compiled stages ("prefill", "round", "decode"), compiled ahead of time once per
+    argument signature (shapes, dtypes, shardings), so timings never include compilation."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.compiled = 0  # executables compiled for this plan
+        self._executables: dict = {}
+
+    def executable(self, stage: str, *args):
+        """(the compiled executable of ``stage`` for these arguments, seconds spent compiling
+        it now: 0 when cached)."""
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        signature = (stage, treedef,
+                     tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        exe = self._executables.get(signature)
+        if exe is not None:
+            return exe, 0.0
+        t0 = time.perf_counter()
+        exe = _STAGES[stage].lower(self.plan, *args).compile()
+        spent = time.perf_counter() - t0
+        self._executables[signature] = exe
+        self.compiled += 1
+        log.info("compiled %s for %s in %.1fs", stage, self.plan, spent)
+        return exe, spent
+
+    def executables(self, stage: str) -> list:
+        """The compiled executables of ``stage`` held (one per argument signature), for
+        inspection (``memory_analysis()``, ``as_text()``)."""
+        return [exe for sig, exe in self._executables.items() if sig[0] == stage]
+
+    def call(self, stage: str, *args) -> tuple[Any, float]:
+        """Run ``stage`` on args; (result, compile seconds)."""
+        exe, spent = self.executable(stage, *args)
+        return exe(*args), spent
+
+    def prefill(self, target_params, draft_params, prompts, prompt_lengths, request) -> LoopState:
+        return self.call("prefill", target_params, draft_params, prompts, prompt_lengths,
+                         request)[0]
+
+    def step(self, target_params, draft_params, request, state) -> LoopState:
+        """One round (for tests and experiments that look between rounds)."""
+        return self.call("round", target_params, draft_params, request, state)[0]
+
+    def run(self, target_params, draft_params, inputs: Inputs) -> tuple[LoopState, Timing]:
+        """Prefill and decode to the end, each stage timed apart from its compilation."""
+        t0 = time.perf_counter()
+        state, prefill_compile = self.call("prefill", target_params, draft_params,
+                                           inputs.prompts, inputs.lengths, inputs.request)
+        state = jax.block_until_ready(state)
+        prefill_seconds = time.perf_counter() - t0 - prefill_compile
+        t0 = time.perf_counter()
+        state, decode_compile = self.call("decode", target_params, draft_params, inputs.request,
+                                          state)
+        state = jax.block_until_ready(state)
+        decode_seconds = time.perf_counter() - t0 - decode_compile
+        return state, Timing(prefill_seconds, decode_seconds, prefill_compile + decode_compile)
+
+
+class ProgramCache:
+    """The most recently used Programs, by plan."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._programs: collections.OrderedDict[Plan, Program] = collections.OrderedDict()
+        self._dropped = 0  # executables compiled by programs no longer held
+
+    def get(self, plan: Plan) -> Program:
+        program = self._programs.get(plan)
+        if program is None:
+            program = self._programs[plan] = Program(plan)
+            if len(self._programs) > self.size:
+                self._dropped += self._programs.popitem(last=False)[1].compiled
+        self._programs.move_to_end(plan)
+        return program
+
+    @property
+    def compiled(self) -> int:
+        """Executables compiled through this cache (dropped programs included)."""
+        return self._dropped + sum(p.compiled for p in self._programs.values())
+
+    def programs(self) -> list[Program]:
+        """The programs held, least recently used first."""
+        return list(self._programs.values())
+
+    def clear(self) -> None:
+        """Forget every compiled program (the count of compiled ones stays)."""
+        self._dropped = self.compiled
+        self._programs.clear()
+
+
+PROGRAMS = ProgramCache()
+"""The programs ``generate`` compiles and reuses."""
 
 
 def compiled_programs() -> int:
-    """How many programs ``generate`` has compiled in this process (for tests and tuning)."""
-    return _compile_count
+    """How many executables ``generate`` has compiled in this process (for tests and tuning)."""
+    return PROGRAMS.compiled
 
 
-def _run(fn, plan: Plan, *args) -> tuple[Any, float]:
-    """Call fn(plan, *args) through an ahead-of-time compiled executable cached by plan and the
-    arguments' shapes, dtypes and shardings, so timings never include compilation.
-    Returns (result, compile seconds)."""
-    global _compile_count
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    sig = (fn, plan, treedef,
-           tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
-    exe, spent = _EXECUTABLES.get(sig), 0.0
-    if exe is None:
-        t0 = time.perf_counter()
-        exe = fn.lower(plan, *args).compile()
-        spent = time.perf_counter() - t0
-        _compile_count += 1
-        _EXECUTABLES[sig] = exe
-        if len(_EXECUTABLES) > _MAX_EXECUTABLES:
-            _EXECUTABLES.popitem(last=False)
-        log.info("compiled %s for %s in %.1fs", fn.__name__, plan, spent)
-    else:
-        _EXECUTABLES.move_to_end(sig)
-    return exe(*args), spent
+# ---------------------------------------------------------------------------------------------
+# Host steps
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -335,6 +443,128 @@ def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
     return rows
 
 
+def _check_context(name: str, config: ModelConfig, rows: list[np.ndarray], max_new: int) -> None:
+    longest = max(len(r) for r in rows)
+    if longest + max_new > config.max_position_embeddings:
+        b = int(np.argmax([len(r) for r in rows]))
+        raise ValueError(
+            f"prompt {b} has {longest} tokens; with max_new_tokens={max_new} that is "
+            f"{longest + max_new} positions, beyond the {name}'s "
+            f"max_position_embeddings={config.max_position_embeddings}")
+
+
+def check_request(target: Model, prompts, sampling: SamplingParams | None, tokenizer,
+                  return_text: bool) -> tuple[list[np.ndarray], SamplingParams]:
+    """The prompts as checked int32 rows and the sampling settings (a tokenizer's EOS ids filled
+    in), or ValueError naming the bad value."""
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if not isinstance(target, Model):
+        raise ValueError(f"target must be an sj.Model (from sj.init_model or sj.load_model), "
+                         f"got {type(target).__name__}")
+    cfg = target.config
+    if tokenizer is not None:
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                             f"target's vocab_size {cfg.vocab_size}")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        if sampling.eos_token_id is None and tokenizer.eos_token_ids:
+            sampling = dataclasses.replace(sampling, eos_token_id=tokenizer.eos_token_ids)
+    elif return_text:
+        raise ValueError("return_text=True needs tokenizer=")
+    rows = _prompt_rows(prompts, cfg.vocab_size)
+    _check_context("target", cfg, rows, sampling.max_new_tokens)
+    for eos in sampling.eos_ids:
+        if eos >= cfg.vocab_size:
+            raise ValueError(f"eos_token_id {eos} is outside [0, {cfg.vocab_size})")
+    return rows, sampling
+
+
+def build_proposer(spec: SpecConfig | None, proposer, draft, target: ModelConfig):
+    """(the proposer, or None for autoregressive decoding; its params) from a SpecConfig through
+    the method registry, or a user's own ``proposer`` with ``draft`` as its params."""
+    if proposer is not None:
+        if spec is not None:
+            raise ValueError("give either spec= or proposer=, not both: a proposer object "
+                             "replaces the SpecConfig")
+        draft_base.check_proposer(proposer)
+        return proposer, draft
+    if spec is None:
+        if draft is not None:
+            raise ValueError("a draft model was given but spec is None; pass spec=SpecConfig(...) "
+                             "to speculate, or drop draft=")
+        return None, None
+    method = registry.get(spec.method)
+    proposer = method.build(spec, draft, target)
+    return proposer, (None if draft is None else method.params(draft))
+
+
+def _check_tree_window(proposer, target: ModelConfig, draft) -> None:
+    if not draft_base.is_tree(proposer):
+        return
+    for name, config in [("target", target), ("draft", getattr(draft, "config", None))]:
+        window = getattr(config, "sliding_window", None)
+        if isinstance(config, ModelConfig) and window is not None:
+            raise ValueError(f"tree drafts are not supported with sliding-window attention "
+                             f"(the {name} has sliding_window={window}); use a chain "
+                             f"(tree=None)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The padded sizes of one call."""
+
+    batch: int  # B: the caller's rows
+    padded_batch: int  # rows in the program (padding rows start done and are dropped)
+    prompt: int  # P: the prompt bucket
+
+
+def plan_program(target: ModelConfig, proposer, rows: list[np.ndarray], sampling: SamplingParams,
+                 mesh) -> tuple[Plan, Shapes]:
+    """The program's static plan (buckets, filters, mesh) and the call's padded sizes."""
+    longest = max(len(r) for r in rows)
+    P = bucket(longest)
+    gamma = 0 if proposer is None else proposer.gamma
+    # Never a write past S (dynamic_update_slice would clamp and overwrite silently): a row's last
+    # round writes γ + 1 cache slots from prompt + max_new - 1 and history slots one further on.
+    capacity = bucket(max(P, longest + sampling.max_new_tokens + gamma + 1))
+    B_pad = bucket(len(rows), minimum=1)
+    if mesh is not None:
+        sharding.check_mesh(mesh)
+        data = mesh.shape[sharding.DATA]
+        B_pad = -(-B_pad // data) * data  # every "data" shard gets the same number of rows
+    top_k_on = 0 < sampling.top_k < target.vocab_size
+    filters = Filters(top_k=min(bucket(sampling.top_k), target.vocab_size) if top_k_on else 0,
+                      top_p=sampling.top_p < 1.0, greedy=sampling.temperature == 0)
+    return Plan(target, proposer, capacity, filters, mesh), Shapes(len(rows), B_pad, P)
+
+
+def place(target: Model, draft_params, mesh) -> tuple[Model, Any]:
+    """Put the weights on the mesh: the target tensor-parallel over "model" (by the sharding
+    table, unless ``sj.shard`` already placed it there), the proposer's params replicated
+    (drafts are small: drafting needs no communication). Without a mesh, unchanged."""
+    if mesh is None:
+        return target, draft_params
+    if not sharding.placed_on(target, mesh):  # a layout of the caller's own is kept
+        target = sharding.shard(target, mesh)
+    if draft_params is not None:
+        draft_params = jax.device_put(draft_params, NamedSharding(mesh, PartitionSpec()))
+    return target, draft_params
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One call's arrays, on the devices."""
+
+    prompts: Array  # [B, P] int32, right-padded
+    lengths: Array  # [B] int32
+    request: Request
+
+
 def _as_key(key) -> Array:
     """One PRNG key from None (seed 0), an int seed, a typed key or a legacy uint32 [2] key."""
     if key is None:
@@ -355,42 +585,38 @@ def _as_key(key) -> Array:
     raise ValueError(f"key must be a jax.random.key, an int seed or None, got {key!r}")
 
 
-def _drafter_proposer(spec: SpecConfig, drafter, cfg):
-    """The Medusa / EAGLE proposer for a drafter, after checking it fits the target and spec."""
-    if not isinstance(drafter, Drafter):
-        raise ValueError(f"method {spec.method!r} needs draft= an sj.Drafter (sj.load_drafter("
-                         f"path, target)), got {type(drafter).__name__}")
-    c = drafter.config
-    if c.method != spec.method:
-        raise ValueError(f"method {spec.method!r} but the drafter is a {c.method!r} drafter")
-    if (c.hidden_size, c.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
-        raise ValueError(f"the drafter was built for hidden_size={c.hidden_size}, vocab_size="
-                         f"{c.vocab_size}; the target has {cfg.hidden_size}, {cfg.vocab_size}")
-    tree = None if spec.tree is None else Tree(spec.tree)
-    depth = spec.num_speculative_tokens if tree is None else tree.depth
-    if c.max_depth is not None and depth > c.max_depth:
-        raise ValueError(f"the Medusa drafter has {c.num_heads} heads, so it drafts at most "
-                         f"{c.num_heads} tokens deep; got "
-                         + (f"num_speculative_tokens={depth}" if tree is None
-                            else f"a tree of depth {depth}"))
-    if tree is not None and int(tree.children.shape[1]) > c.draft_vocab_size:
-        raise ValueError(f"the tree has {int(tree.children.shape[1])} children per node, more "
-                         f"than the drafter's {c.draft_vocab_size}-token draft vocabulary")
-    cls = MedusaProposer if c.method == "medusa" else EagleProposer
-    return cls(c, spec.num_speculative_tokens, tree)
-
-
-def _check_model(name: str, model) -> None:
-    if not isinstance(model, Model):
-        raise ValueError(f"{name} must be an sj.Model (from sj.init_model or sj.load_model), "
-                         f"got {type(model).__name__}")
-
-
-def _on_mesh(x, mesh):
-    """Host data -> a global array split over "data" (every process passes the whole batch)."""
-    x = np.asarray(x)
-    s = sharding.rows(mesh, x.ndim)
-    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: Shapes,
+                 mesh) -> Inputs:
+    """The call's arrays, built in numpy and placed on the devices once (split over "data" on a
+    mesh, the same in every process)."""
+    B, B_pad, P = shapes.batch, shapes.padded_batch, shapes.prompt
+    prompts = np.zeros((B_pad, P), np.int32)
+    for b, r in enumerate(rows):
+        prompts[b, :len(r)] = r
+    lengths = np.ones((B_pad,), np.int32)
+    lengths[:B] = [len(r) for r in rows]
+    max_new = np.ones((B_pad,), np.int32)  # padding rows: done after their first token
+    max_new[:B] = sampling.max_new_tokens
+    eos = np.full((MAX_EOS_IDS,), -1, np.int32)
+    eos[:len(sampling.eos_ids)] = sampling.eos_ids
+    root = _as_key(key)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(root, jnp.arange(B_pad))
+    per_row = dict(temperature=np.full((B_pad,), sampling.temperature, np.float32),
+                   top_k=np.full((B_pad,), sampling.top_k, np.int32),
+                   top_p=np.full((B_pad,), sampling.top_p, np.float32))
+    if mesh is None:
+        put, everywhere = jnp.asarray, jnp.asarray
+    else:
+        put = lambda x: jax.make_array_from_callback(  # noqa: E731
+            x.shape, sharding.rows(mesh, x.ndim), lambda index: x[index])
+        everywhere = lambda x: jax.make_array_from_callback(  # noqa: E731
+            x.shape, NamedSharding(mesh, PartitionSpec()), lambda index: x[index])
+        wrap = functools.partial(jax.random.wrap_key_data, impl=jax.random.key_impl(root))
+        keys = jax.jit(wrap, out_shardings=sharding.rows(mesh, 1))(
+            put(np.asarray(jax.random.key_data(keys))))
+    request = Request(keys=keys, sampling=SamplingArrays(**{k: put(v) for k, v in per_row.items()}),
+                      max_new_tokens=put(max_new), eos=everywhere(eos))
+    return Inputs(put(prompts), put(lengths), request)
 
 
 def _fetch(x) -> np.ndarray:
@@ -401,19 +627,47 @@ def _fetch(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
+            timing: Timing) -> Generation:
+    """The caller's rows of the final state as a Generation (one read of the device)."""
+    B = len(rows)
+    history, generated = _fetch(state.history), _fetch(state.num_generated)[:B]
+    tokens = np.full((B, max_new), -1, np.int32)
+    for b, r in enumerate(rows):
+        n = int(generated[b])
+        tokens[b, :n] = history[b, len(r):len(r) + n]
+    per_round = getattr(plan.proposer, "draft_forwards_per_round", 0) if plan.proposer else 0
+    stats = Stats.summarise(
+        jax.tree.map(_fetch, state.counters), gamma=plan.depth,
+        draft_calls_per_round=per_round, has_draft_model=per_round > 0,
+        generated_tokens=int(generated.sum()), batch=B,
+        prefill_seconds=timing.prefill_seconds, decode_seconds=timing.decode_seconds,
+        compile_seconds=timing.compile_seconds)
+    return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
 def generate(target: Model, prompts: Sequence[Sequence[int]], *,
              sampling: SamplingParams | None = None,
              spec: SpecConfig | dict | str | None = None,
-             draft: Model | None = None,
+             draft: Any = None,
+             proposer: Any = None,
              key: Array | int | None = None,
              tokenizer=None, return_text: bool = False, mesh=None) -> Generation:
-    """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` is given.
+    """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` or
+    ``proposer`` is given.
 
-    prompts: B lists of token ids, any lengths (>= 1). sampling: SamplingParams (default:
-    temperature 1, 64 new tokens). spec: SpecConfig, a dict or JSON string in vLLM's style, or None
-    for plain autoregressive decoding. draft: the draft model for method "draft_model" (same
-    vocabulary as the target). key: a PRNG key (or an int seed); each row draws from its own key
-    folded from it, so the same key gives the same output and rows do not depend on each other.
+    prompts: B lists of token ids, any lengths (>= 1), or strings with ``tokenizer=``. sampling:
+    SamplingParams (default: temperature 1, 64 new tokens). spec: SpecConfig, a dict or JSON
+    string in vLLM's style, or None for plain autoregressive decoding. draft: what the method
+    drafts with: a draft model (sj.Model or sj.DraftModel, same vocabulary as the target) for
+    "draft_model", sj.Heads for "medusa" / "eagle". proposer: instead of spec, any object
+    satisfying ``sj.draft.Proposer`` (frozen and hashable); draft= is then its params (any pytree,
+    or None). key: a PRNG key (or an int seed); each row draws from its own key folded from it,
+    so the same key gives the same output and rows do not depend on each other.
 
     The output distribution equals autoregressive sampling from the target with the same
     SamplingParams; with temperature 0 the tokens equal autoregressive greedy decoding.
@@ -425,157 +679,19 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     (``jax.distributed``) every process makes the same call with the same prompts and gets the
     whole result.
     """
-    sampling = SamplingParams() if sampling is None else sampling
-    if not isinstance(sampling, SamplingParams):
-        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     spec = SpecConfig.parse(spec)
-    _check_model("target", target)
-    cfg = target.config
-    if tokenizer is not None:
-        if tokenizer.vocab_size > cfg.vocab_size:
-            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
-                             f"target's vocab_size {cfg.vocab_size}")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        if sampling.eos_token_id is None and tokenizer.eos_token_ids:
-            sampling = dataclasses.replace(sampling, eos_token_id=tokenizer.eos_token_ids)
-    elif return_text:
-        raise ValueError("return_text=True needs tokenizer=")
-    rows = _prompt_rows(prompts, cfg.vocab_size)
-    lengths = np.array([len(r) for r in rows], np.int32)
-    B, longest, max_new = len(rows), int(lengths.max()), sampling.max_new_tokens
-
-    def check_context(name, config):
-        if longest + max_new > config.max_position_embeddings:
-            raise ValueError(
-                f"prompt {int(lengths.argmax())} has {longest} tokens; with max_new_tokens="
-                f"{max_new} that is {longest + max_new} positions, beyond the {name}'s "
-                f"max_position_embeddings={config.max_position_embeddings}")
-    check_context("target", cfg)
-    for eos in sampling.eos_ids:
-        if eos >= cfg.vocab_size:
-            raise ValueError(f"eos_token_id {eos} is outside [0, {cfg.vocab_size})")
-
-    proposer = None
-    if spec is None:
-        if draft is not None:
-            raise ValueError("a draft model was given but spec is None; pass spec=SpecConfig(...) "
-                             "to speculate, or drop draft=")
-    elif spec.needs_draft_model:
-        if draft is None:
-            raise ValueError(f"method {spec.method!r} needs a draft model: pass draft=")
-        _check_model("draft", draft)
-        check_context("draft", draft.config)
-        if draft.config.vocab_size != cfg.vocab_size:
-            raise ValueError(
-                f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
-                f"{cfg.vocab_size}: draft and target must share one vocabulary")
-        if spec.tree is None:
-            proposer = DraftModelProposer(draft.config, spec.num_speculative_tokens)
-        else:
-            tree, M = Tree(spec.tree), draft_vocab_size(draft)
-            if int(tree.children.shape[1]) > M:
-                raise ValueError(f"the tree gives a node {int(tree.children.shape[1])} children, "
-                                 f"more than the draft's {M}-token draft vocabulary")
-            proposer = DraftTreeProposer(draft.config, tree)
-    elif spec.needs_drafter:
-        proposer = _drafter_proposer(spec, draft, cfg)
-    else:
-        if draft is not None:
-            raise ValueError(f"method {spec.method!r} uses no draft model; drop draft=")
-        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                 spec.prompt_lookup_max, spec.prompt_lookup_length_factor)
-    gamma = 0 if proposer is None else proposer.gamma
-    if spec is not None and spec.tree is not None:
-        for name, c in [("target", cfg),
-                        ("draft", draft.config if isinstance(draft, Model) else None)]:
-            if c is not None and c.sliding_window is not None:
-                raise ValueError(f"tree drafts are not supported with sliding-window attention "
-                                 f"(the {name} has sliding_window={c.sliding_window}); use a "
-                                 f"chain (tree=None)")
-
-    P = bucket(longest)
-    # Never a write past S (dynamic_update_slice would clamp and overwrite silently): a row's last
-    # round writes γ + 1 cache slots from prompt + max_new - 1 and history slots one further on.
-    capacity = bucket(max(P, longest + max_new + gamma + 1))
-    # Batch sizes are bucketed too; padding rows start done (max_new_tokens 1) and are dropped.
-    B_pad = bucket(B, minimum=1)
-    if mesh is not None:
-        sharding._check_mesh(mesh)
-        data = mesh.shape[sharding.DATA]
-        B_pad = -(-B_pad // data) * data  # every "data" shard gets the same number of rows
-        target = sharding.shard(target, mesh)
-        if isinstance(draft, Model):
-            draft = sharding.shard(draft, mesh, replicate=True)
-        elif draft is not None:  # a drafter's heads: small, a full copy per device
-            draft = Drafter(draft.config, jax.device_put(
-                draft.params, NamedSharding(mesh, PartitionSpec())))
-    top_k_on = 0 < sampling.top_k < cfg.vocab_size
-    plan = Plan(cfg, proposer, capacity,
-                Filters(top_k=min(bucket(sampling.top_k), cfg.vocab_size) if top_k_on else 0,
-                        top_p=sampling.top_p < 1.0, greedy=sampling.temperature == 0), mesh)
-
-    padded = np.zeros((B_pad, P), np.int32)
-    for b, r in enumerate(rows):
-        padded[b, :len(r)] = r
-    lengths_pad = np.ones((B_pad,), np.int32)
-    lengths_pad[:B] = lengths
-    max_new_pad = np.ones((B_pad,), np.int32)
-    max_new_pad[:B] = max_new
-    eos = np.full((MAX_EOS_IDS,), -1, np.int32)
-    eos[:len(sampling.eos_ids)] = sampling.eos_ids
-    root = _as_key(key)
-    request = Request(
-        keys=jax.vmap(jax.random.fold_in, (None, 0))(root, jnp.arange(B_pad)),
-        sampling=SamplingArrays(
-            temperature=jnp.full((B_pad,), sampling.temperature, jnp.float32),
-            top_k=jnp.full((B_pad,), sampling.top_k, jnp.int32),
-            top_p=jnp.full((B_pad,), sampling.top_p, jnp.float32)),
-        max_new_tokens=jnp.asarray(max_new_pad), eos=jnp.asarray(eos))
-    draft_params = None if draft is None else draft.params
-    prompts_dev, lengths_dev = jnp.asarray(padded), jnp.asarray(lengths_pad)
-    if mesh is not None:  # global arrays, rows over "data" (built the same in every process)
-        put = functools.partial(_on_mesh, mesh=mesh)
-        keys = jax.jit(jax.random.wrap_key_data, out_shardings=sharding.rows(mesh, 1))(
-            put(np.asarray(jax.random.key_data(request.keys))))
-        eos_all = NamedSharding(mesh, PartitionSpec())
-        request = Request(
-            keys=keys,
-            sampling=jax.tree.map(lambda x: put(np.asarray(x)), request.sampling),
-            max_new_tokens=put(max_new_pad),
-            eos=jax.make_array_from_callback(eos.shape, eos_all, lambda index: eos[index]))
-        prompts_dev, lengths_dev = put(padded), put(lengths_pad)
-
-    compile_seconds = 0.0
-    t0 = time.perf_counter()
-    state, spent = _run(_prefill_jit, plan, target.params, draft_params, prompts_dev, lengths_dev,
-                        request)
-    state = jax.block_until_ready(state)
-    compile_seconds += spent
-    prefill_seconds = time.perf_counter() - t0 - spent
-    t0 = time.perf_counter()
-    state, spent = _run(_decode_jit, plan, target.params, draft_params, request, state)
-    state = jax.block_until_ready(state)
-    compile_seconds += spent
-    decode_seconds = time.perf_counter() - t0 - spent
-
-    history, generated = _fetch(state.history), _fetch(state.num_generated)
-    generated = generated[:B]
-    tokens = np.full((B, max_new), -1, np.int32)
-    for b in range(B):
-        n = int(generated[b])
-        tokens[b, :n] = history[b, lengths[b]:lengths[b] + n]
-    stats = Stats.summarise(
-        jax.tree.map(_fetch, state.counters), gamma=plan.depth,
-        draft_calls_per_round=1 if isinstance(proposer, MedusaProposer) else plan.depth,
-        has_draft_model=isinstance(proposer, (DraftModelProposer, DraftTreeProposer,
-                                              EagleProposer, MedusaProposer)),
-        generated_tokens=int(generated.sum()), batch=B,
-        prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
-        compile_seconds=compile_seconds)
-    text = None
+    rows, sampling = check_request(target, prompts, sampling, tokenizer, return_text)
+    proposer, draft_params = build_proposer(spec, proposer, draft, target.config)
+    draft_config = getattr(draft, "config", None)
+    if isinstance(draft_config, ModelConfig):
+        _check_context("draft", draft_config, rows, sampling.max_new_tokens)
+    _check_tree_window(proposer, target.config, draft)
+    plan, shapes = plan_program(target.config, proposer, rows, sampling, mesh)
+    target, draft_params = place(target, draft_params, mesh)
+    inputs = build_inputs(rows, sampling, key, shapes, mesh)
+    state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
+    out = collect(plan, state, rows, sampling.max_new_tokens, timing)
     if return_text:
-        text = [tokenizer.decode(tokens[b, :generated[b]]) for b in range(B)]
-    return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats,
-                      text=text)
+        text = [tokenizer.decode(out.tokens[b, :out.lengths[b]]) for b in range(len(rows))]
+        out = dataclasses.replace(out, text=text)
+    return out

@@ -163,7 +163,8 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """tokens [B, T] -> logits [B, T, V] (float32), hidden [B, T, E], updated k, v [L, B, S, K, D]."""
+    """tokens [B, T] -> logits [B, T, V] (float32), hidden [B, T, E], updated k, v [L, B, S, K,
+    D]."""
 
     config: ModelConfig
     init_std: float = 0.02
@@ -228,12 +229,24 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
     return logits, hidden, KVCache(k, v, cache.length + T)
 
 
+def prefill(model: Model, tokens: Array, cache: KVCache | None = None
+            ) -> tuple[Array, Array, KVCache]:
+    """A whole sequence from position 0: tokens [B, T] at positions 0 .. T-1, causal, written
+    into ``cache`` (an empty cache of capacity >= T; None: one of capacity T).
+
+    The one full-sequence forward: prompts in the engine and in proposers, training losses.
+    Returns logits [B, T, V] float32, hidden [B, T, E] and the cache (length T; callers roll
+    right-padded rows back to their lengths)."""
+    B, T = tokens.shape
+    if cache is None:
+        cache = KVCache.init(model.config, B, T)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return forward(model, tokens, positions, cache)
+
+
 @jax.jit
 def _full_logits(model: Model, tokens: Array) -> Array:
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _, _ = forward(model, tokens, positions, KVCache.init(model.config, B, T))
-    return logits
+    return prefill(model, tokens)[0]
 
 
 def logits(model: Model, tokens) -> Array:

@@ -3,7 +3,7 @@
 ``process_logits`` is the only place where temperature, top-k and top-p are applied. The draft's
 q, the target's p in verification, the recovered and bonus tokens and the autoregressive baseline
 all come from it, so a draft can never be sampled from one distribution and checked against
-another (PITFALLS: "Losing losslessness").
+another.
 """
 
 from __future__ import annotations

@@ -2,8 +2,12 @@
 
 The target is split tensor-parallel over "model" (attention heads and MLP width, Megatron style:
 column-parallel in, row-parallel out, one all-reduce per block), the batch over "data". JAX's SPMD
-partitioner does the rest: ``generate`` runs the same program with sharded inputs. The partition
-rules, one line per parameter (shapes as in specjax/model.py, layers stacked on a leading L)::
+partitioner does the rest: ``generate`` runs the same program with sharded inputs.
+
+Every array dimension has a logical name (``PARAM_AXES``, ``CACHE_AXES``), and one table maps the
+names to mesh axes (``RULES``; pass another as ``rules=`` to ``shard``, ``param_shardings`` or
+``cache_spec`` to try another layout). With the default table, one line per parameter (shapes
+as in specjax/model.py, layers stacked on a leading L)::
 
     parameter                        shape          spec
     embed_tokens/embedding           [V, E]         (model, -)      vocabulary rows split
@@ -38,25 +42,53 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
 from .model import Model
 
 DATA, MODEL = "data", "model"
 
-# (regex over the "/"-joined parameter path, spec); the first match wins.
-RULES: tuple[tuple[str, P], ...] = (
-    (r"embed_tokens/embedding$", P(MODEL, None)),
-    (r"layers/self_attn/[qkv]_proj/kernel$", P(None, None, MODEL)),
-    (r"layers/self_attn/[qkv]_proj/bias$", P(None, MODEL)),
-    (r"layers/self_attn/o_proj/kernel$", P(None, MODEL, None)),
-    (r"layers/mlp/(gate|up)_proj/kernel$", P(None, None, MODEL)),
-    (r"layers/mlp/down_proj/kernel$", P(None, MODEL, None)),
-    (r"lm_head/kernel$", P(None, MODEL)),
-    (r".*", P()),  # norms, o_proj bias: replicated
+# Every array dimension has a logical name; RULES maps names to mesh axes, and a name it leaves
+# out is replicated. Parameters (path regex over the "/"-joined path, first match wins):
+PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embed_tokens/embedding$", ("vocab", "embed")),
+    (r"layers/self_attn/q_proj/kernel$", ("layers", "embed", "q_heads")),
+    (r"layers/self_attn/[kv]_proj/kernel$", ("layers", "embed", "kv_heads")),
+    (r"layers/self_attn/q_proj/bias$", ("layers", "q_heads")),
+    (r"layers/self_attn/[kv]_proj/bias$", ("layers", "kv_heads")),
+    (r"layers/self_attn/o_proj/kernel$", ("layers", "q_heads", "embed")),
+    (r"layers/mlp/(gate|up)_proj/kernel$", ("layers", "embed", "mlp")),
+    (r"layers/mlp/down_proj/kernel$", ("layers", "mlp", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
 )
-KV_RULE = r"layers/self_attn/[kv]_proj/"  # replicated when kv heads do not divide over "model"
+CACHE_AXES = ("layers", "batch", "cache", "kv_heads", "head_dim")  # KV cache k, v
+ROW_AXES = ("batch",)  # per-row arrays [B, ...]: the rest replicated
+
+RULES: dict[str, str] = {"batch": DATA, "vocab": MODEL, "q_heads": MODEL, "kv_heads": MODEL,
+                         "mlp": MODEL}
+"""The default table: logical axis -> mesh axis (Megatron tensor parallelism over "model")."""
+
+
+def _sizes(config: ModelConfig) -> dict[str, int]:
+    """The size each logical axis is split by: a name whose size does not divide the mesh axis
+    is replicated (heads, not head x head_dim, so a head is never cut)."""
+    return {"vocab": config.vocab_size, "q_heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads, "mlp": config.intermediate_size}
+
+
+def logical_spec(axes, config: ModelConfig, mesh_shape: dict, rules: dict | None = None) -> P:
+    """The PartitionSpec of an array whose dimensions have the logical names ``axes``."""
+    rules = RULES if rules is None else rules
+    sizes = _sizes(config)
+    spec = []
+    for name in axes:
+        axis = rules.get(name) if name is not None else None
+        if axis is not None and name in sizes and sizes[name] % mesh_shape[axis]:
+            axis = None
+        spec.append(axis)
+    return P(*spec) if any(a is not None for a in spec) else P()
 
 
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
@@ -80,30 +112,23 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
                 axis_types=(jax.sharding.AxisType.Auto, jax.sharding.AxisType.Auto))
 
 
-def _check_mesh(mesh) -> None:
+def check_mesh(mesh) -> None:
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (DATA, MODEL):
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('data', 'model') "
                          f"(sj.make_mesh), got {mesh!r}")
 
 
-def param_spec(path: str, config: ModelConfig, model_size: int) -> P:
-    """The PartitionSpec of one parameter (its "/"-joined path) on a mesh with model_size
-    devices on the "model" axis; dimensions that do not divide are replicated."""
-    if re.search(KV_RULE, path) and config.num_key_value_heads % model_size:
-        return P()
-    if re.search(r"self_attn/q_proj", path) and config.num_attention_heads % model_size:
-        return P()
-    if re.search(r"self_attn/o_proj/kernel", path) and config.num_attention_heads % model_size:
-        return P()
-    for pattern, spec in RULES:
+def param_axes(path: str) -> tuple[str | None, ...]:
+    """The logical axis names of one parameter ("/"-joined path); () when all are replicated."""
+    for pattern, axes in PARAM_AXES:
         if re.search(pattern, path):
-            sizes = {"embed_tokens/embedding": config.vocab_size, "lm_head": config.vocab_size,
-                     "mlp/": config.intermediate_size}
-            for key, size in sizes.items():
-                if key in path and size % model_size:
-                    return P()
-            return spec
-    return P()
+            return axes
+    return ()
+
+
+def param_spec(path: str, config: ModelConfig, model_size: int, rules: dict | None = None) -> P:
+    """The PartitionSpec of one parameter on a mesh with model_size devices on "model"."""
+    return logical_spec(param_axes(path), config, {DATA: 1, MODEL: model_size}, rules)
 
 
 def _paths(tree, prefix=()):
@@ -112,34 +137,42 @@ def _paths(tree, prefix=()):
     return "/".join(prefix)
 
 
-def param_shardings(config: ModelConfig, params_tree, mesh: Mesh, replicate: bool = False):
+def param_shardings(config: ModelConfig, params_tree, mesh: Mesh, replicate: bool = False,
+                    rules: dict | None = None):
     """NamedShardings for a params tree (arrays or ShapeDtypeStructs) of ``config``."""
-    _check_mesh(mesh)
+    check_mesh(mesh)
     model_size = mesh.shape[MODEL]
     return jax.tree.map(
         lambda path: NamedSharding(mesh, P() if replicate else param_spec(path, config,
-                                                                          model_size)),
+                                                                          model_size, rules)),
         _paths(params_tree))
 
 
-def shard(model: Model, mesh: Mesh, replicate: bool = False) -> Model:
-    """The model with its parameters placed on the mesh by the table above (``replicate=True``:
-    a full copy on every device, for drafts)."""
+def shard(model: Model, mesh: Mesh, replicate: bool = False, rules: dict | None = None) -> Model:
+    """The model with its parameters placed on the mesh by ``rules`` (default ``RULES``;
+    ``replicate=True``: a full copy on every device, for drafts)."""
     if not isinstance(model, Model):
         raise ValueError(f"shard expects an sj.Model, got {type(model).__name__}")
-    shardings = param_shardings(model.config, model.params, mesh, replicate)
+    shardings = param_shardings(model.config, model.params, mesh, replicate, rules)
     return Model(model.config, jax.tree.map(jax.device_put, model.params, shardings))
 
 
-def cache_spec(config: ModelConfig, mesh: Mesh) -> P:
+def placed_on(model: Model, mesh: Mesh) -> bool:
+    """Whether every parameter already lives on ``mesh`` (placed by ``shard``, any rules)."""
+    return all(isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+               for x in jax.tree.leaves(model.params))
+
+
+def cache_spec(config: ModelConfig, mesh: Mesh, rules: dict | None = None) -> P:
     """KV cache [L, B, S, K, D]: rows over "data", kv heads over "model" (when they divide)."""
-    heads = MODEL if config.num_key_value_heads % mesh.shape[MODEL] == 0 else None
-    return P(None, DATA, None, heads, None)
+    spec = logical_spec(CACHE_AXES, config, dict(mesh.shape), rules)
+    return spec if len(spec) else P(*([None] * len(CACHE_AXES)))
 
 
-def rows(mesh: Mesh, ndim: int) -> NamedSharding:
+def rows(mesh: Mesh, ndim: int, rules: dict | None = None) -> NamedSharding:
     """Per-row arrays [B, ...]: split over "data"."""
-    return NamedSharding(mesh, P(DATA, *([None] * (ndim - 1))))
+    axis = (RULES if rules is None else rules).get(ROW_AXES[0])
+    return NamedSharding(mesh, P(axis, *([None] * (ndim - 1))))
 
 
 def constrain(x: Any, mesh: Mesh | None, spec: P) -> Any:

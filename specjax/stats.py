@@ -25,13 +25,13 @@ class Counters:
     accepted_count: Array  # [G+1] int32: active row-rounds that accepted exactly k drafts
 
     @classmethod
-    def zeros(cls, gamma: int) -> "Counters":
+    def zeros(cls, gamma: int) -> Counters:
         """gamma: the most drafts a round can accept (a tree's depth)."""
         z = jnp.zeros((), jnp.int32)
         return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32),
                    jnp.zeros((gamma + 1,), jnp.int32))
 
-    def update(self, active: Array, num_accepted: Array, num_proposed: Array) -> "Counters":
+    def update(self, active: Array, num_accepted: Array, num_proposed: Array) -> Counters:
         """active [B] bool, num_accepted [B] int32, num_proposed [B] int32."""
         G = self.accepted_at.shape[0]
         n = jnp.where(active, num_accepted, 0)
@@ -77,7 +77,7 @@ class Stats:
     def summarise(cls, counters: Counters, *, gamma: int, draft_calls_per_round: int,
                   has_draft_model: bool, generated_tokens: int, batch: int,
                   prefill_seconds: float, decode_seconds: float,
-                  compile_seconds: float) -> "Stats":
+                  compile_seconds: float) -> Stats:
         c = jax.device_get(counters)
         row_rounds = int(c.row_rounds)
         proposed = int(c.proposed)

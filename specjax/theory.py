@@ -2,9 +2,9 @@
 
 Assumes every draft is accepted independently with the same probability α, a draft step costs c
 target steps, and verifying γ + 1 positions costs one target step (true while the batch is small
-enough that the verify step stays memory-bound; see the seed text, section 10.6.2).
+enough that the verify step stays memory-bound).
 
-Seed table, c = 0.05::
+A table of the formula, c = 0.05::
 
     α    γ   tokens/round  speed-up
     0.6  4   2.31          1.92×

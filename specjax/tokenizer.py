@@ -7,7 +7,8 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -45,7 +46,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         import tokenizers
     except ImportError:
         raise ImportError("load_tokenizer needs the `tokenizers` package: "
-                          "pip install 'specjax[hf]'") from None
+                          "pip install tokenizers") from None
     path = pathlib.Path(path)
     file = path if path.is_file() else path / "tokenizer.json"
     if not file.exists():

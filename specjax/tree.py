@@ -23,7 +23,8 @@ token after r. A chain of γ drafts is the tree ((0,), (0, 0), ...) with γ node
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,9 +46,15 @@ def _as_paths(paths) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def _frozen(table: np.ndarray) -> np.ndarray:
+    table.setflags(write=False)
+    return table
+
+
 @dataclasses.dataclass(frozen=True)
 class Tree:
-    """A validated tree topology and its index tables (numpy; static in compiled programs).
+    """A validated tree topology and its index tables (numpy, read-only, computed once per tree;
+    static in compiled programs).
 
     paths     N-1 paths, breadth-first order (node i + 1 is paths[i]; node 0 is the root)
     parents   [N] int32, -1 for the root
@@ -86,7 +93,7 @@ class Tree:
         object.__setattr__(self, "paths", tuple(sorted(paths, key=lambda p: (len(p), p))))
 
     @classmethod
-    def chain(cls, gamma: int) -> "Tree":
+    def chain(cls, gamma: int) -> Tree:
         return cls(tuple((0,) * d for d in range(1, gamma + 1)))
 
     @property
@@ -99,33 +106,33 @@ class Tree:
         """The deepest path: the most drafts a round can accept."""
         return max(len(p) for p in self.paths)
 
-    @property
+    @functools.cached_property
     def index(self) -> dict:
         """path -> node index (the root, (), is 0)."""
         return {(): 0, **{p: i + 1 for i, p in enumerate(self.paths)}}
 
-    @property
+    @functools.cached_property
     def parents(self) -> np.ndarray:
         index = self.index
-        return np.array([-1] + [index[p[:-1]] for p in self.paths], np.int32)
+        return _frozen(np.array([-1] + [index[p[:-1]] for p in self.paths], np.int32))
 
-    @property
+    @functools.cached_property
     def depths(self) -> np.ndarray:
-        return np.array([0] + [len(p) for p in self.paths], np.int32)
+        return _frozen(np.array([0] + [len(p) for p in self.paths], np.int32))
 
-    @property
+    @functools.cached_property
     def ranks(self) -> np.ndarray:
-        return np.array([0] + [p[-1] for p in self.paths], np.int32)
+        return _frozen(np.array([0] + [p[-1] for p in self.paths], np.int32))
 
-    @property
+    @functools.cached_property
     def ancestors(self) -> np.ndarray:
         N, parents = self.num_nodes, self.parents
         mask = np.eye(N, dtype=bool)
         for i in range(1, N):  # parents come first, so their rows are complete
             mask[i] |= mask[parents[i]]
-        return mask
+        return _frozen(mask)
 
-    @property
+    @functools.cached_property
     def children(self) -> np.ndarray:
         index = self.index
         kids = [[] for _ in range(self.num_nodes)]
@@ -135,9 +142,9 @@ class Tree:
         out = np.full((self.num_nodes, width), -1, np.int32)
         for i, k in enumerate(kids):
             out[i, :len(k)] = k
-        return out
+        return _frozen(out)
 
-    @property
+    @functools.cached_property
     def levels(self) -> tuple[tuple[int, int], ...]:
         depths = self.depths
         return tuple((int(np.argmax(depths == d)), int(np.sum(depths <= d)))

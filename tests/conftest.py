@@ -37,10 +37,10 @@ def draft():
 @pytest.fixture
 def fresh_programs():
     """Forget every compiled program before and after a test that patches traced code."""
-    engine._EXECUTABLES.clear()
+    engine.PROGRAMS.clear()
     jax.clear_caches()
     yield
-    engine._EXECUTABLES.clear()
+    engine.PROGRAMS.clear()
     jax.clear_caches()
 
 

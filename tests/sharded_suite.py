@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import engine, sharding
+from specjax import engine
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
@@ -29,7 +29,7 @@ def models():
     draft = sj.Model(TARGET, jax.tree.unflatten(  # a perturbed copy: drafts often accepted
         tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
     # an (untrained) EAGLE head on the target: sharded runs must equal one device with it too
-    eagle = sj.init_drafter(target, "eagle", jax.random.key(2), init_std=0.3)
+    eagle = sj.init_heads(target, "eagle", jax.random.key(2), init_std=0.3)
     return target, draft, eagle
 
 
@@ -104,7 +104,8 @@ SPECS = {"autoregressive": None, "chain": sj.SpecConfig(num_speculative_tokens=3
 
 
 # every mesh with a chain; every method on the mixed mesh and the tree on the widest "model" axis
-CASES = ([(mesh, "chain") for mesh in MESHES] + [((2, 4), name) for name in SPECS if name != "chain"]
+CASES = ([(mesh, "chain") for mesh in MESHES]
+         + [((2, 4), name) for name in SPECS if name != "chain"]
          + [((1, 8), "tree")])
 
 
@@ -114,7 +115,7 @@ def test_sharded_output_equals_single_device(models, mesh_shape, name):
     target, draft, eagle = models
     spec = SPECS[name]
     d = None if spec is None else (draft if spec.needs_draft_model
-                                   else eagle if spec.needs_drafter else None)
+                                   else eagle if spec.needs_heads else None)
     if name == "draft-vocab":
         d = sj.draft.restrict_vocab(draft, np.arange(0, draft.config.vocab_size, 2))
     mesh = sj.make_mesh(data=data, model=model)
@@ -134,10 +135,10 @@ def test_no_full_weight_gathers_inside_the_loop(models):
     smallest tensor-parallel weight (per layer)."""
     target, draft, _ = models
     mesh = sj.make_mesh(data=1, model=8)
-    engine._EXECUTABLES.clear()
+    engine.PROGRAMS.clear()
     sj.generate(target, PROMPTS, draft=draft, spec=sj.SpecConfig(num_speculative_tokens=3),
                 sampling=sj.SamplingParams(temperature=0, max_new_tokens=8), mesh=mesh)
-    (decode,) = [exe for sig, exe in engine._EXECUTABLES.items() if sig[0] is engine._decode_jit]
+    (decode,) = engine.PROGRAMS.programs()[-1].executables("decode")
     text = decode.as_text()
     collectives = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-to-all|all-reduce)\(", text)
     assert collectives, "expected tensor-parallel collectives in the sharded program"

@@ -19,7 +19,7 @@ CKPT = ROOT / "checkpoints"
 @pytest.fixture(scope="module")
 def bundled():
     target = sj.load_model(CKPT / "code-target", dtype="float32")
-    draft = sj.draft.load_draft(CKPT / "code-draft", dtype="float32")  # as it drafts
+    draft = sj.load_draft_model(CKPT / "code-draft", dtype="float32")  # as it drafts
     return target, draft, sj.load_tokenizer(CKPT / "code-target")
 
 
@@ -56,8 +56,8 @@ def test_the_draft_ships_its_draft_vocabulary(bundled):
     _, draft, _ = bundled
     vocab = np.load(CKPT / "code-draft" / "draft_vocab.npy")
     assert vocab.shape == (pair.DRAFT_VOCAB_SIZE,) and len(np.unique(vocab)) == len(vocab)
-    np.testing.assert_array_equal(draft.params["draft_vocab"]["vocab"], vocab)
-    assert "draft_vocab" not in sj.draft.load_draft(CKPT / "code-draft", full_vocab=True).params
+    np.testing.assert_array_equal(draft.vocab.ids, vocab)
+    assert sj.load_draft_model(CKPT / "code-draft", full_vocab=True).vocab is None
     card = (CKPT / "code-draft" / "README.md").read_text()
     assert f"the {pair.DRAFT_VOCAB_SIZE} most frequent tokens" in card
 
@@ -94,9 +94,9 @@ def test_bundled_drafters_load_and_are_accepted(bundled, method):
     """The shipped Medusa / EAGLE heads were trained for the shipped target: they load for it
     (and only for it), keep greedy output exact and are accepted far more than chance."""
     target, draft, tok = bundled
-    drafter = sj.load_drafter(CKPT / f"code-{method}", target)
+    drafter = sj.load_heads(CKPT / f"code-{method}", target)
     with pytest.raises(ValueError, match="another target"):
-        sj.load_drafter(CKPT / f"code-{method}", sj.Model(target.config, {
+        sj.load_heads(CKPT / f"code-{method}", sj.Model(target.config, {
             **target.params, "lm_head": {"kernel": -target.params["lm_head"]["kernel"]}}))
     assert "self-distillation" in (CKPT / f"code-{method}" / "README.md").read_text()
     from specjax.bench import load_prompts

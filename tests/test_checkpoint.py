@@ -7,9 +7,9 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 import specjax as sj
-from conftest import tiny_model
 from specjax import checkpoint
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -e '.[test]')")
@@ -50,7 +50,7 @@ def hf_model(kind, seed=0, **overrides):
     # transformers starts biases at 0 and norm weights at 1, as we do: randomise every tensor so
     # that a dropped, swapped or transposed bias or norm cannot pass unnoticed.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.0))
     return model
 

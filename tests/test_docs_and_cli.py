@@ -46,7 +46,8 @@ def test_first_layers_shares_embedding_and_head():
     model = tiny_model(layers=2)
     one = cli.first_layers(model, 1)
     assert one.config.num_hidden_layers == 1
-    np.testing.assert_array_equal(one.params["lm_head"]["kernel"], model.params["lm_head"]["kernel"])
+    np.testing.assert_array_equal(one.params["lm_head"]["kernel"],
+                                  model.params["lm_head"]["kernel"])
     for a, b in zip(jax.tree.leaves(one.params["layers"]), jax.tree.leaves(model.params["layers"])):
         np.testing.assert_array_equal(a, b[:1])
 
@@ -55,9 +56,11 @@ def test_first_layers_shares_embedding_and_head():
 def model_folders(tmp_path_factory):
     """A tiny target and draft in HF format with a tokenizer, as `specjax generate` expects."""
     import json
+
     import tokenizers
-    import specjax as sj
     from conftest import tiny_model
+
+    import specjax as sj
     root = tmp_path_factory.mktemp("models")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -161,12 +164,14 @@ BENCH_FIELDS = {
 
 def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
     import json
+
     from specjax import theory
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                      str(model_folders / "d"), "--gammas", "1,3", "--temperatures", "0,0.8",
                      "--max-new-tokens", "10", "--repeats", "2", "--verify-repeats", "2",
-                     "--tree", "[[0], [1], [0, 0]]", "--num-prompts", "2", "--max-prompt-tokens", "40", "--json", str(out)]) == 0
+                     "--tree", "[[0], [1], [0, 0]]", "--num-prompts", "2",
+                     "--max-prompt-tokens", "40", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "per-position acceptance" in printed
     assert "identical to autoregressive on every prompt: True" in printed
@@ -192,7 +197,7 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
             full = r["accepted_length_distribution"][-1] * r["rounds"]
             assert r["alpha"] == pytest.approx(
                 r["accepted_tokens"] / (r["accepted_tokens"] + r["rounds"] - full))
-        else:  # the seed's formula is for chains
+        else:  # the formula is for chains
             assert r["tree"] == [[0], [1], [0, 0]] and r["depth"] == 2 and r["verify_tokens"] == 4
             assert np.isnan(r["predicted_speedup"])
     assert all(r["identical_to_autoregressive"] for r in rows if r["temperature"] == 0)

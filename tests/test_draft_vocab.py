@@ -6,13 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_lossless import (
+    exact_joint,
+    g_test,
+    generate_samples,
+    models,  # noqa: F401  (the fixture: an 8-token target and drafts)
+)
 
 import specjax as sj
 from specjax import sampling
-from specjax.draft import model as draft_model
-from specjax.draft import restrict_vocab
-from test_lossless import exact_joint, g_test, generate_samples
-from test_lossless import models  # noqa: F401  (the fixture: an 8-token target and drafts)
+from specjax.draft import draft_model, restrict_vocab
 
 GREEDY = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
 PROMPTS = [[1, 5, 9], [2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
@@ -63,13 +66,13 @@ def test_proposals_come_from_the_draft_vocabulary(target, noisy, temperature):
     B, P = 2, 5
     prompts = jnp.asarray([[1, 5, 9, 2, 6], [3, 1, 4, 0, 0]], jnp.int32)
     lengths = jnp.asarray([5, 3], jnp.int32)
-    cache = proposer.init(draft.params, prompts, lengths, 32)
+    cache = proposer.init(draft, prompts, lengths, 32)
     history = jnp.zeros((B, 32), jnp.int32).at[:, :P].set(prompts)
     arrays = sampling.SamplingArrays(temperature=jnp.full((B,), temperature, jnp.float32),
                                      top_k=jnp.zeros((B,), jnp.int32),
                                      top_p=jnp.ones((B,), jnp.float32))
     filters = sampling.Filters(greedy=temperature == 0)
-    out, _ = proposer.propose(draft.params, cache, history, lengths - 1,
+    out, _ = proposer.propose(draft, cache, history, lengths - 1,
                               jax.random.split(jax.random.key(0), B), arrays, filters)
     assert np.isin(np.asarray(out.tokens), vocab).all()
     if temperature == 0:
@@ -94,15 +97,15 @@ def test_bad_vocabularies_are_refused(target, draft):
     with pytest.raises(ValueError, match="3 children.*2-token draft vocabulary"):
         sj.generate(target, [[1, 2]], sampling=GREEDY, draft=small,
                     spec=sj.SpecConfig(tree=((0,), (1,), (2,))))
-    with pytest.raises(ValueError, match="save the model before restricting"):
+    with pytest.raises(ValueError, match="save_model expects an sj.Model, got DraftModel"):
         sj.save_model(small, "/nonexistent/never-written")
 
 
 def test_restricting_twice_replaces_the_subset(draft):
     twice = restrict_vocab(restrict_vocab(draft, [1, 2, 3]), [4, 5])
-    assert draft_model.draft_vocab_size(twice) == 2
-    assert draft_model.draft_vocab_size(draft) == 32
-    np.testing.assert_array_equal(twice.params["draft_vocab"]["vocab"], [4, 5])
+    assert twice.vocab_size == 2 and twice.model is draft
+    assert sj.DraftModel(draft).vocab_size == 32
+    np.testing.assert_array_equal(twice.vocab.ids, [4, 5])
 
 
 # -- distributions: exact enumeration of the first three tokens on an 8-token vocabulary ------
@@ -119,16 +122,16 @@ def test_restricted_draft_follows_the_target(models, t, k, p):
     assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
 
 
-def _shifted_scatter(params, sub, vocab_size):
+def _shifted_widen(self, sub, vocab_size):
     """q written to the wrong ids (the subset rolled by one): the verifier sees a q that is not
     the distribution the drafts were drawn from."""
     full = jnp.zeros(sub.shape[:-1] + (vocab_size,), jnp.float32)
-    return full.at[..., jnp.roll(params["vocab"], 1)].set(sub)
+    return full.at[..., jnp.roll(self.ids, 1)].set(sub)
 
 
 def test_a_wrong_q_fails_the_same_test(models, monkeypatch, fresh_programs):
     target, drafts = models
-    monkeypatch.setattr(draft_model.drafter_lib, "scatter_vocab", _shifted_scatter)
+    monkeypatch.setattr(sj.DraftVocab, "widen", _shifted_widen)
     sampling_params = sj.SamplingParams(temperature=1.0, max_new_tokens=3)
     samples = generate_samples(target, restrict_vocab(drafts["close"], V8_VOCAB),
                                sampling_params, sj.SpecConfig(num_speculative_tokens=3))

@@ -1,13 +1,14 @@
-"""sj.generate: greedy exactness, per-row independence, limits, EOS, stats, compile reuse, errors."""
+"""sj.generate: greedy exactness, per-row independence, limits, EOS, stats, compile reuse and
+errors."""
 
 import json
 
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 import specjax as sj
-from conftest import tiny_model
 from specjax import engine
 
 PROMPTS = [[1, 5, 9], [2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]

@@ -6,19 +6,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
+from test_lossless import (  # noqa: F401
+    exact_joint,
+    g_test,
+    generate_samples,
+    later_samples,
+    models,
+    tail_joints,
+    tail_pvalues,
+)
 
 import specjax as sj
-from conftest import tiny_model
-from specjax import drafter as drafter_lib
 from specjax import engine, verify
+from specjax.draft import heads as heads_lib
 from specjax.draft.eagle import EagleProposer
 from specjax.sampling import Filters, SamplingArrays
 from specjax.train import TrainConfig
 from specjax.train.data import sample_batch
 from specjax.train.heads import HeadsObjective, train_heads
 from specjax.tree import Tree
-from test_lossless import (exact_joint, g_test, generate_samples, later_samples,  # noqa: F401
-                           models, tail_joints, tail_pvalues)
 
 TREE = ((0,), (1,), (0, 0), (1, 0), (0, 1), (0, 0, 0))
 
@@ -40,7 +47,7 @@ def quick(steps=60, **kw):
 
 @pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):
-    """Medusa (3 heads) and EAGLE trained briefly on the session target's own samples, with a
+    """Medusa (3 heads) and EAGLE trained briefly on the shared test target's own samples, with a
     28-token draft vocabulary (of 32), plus the stream they were trained on."""
     tokens = samples_of(target)
     out = {"tokens": tokens}
@@ -56,10 +63,10 @@ def trained(target, tmp_path_factory):
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_training_reduces_the_loss(target, trained, method):
     tokens = trained["tokens"]
-    fresh = drafter_lib.init_drafter(target, method, jax.random.key(0), num_heads=3,
-                                     vocab=trained[method].params["vocab"])
+    fresh = heads_lib.init_heads(target, method, jax.random.key(0), num_heads=3,
+                                 vocab=trained[method].vocab.ids)
     objective = HeadsObjective(fresh.config, target.config)
-    aux = {"target": target.params, "vocab": fresh.params["vocab"]}
+    aux = {"target": target.params, "vocab": fresh.vocab.ids}
     batch = jnp.asarray(sample_batch(tokens, 8, 32, 12345, 0))
     before = float(objective(fresh.params["weights"], batch, aux))
     after = float(objective(trained[method].params["weights"], batch, aux))
@@ -90,10 +97,10 @@ def test_training_resumes_to_the_same_weights(target, trained, method, tmp_path)
 
 def test_draft_vocabulary_is_the_most_frequent_tokens():
     tokens = np.array([5, 5, 5, 2, 2, 7, 1, 1, 1, 1])
-    np.testing.assert_array_equal(drafter_lib.frequent_tokens(tokens, 10, 3), [1, 2, 5])
+    np.testing.assert_array_equal(sj.draft.frequent_tokens(tokens, 10, 3), [1, 2, 5])
     # 7 and every unseen id tie at count 1 vs 0: 7 is more frequent; among unseen, smaller first
-    np.testing.assert_array_equal(drafter_lib.frequent_tokens(tokens, 10, 4), [1, 2, 5, 7])
-    np.testing.assert_array_equal(drafter_lib.frequent_tokens(tokens, 10, 5), [0, 1, 2, 5, 7])
+    np.testing.assert_array_equal(sj.draft.frequent_tokens(tokens, 10, 4), [1, 2, 5, 7])
+    np.testing.assert_array_equal(sj.draft.frequent_tokens(tokens, 10, 5), [0, 1, 2, 5, 7])
 
 
 # -- saving and loading -------------------------------------------------------------------------
@@ -101,8 +108,8 @@ def test_draft_vocabulary_is_the_most_frequent_tokens():
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_save_load_round_trip_and_wrong_target(target, trained, method, tmp_path):
     d = trained[method]
-    sj.save_drafter(d, tmp_path / method, target)
-    loaded = sj.load_drafter(tmp_path / method, target)
+    sj.save_heads(d, tmp_path / method, target)
+    loaded = sj.load_heads(tmp_path / method, target)
     assert loaded.config == d.config
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(d.params)):
         np.testing.assert_array_equal(a, b)
@@ -112,26 +119,26 @@ def test_save_load_round_trip_and_wrong_target(target, trained, method, tmp_path
     other = tiny_model(seed=7, vocab_size=32, hidden_size=32, layers=2, heads=4, kv_heads=2,
                        max_pos=128)
     with pytest.raises(ValueError, match="trained for another target.*embed_tokens"):
-        sj.load_drafter(tmp_path / method, other)
+        sj.load_heads(tmp_path / method, other)
     wider = tiny_model(seed=0, vocab_size=32, hidden_size=16, layers=2, heads=4, kv_heads=2,
                        max_pos=128)
     with pytest.raises(ValueError, match="hidden_size=32"):
-        sj.load_drafter(tmp_path / method, wider)
+        sj.load_heads(tmp_path / method, wider)
     # the same target stored in bfloat16 is still the same target
     half = sj.Model(target.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), target.params))
-    sj.load_drafter(tmp_path / method, half)
+    sj.load_heads(tmp_path / method, half)
     with pytest.raises(FileNotFoundError, match="drafter.json"):
-        sj.load_drafter(tmp_path, target)
+        sj.load_heads(tmp_path, target)
 
 
 def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_path):
     """An EAGLE head with its own MLP width (narrower than the target's) keeps that width through
     save and load and decodes exactly as autoregressive greedy; Medusa has no such width."""
-    d = drafter_lib.init_drafter(target, "eagle", jax.random.key(3), intermediate_size=24)
+    d = heads_lib.init_heads(target, "eagle", jax.random.key(3), intermediate_size=24)
     assert d.config.layer.intermediate_size == 24 != target.config.intermediate_size
     assert d.params["weights"]["layer"]["mlp"]["up_proj"]["kernel"].shape[-1] == 24
-    sj.save_drafter(d, tmp_path / "narrow", target)
-    loaded = sj.load_drafter(tmp_path / "narrow", target)
+    sj.save_heads(d, tmp_path / "narrow", target)
+    loaded = sj.load_heads(tmp_path / "narrow", target)
     assert loaded.config == d.config
     prompts = [[1, 2, 3, 4, 5], [7, 1]]
     sampling = sj.SamplingParams(temperature=0, max_new_tokens=12)
@@ -140,16 +147,16 @@ def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_pa
                       spec=sj.SpecConfig(method="eagle", num_speculative_tokens=3)).tokens
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="intermediate_size=8.*only an EAGLE"):
-        drafter_lib.init_drafter(target, "medusa", jax.random.key(0), intermediate_size=8)
+        heads_lib.init_heads(target, "medusa", jax.random.key(0), intermediate_size=8)
     with pytest.raises(ValueError, match="intermediate_size=0"):
-        drafter_lib.init_drafter(target, "eagle", jax.random.key(0), intermediate_size=0)
+        heads_lib.init_heads(target, "eagle", jax.random.key(0), intermediate_size=0)
 
 
 def test_generate_refuses_bad_drafters(target, draft, trained):
     prompts = [[1, 2, 3]]
-    with pytest.raises(ValueError, match="needs draft= an sj.Drafter"):
+    with pytest.raises(ValueError, match="needs draft= an sj.Heads"):
         sj.generate(target, prompts, spec=dict(method="medusa"), draft=draft)
-    with pytest.raises(ValueError, match="is a 'eagle' drafter"):
+    with pytest.raises(ValueError, match="the heads are 'eagle' heads"):
         sj.generate(target, prompts, spec=dict(method="medusa"), draft=trained["eagle"])
     with pytest.raises(ValueError, match="3 heads.*num_speculative_tokens=4"):
         sj.generate(target, prompts, spec=dict(method="medusa", num_speculative_tokens=4),
@@ -161,9 +168,9 @@ def test_generate_refuses_bad_drafters(target, draft, trained):
     with pytest.raises(ValueError, match="draft must be an sj.Model"):
         sj.generate(target, prompts, spec=dict(method="draft_model"), draft=trained["eagle"])
     with pytest.raises(ValueError, match="num_heads"):
-        drafter_lib.init_drafter(target, "medusa", jax.random.key(0), num_heads=0)
+        heads_lib.init_heads(target, "medusa", jax.random.key(0), num_heads=0)
     with pytest.raises(ValueError, match="vocab"):
-        drafter_lib.init_drafter(target, "eagle", jax.random.key(0), vocab=[0, 32])
+        heads_lib.init_heads(target, "eagle", jax.random.key(0), vocab=[0, 32])
 
 
 # -- greedy equality ----------------------------------------------------------------------------
@@ -232,14 +239,13 @@ def check_eagle_cache(target, d, tree):
         sampling=SamplingArrays(temperature=jnp.zeros((B,)), top_k=jnp.zeros((B,), jnp.int32),
                                 top_p=jnp.ones((B,))),
         max_new_tokens=jnp.full((B,), 40, jnp.int32), eos=jnp.full((8,), -1, jnp.int32))
-    state = jax.jit(engine._prefill, static_argnums=0)(
-        plan, target.params, d.params, jnp.asarray(padded),
-        jnp.asarray([len(p) for p in PROMPTS], jnp.int32), request)
-    round_ = jax.jit(engine._round, static_argnums=0)
+    program = engine.Program(plan)
+    state = program.prefill(target.params, d.params, jnp.asarray(padded),
+                            jnp.asarray([len(p) for p in PROMPTS], jnp.int32), request)
     multi = 0
     for _ in range(5):
         old = np.asarray(state.length)
-        state = round_(plan, target.params, d.params, request, state)
+        state = program.step(target.params, d.params, request, state)
         length = np.asarray(state.length)
         multi += int(np.sum(length - old >= 2))
         for b in range(B):
@@ -249,9 +255,9 @@ def check_eagle_cache(target, d, tree):
             n = seq.shape[1]
             positions = jnp.arange(n)[None]
             _, hidden, _ = sj.forward(target, seq, positions, sj.KVCache.init(target.config, 1, n))
-            _, ref = drafter_lib.eagle_forward(
+            _, ref = heads_lib.eagle_forward(
                 d.config, d.params["weights"], hidden[:, :-1],
-                drafter_lib.embed(target.params, seq[:, 1:]), positions[:, :-1],
+                heads_lib.embed(target.params, seq[:, 1:]), positions[:, :-1],
                 sj.KVCache.init(d.config.layer, 1, n - 1))
             upto = old[b]  # the round's catch-up rewrote pairs up to slot old - 1
             cache = state.draft_state.cache

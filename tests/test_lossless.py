@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ref_process, tiny_model
 from scipy import stats as scipy_stats
 
 import specjax as sj
-from conftest import ref_process, tiny_model
 from specjax import engine, verify
 
 V, N, PROMPT = 8, 40000, [1, 2, 3]
@@ -196,14 +196,14 @@ def _same_keys_every_round(keys, step):
     return _honest_round_keys(keys, step * 0)
 
 
-_honest_round_keys = engine._round_keys
+_honest_round_keys = engine.round_keys
 
 
 def test_reused_round_keys_fail_the_later_token_test(models, tail_joints, monkeypatch,
                                                      fresh_programs):
     """The PITFALL "the same random number reused across rounds" must not pass unnoticed."""
     target, drafts = models
-    monkeypatch.setattr(engine, "_round_keys", _same_keys_every_round)
+    monkeypatch.setattr(engine, "round_keys", _same_keys_every_round)
     out = later_samples(target, drafts["close"], 1)
     assert min(tail_pvalues(out.tokens, tail_joints)) < 1e-6
 

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 import specjax as sj
-from conftest import tiny_model
 from specjax import cache as kv
 
 

@@ -8,11 +8,11 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_verify import Tables, V, round_then_target
 
 import specjax as sj
-from specjax.draft import ngram
-from test_verify import V, Tables, round_then_target
 from specjax import verify
+from specjax.draft import ngram
 
 
 def reference_lookup(seq, gamma, n_min, n_max, length_factor=None):

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import ref_process
+
 from specjax import sampling
 
 CASES = [  # temperature, top_k, top_p

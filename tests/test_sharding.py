@@ -31,13 +31,13 @@ def test_sharded_suite_on_8_devices():
 
 
 def test_two_processes_equal_one(tmp_path):
-    script = ROOT / "experiments" / "multihost.py"
+    script = [sys.executable, "-m", "specjax.multihost"]
     two, one = tmp_path / "two.json", tmp_path / "one.json"
-    run = subprocess.run([sys.executable, str(script), "--local-demo", "--json", str(two)],
+    run = subprocess.run([*script, "--local-demo", "--json", str(two)],
                          cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "2 processes, 8 devices (4 local)" in run.stdout
-    run = subprocess.run([sys.executable, str(script), "--reference", "--json", str(one)],
+    run = subprocess.run([*script, "--reference", "--json", str(one)],
                          cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     a, b = json.loads(two.read_text()), json.loads(one.read_text())

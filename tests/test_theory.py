@@ -2,7 +2,8 @@ import pytest
 
 from specjax import theory
 
-SEED_TABLE = [  # (alpha, gamma) -> (tokens per round, speed-up) at c = 0.05, seed text table 10-16
+# (alpha, gamma) -> (tokens per round, speed-up) at c = 0.05, the table in specjax/theory.py
+SEED_TABLE = [
     (0.6, 4, 2.31, 1.92),
     (0.8, 4, 3.36, 2.80),
     (0.8, 8, 4.33, 3.09),
@@ -11,12 +12,12 @@ SEED_TABLE = [  # (alpha, gamma) -> (tokens per round, speed-up) at c = 0.05, se
 
 
 @pytest.mark.parametrize("alpha,gamma,tokens,speed", SEED_TABLE)
-def test_seed_table(alpha, gamma, tokens, speed):
+def test_the_speedup_table(alpha, gamma, tokens, speed):
     assert round(theory.expected_tokens_per_round(alpha, gamma), 2) == tokens
     assert round(theory.speedup(alpha, gamma, 0.05), 2) == speed
 
 
-def test_seed_text_claims():
+def test_the_speedup_claims():
     # "c from 0.05 to 0.2 takes α = 0.8, γ = 4 from 2.80× to 1.87×"
     assert round(theory.speedup(0.8, 4, 0.2), 2) == 1.87
     # "α = 0.8 peaks near γ = 8; α = 0.6 peaks at γ = 4"

@@ -4,9 +4,9 @@ import json
 
 import numpy as np
 import pytest
+from conftest import tiny_model
 
 import specjax as sj
-from conftest import tiny_model
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -6,9 +6,9 @@ import json
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config, tiny_model
 
 import specjax as sj
-from conftest import tiny_config, tiny_model
 from specjax import train
 
 CFG = tiny_config(vocab_size=32, hidden_size=16, layers=1)
@@ -123,8 +123,8 @@ def test_pair_stages_end_to_end(tmp_path):
     pair.stage_export(work, tmp_path / "out", (("target", target, quick),
                                                ("draft", draft, quick)), draft_vocab_size=100)
     t = sj.load_model(tmp_path / "out" / "code-target")
-    d = sj.draft.load_draft(tmp_path / "out" / "code-draft")
-    vocab = np.asarray(d.params["draft_vocab"]["vocab"])  # the 100 most frequent training tokens
+    d = sj.load_draft_model(tmp_path / "out" / "code-draft")
+    vocab = np.asarray(d.vocab.ids)  # the 100 most frequent training tokens
     counts = np.bincount(np.load(work / "train.npy"), minlength=300)
     assert len(vocab) == 100 and counts[vocab].min() >= np.delete(counts, vocab).max()
     tok = sj.load_tokenizer(tmp_path / "out" / "code-target")
@@ -132,7 +132,8 @@ def test_pair_stages_end_to_end(tmp_path):
     out = sj.generate(t, ["def f1(x):"], tokenizer=tok, draft=d, spec=sj.SpecConfig(),
                       sampling=sj.SamplingParams(temperature=0, max_new_tokens=8),
                       return_text=True)
-    assert isinstance(out.text[0], str) and out.text[0] == tok.decode(out.tokens[0, :out.lengths[0]])
+    assert isinstance(out.text[0], str)
+    assert out.text[0] == tok.decode(out.tokens[0, :out.lengths[0]])
     assert tok.eos_token_ids == (0,)  # the end-of-text token, recorded by export
     assert (work / "target-evals.jsonl").exists() and (work / "draft-evals.jsonl").exists()
     for name in ("code-target", "code-draft"):  # model cards with the measured figures

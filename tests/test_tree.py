@@ -9,17 +9,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
+from test_lossless import (
+    exact_joint,
+    g_test,
+    generate_samples,
+    later_samples,
+    models,  # noqa: F401 (fixtures)
+    tail_pvalues,
+)
 
 import specjax as sj
-from conftest import tiny_model
 from specjax import cache as kv
 from specjax import engine, verify
 from specjax.sampling import Filters, SamplingArrays
 from specjax.tree import Tree
-from test_lossless import (LATER, exact_joint, g_test, generate_samples, later_samples,
-                           models, tail_joints, tail_pvalues)  # noqa: F401 (fixtures)
 
-SEED_EXAMPLE = ((0,), (1,), (0, 0), (0, 1))  # the seed text's [r, a, b, c, d]
+SEED_EXAMPLE = ((0,), (1,), (0, 0), (0, 1))  # the [r, a, b, c, d] tree of specjax/tree.py
 TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))  # the example
 
 
@@ -191,7 +197,7 @@ def test_tree_rule_is_lossless_by_enumeration(paths, candidates):
     tree = Tree(paths)
     rng = np.random.default_rng(0)
     node_tokens = []
-    for i, path in enumerate(tree.paths):  # siblings distinct; "likely": ranked as the target ranks
+    for path in tree.paths:  # siblings distinct; "likely": ranked as the target ranks
         if candidates == "distinct":
             node_tokens.append(int(rng.permutation(V)[path[-1]]))
         else:
@@ -323,7 +329,7 @@ def test_committed_cache_equals_plain_decoding(greedy_setup):
     target, drafts, prompts, _, _ = greedy_setup
     draft = drafts["other"]
     tree = Tree(TREE)
-    proposer = engine.DraftTreeProposer(draft.config, tree)
+    proposer = sj.draft.DraftTreeProposer(draft.config, tree)
     plan = engine.Plan(target.config, proposer, 64, Filters(top_k=0, top_p=False))
     B, P = len(prompts), 16
     padded = np.zeros((B, P), np.int32)
@@ -336,13 +342,13 @@ def test_committed_cache_equals_plain_decoding(greedy_setup):
                                             top_k=jnp.zeros((B,), jnp.int32),
                                             top_p=jnp.ones((B,))),
         max_new_tokens=jnp.full((B,), 30, jnp.int32), eos=jnp.full((8,), -1, jnp.int32))
-    state = jax.jit(engine._prefill, static_argnums=0)(plan, target.params, draft.params,
-                                                      jnp.asarray(padded), lengths, request)
-    round_ = jax.jit(engine._round, static_argnums=0)
+    program = engine.Program(plan)
+    state = program.prefill(target.params, sj.DraftModel(draft), jnp.asarray(padded), lengths,
+                            request)
     deep = 0
     for _ in range(5):
         old = np.asarray(state.length)
-        state = round_(plan, target.params, draft.params, request, state)
+        state = program.step(target.params, sj.DraftModel(draft), request, state)
         length = np.asarray(state.length)
         deep += int(np.sum(length - old - 1 >= 2))
         for b in range(B):

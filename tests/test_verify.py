@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ref_process
 from scipy import stats as scipy_stats
 
-from conftest import ref_process
 from specjax import verify
 
 V = 4
@@ -42,7 +42,8 @@ class Tables:
         return joint
 
     def batch(self, drafts):
-        """Arrays for verify: draft_tokens [B, G], draft_probs [B, G, V], target_probs [B, G+1, V]."""
+        """Arrays for verify: draft_tokens [B, G], draft_probs [B, G, V], target_probs [B, G+1,
+        V]."""
         G = self.gamma
         toks = np.array(drafts, np.int32).reshape(len(drafts), G)
         q = np.stack([[self.q[tuple(d[:k])] for k in range(G)] for d in toks])

@@ -1,62 +1,53 @@
-"""Proposers: one file each, one protocol.
+"""Proposers: one file each, one protocol (``specjax.draft.base``), one registry.
 
-A proposer is a frozen (hashable) dataclass: it is part of the compiled program's static
-configuration, chosen when the program is built, never by string dispatch inside traced code. Its
-parameters (if any) are passed in as arguments, and its state (a draft cache, say) is a pytree
-threaded through the decode loop. It never sees the verifier.
-
-Protocol::
-
-    gamma: int                                   # drafts per round (static)
-    init(params, prompts [B, P], prompt_lengths [B], capacity) -> state
-    propose(params, state, history [B, S], length [B], keys [B], sampling, filters)
-        -> (Draft, state)
-
-Tree proposers also carry ``tree`` (a specjax.tree.Tree; ``gamma`` is its number of non-root
-nodes, and ``Draft.tokens`` holds nodes 1 .. N-1 in the tree's order) and
-``commit(state, start [B], path [B, D], num_accepted [B]) -> state``, called after verification
-with the accepted nodes, so the proposer can compact its own cache as the engine compacts the
-target's.
-
-Proposers that ride on the target (``rides_on_target = True``: Medusa, EAGLE) draft from the
-target's own hidden states instead of a model of their own. For them the engine passes
-``params = {"drafter": ..., "target": target params}``, gives ``init`` the prompt's hidden states
-(``init(params, prompts, prompt_lengths, capacity, hidden [B, P, E])``), and after every
-verification calls ``observe(state, start [B], hidden [B, W, E])`` with the target's hidden states
-along the round's accepted path (position start + j at index j; W = depth + 1). Both keep them in a
-``Features`` state.
-
-A proposer may offer fewer than γ drafts in a row (none included) through ``Draft.valid``; the
-verifier treats the missing ones as never proposed (the row's next token is then drawn from the
-target's own distribution at that position), so shapes stay static and nothing recompiles.
-
-``history[b, :length[b] + 1]`` is the row's whole sequence so far (prompt and generated tokens);
-``history[b, length[b]]`` is the last token, which the target has not yet seen. The engine never
-tells a proposer what was accepted: the next ``propose`` sees it through ``length`` and ``history``
-and rolls its own state back accordingly.
+    base.py         Draft, the Proposer / TreeProposer / Rider protocols, shared draft steps
+    registry.py     method name -> builder
+    draft_model.py  a separate small model (chain or tree), with its DraftModel type
+    ngram.py        prompt lookup in the row's own text
+    heads.py        Medusa and EAGLE networks, their config, saving and loading
+    medusa.py       Medusa heads' proposer
+    eagle.py        the EAGLE head's proposer
+    rider.py        what Medusa and EAGLE share (the target's features between rounds)
+    vocab.py        draft vocabularies (a cut LM head)
 """
 
 from __future__ import annotations
 
-import dataclasses
+from . import draft_model, ngram, rider
+from .base import Draft, Proposer, Rider, TreeProposer, draw, expand_tree
+from .draft_model import (
+    DraftModel,
+    DraftModelProposer,
+    DraftTreeProposer,
+    load_draft_model,
+    restrict_vocab,
+)
+from .eagle import EagleProposer
+from .heads import Heads, HeadsConfig, init_heads, load_heads, save_heads
+from .medusa import MedusaProposer
+from .ngram import NgramProposer
+from .registry import Method, get, names, register, unregister
+from .rider import Features
+from .vocab import DraftVocab, frequent_tokens
 
-import jax
-from jax import Array
+# The built-in methods, one line each.
+register("draft_model", draft_model.build, draft="model", tree=True,
+         params=draft_model.as_draft_model)
+register("ngram", ngram.build)
+register("medusa", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
+register("eagle", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Draft:
-    tokens: Array  # [B, G] int32
-    probs: Array | None  # [B, G, V] float32 distributions the tokens were drawn from; None = point mass
-    valid: Array | None = None  # [B, G] bool, a prefix per row: drafts actually proposed; None = all
+def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> DraftModel:
+    """Deprecated: ``sj.load_draft_model``."""
+    import warnings
+    warnings.warn("sj.draft.load_draft is renamed sj.load_draft_model", DeprecationWarning,
+                  stacklevel=2)
+    return load_draft_model(path, dtype, full_vocab=full_vocab)
 
 
-from .model import DraftModelProposer, DraftTreeProposer, load_draft, restrict_vocab  # noqa: E402
-from .ngram import NgramProposer  # noqa: E402
-from .rider import Features  # noqa: E402
-from .medusa import MedusaProposer  # noqa: E402
-from .eagle import EagleProposer  # noqa: E402
-
-__all__ = ["Draft", "Features", "DraftModelProposer", "DraftTreeProposer", "NgramProposer",
-           "MedusaProposer", "EagleProposer", "load_draft", "restrict_vocab"]
+__all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree",
+           "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
+           "restrict_vocab", "NgramProposer", "MedusaProposer", "EagleProposer", "Features",
+           "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
+           "DraftVocab", "frequent_tokens", "Method", "register", "unregister", "get", "names"]

@@ -1,4 +1,4 @@
-"""EAGLE: a one-layer head that drafts in the target's feature space (see specjax/drafter.py).
+"""EAGLE: a one-layer head that drafts in the target's feature space (see specjax/draft/heads.py).
 
 Its cache slot t holds the pair (f_t, x_{t+1}) at position t: the target's feature at t and the
 token after it. The pair's output is the predicted feature at t + 1, whose logits guess x_{t+2}.
@@ -16,21 +16,23 @@ catch-up writes just the pair (f_{L-1}, x_L).
   so the verifier uses the sampled-draft rule.
 * tree: the tree's levels are expanded one forward each, as the draft-model tree does: node i's
   pair (its parent's predicted feature, its token) goes at slot length - 1 + i, at its parent's
-  position length + depth - 1, under the ancestor mask; a node's children are the head's top-ranked tokens
+  position length + depth - 1, under the ancestor mask; a node's children are the head's
+  top-ranked tokens
   after it (point masses).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import Array
 
-from .. import drafter as drafter_lib
 from .. import sampling
 from ..cache import KVCache
-from . import Draft
+from .base import Draft, draw, expand_tree, stack_chain
+from .heads import eagle_forward, embed
 from .rider import Features, RiderProposer
 
 
@@ -50,9 +52,9 @@ class EagleProposer(RiderProposer):
         nxt = jnp.concatenate([prompts[:, 1:], jnp.zeros((B, 1), prompts.dtype)], axis=1)
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
         cache = KVCache.init(self.config.layer, B, capacity)
-        _, cache = drafter_lib.eagle_forward(
-            self.config, params["drafter"]["weights"], hidden,
-            drafter_lib.embed(params["target"], nxt), positions, cache)
+        _, cache = eagle_forward(
+            self.config, params["heads"]["weights"], hidden,
+            embed(params["target"], nxt), positions, cache)
         return EagleState(cache.rollback(prompt_lengths - 1),
                           Features.from_prompt(hidden, prompt_lengths, self.width))
 
@@ -69,9 +71,9 @@ class EagleProposer(RiderProposer):
         rows = jnp.arange(B)[:, None]
         offsets = jnp.arange(W, dtype=jnp.int32)[None, :]
         nxt = history[rows, jnp.minimum(f.start[:, None] + 1 + offsets, S - 1)]  # [B, W]
-        out, cache = drafter_lib.eagle_forward(
-            self.config, params["drafter"]["weights"], f.feats,
-            drafter_lib.embed(params["target"], nxt), f.start[:, None] + offsets,
+        out, cache = eagle_forward(
+            self.config, params["heads"]["weights"], f.feats,
+            embed(params["target"], nxt), f.start[:, None] + offsets,
             state.cache.rollback(f.start))
         index = jnp.clip(length - 1 - f.start, 0, W - 1)
         return out[jnp.arange(B), index], cache.rollback(length)
@@ -79,61 +81,50 @@ class EagleProposer(RiderProposer):
     def propose(self, params, state: EagleState, history: Array, length: Array, keys: Array,
                 sampling_params: sampling.SamplingArrays, filters: sampling.Filters
                 ) -> tuple[Draft, EagleState]:
-        p, cfg = params["drafter"], self.config
+        p, cfg = params["heads"], self.config
         g, cache = self._catch_up(params, state, history, length)
         if self.tree is not None:
             return self._tree(params, state, g, cache, length)
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.chain))(keys)  # [B, G]
-
-        def draw(g, key):
-            logits = drafter_lib.draft_logits(p, g)  # [B, M]
-            if filters.greedy:
-                return p["vocab"][jnp.argmax(logits, axis=-1)].astype(jnp.int32), None
-            # Processed and sampled over the M draft-vocabulary columns: the same distribution
-            # as over all V with -inf outside (those tokens get probability zero under
-            # temperature, top-k and top-p alike), without a V-wide softmax per draft.
-            q = sampling.process_logits(logits, sampling_params, filters)  # [B, M]
-            return p["vocab"][sampling.sample(key, q)], q
-
-        token, q = draw(g, step_keys[:, 0])
+        vocab = p["vocab"]
+        # Processed and sampled over the M draft-vocabulary columns: the same distribution as
+        # over all V with -inf outside (those tokens get probability zero under temperature,
+        # top-k and top-p alike), without a V-wide softmax per draft.
+        token, q = draw(vocab.logits(g), step_keys[:, 0], sampling_params, filters, vocab)
         tokens, probs = [token], [q]
         for i in range(1, self.chain):  # unrolled, as the draft model's chain
             position = (length - 1 + i)[:, None]
-            out, cache = drafter_lib.eagle_forward(
-                cfg, p["weights"], g[:, None], drafter_lib.embed(params["target"], token)[:, None],
+            out, cache = eagle_forward(
+                cfg, p["weights"], g[:, None], embed(params["target"], token)[:, None],
                 position, cache)
             g = out[:, 0]
-            token, q = draw(g, step_keys[:, i])
+            token, q = draw(vocab.logits(g), step_keys[:, i], sampling_params, filters, vocab)
             tokens.append(token)
             probs.append(q)
-        tokens = jnp.stack(tokens, axis=1)
-        # q over the whole vocabulary, as the verifier reads it
-        probs = None if probs[0] is None else drafter_lib.scatter_vocab(
-            p, jnp.stack(probs, axis=1), cfg.vocab_size)
-        return Draft(tokens, probs), EagleState(cache, state.features)
+        return (stack_chain(tokens, probs, vocab, cfg.vocab_size),
+                EagleState(cache, state.features))
 
     def _tree(self, params, state: EagleState, g: Array, cache: KVCache, length: Array
               ) -> tuple[Draft, EagleState]:
-        p, tree = params["drafter"], self.tree
+        p, tree = params["heads"], self.tree
+        vocab = p["vocab"]
         B = g.shape[0]
         width = int(tree.children.shape[1])
         base = length - 1  # the slot of the root's pair (f_{L-1}, x_L), written by the catch-up
-        feats = [g[:, None]]  # per level: predicted features of its nodes [B, n, E]
-        ranked = [jax.lax.top_k(drafter_lib.draft_logits(p, g)[:, None], width)[1]]
-        tokens = []
-        for d, (start, stop) in enumerate(tree.levels):
-            first_parent = 0 if d == 0 else tree.levels[d - 1][0]
-            parent = tree.parents[start:stop] - first_parent
-            level = p["vocab"][ranked[d][:, parent, tree.ranks[start:stop]]].astype(jnp.int32)
-            tokens.append(level)
-            if d + 1 < tree.depth:
-                n = stop - start
-                positions = jnp.broadcast_to((length + d)[:, None], (B, n))  # the parents'
-                out, cache = drafter_lib.eagle_forward(
-                    self.config, p["weights"], feats[d][:, parent],
-                    drafter_lib.embed(params["target"], level), positions,
-                    cache.rollback(base + start),
-                    chunk_mask=jnp.asarray(tree.ancestors[start:stop, :stop]))
-                feats.append(out)
-                ranked.append(jax.lax.top_k(drafter_lib.draft_logits(p, out), width)[1])
-        return Draft(jnp.concatenate(tokens, axis=1), None), EagleState(cache, state.features)
+        feats = g[:, None]  # the predicted features of the level being expanded [B, n, E]
+
+        def top(g):  # the head's `width` best token ids after each feature
+            return vocab.token_ids(jax.lax.top_k(vocab.logits(g), width)[1])
+
+        def expand(d, level, parent):
+            nonlocal cache, feats
+            start, stop = tree.levels[d]
+            positions = jnp.broadcast_to((length + d)[:, None], (B, stop - start))  # the parents'
+            feats, cache = eagle_forward(
+                self.config, p["weights"], feats[:, parent], embed(params["target"], level),
+                positions, cache.rollback(base + start),
+                chunk_mask=jnp.asarray(tree.ancestors[start:stop, :stop]))
+            return top(feats)
+
+        tokens = expand_tree(tree, top(g[:, None]), expand)
+        return Draft(tokens, None), EagleState(cache, state.features)

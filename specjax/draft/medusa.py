@@ -14,18 +14,23 @@ heads' top candidates, pruned by the static topology.
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import Array
 
-from .. import drafter as drafter_lib
 from .. import sampling
-from . import Draft
+from .base import Draft
+from .heads import medusa_heads
 from .rider import Features, RiderProposer
 
 
 @dataclasses.dataclass(frozen=True)
 class MedusaProposer(RiderProposer):
+    @property
+    def draft_forwards_per_round(self) -> int:
+        return 1  # every head at once
+
     def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int,
              hidden: Array) -> Features:
         return Features.from_prompt(hidden, prompt_lengths, self.width)
@@ -36,16 +41,16 @@ class MedusaProposer(RiderProposer):
     def propose(self, params, state: Features, history: Array, length: Array, keys: Array,
                 sampling_params: sampling.SamplingArrays, filters: sampling.Filters
                 ) -> tuple[Draft, Features]:
-        p = params["drafter"]
+        p = params["heads"]
         h = state.last(length)  # [B, E]
-        heads = drafter_lib.medusa_heads(p["weights"], h)[:, :self.depth]  # [B, d, E]
-        logits = drafter_lib.draft_logits(p, heads)  # [B, d, M]
+        heads = medusa_heads(p["weights"], h)[:, :self.depth]  # [B, d, E]
         vocab = p["vocab"]
+        logits = vocab.logits(heads)  # [B, d, M]
         if self.tree is None:
-            return Draft(vocab[jnp.argmax(logits, axis=-1)].astype(jnp.int32), None), state
+            return Draft(vocab.token_ids(jnp.argmax(logits, axis=-1)), None), state
         tree = self.tree
         width = int(tree.children.shape[1])
         ranked = jax.lax.top_k(logits, width)[1]  # [B, d, width]
         depths, ranks = tree.depths[1:], tree.ranks[1:]
-        tokens = vocab[ranked[:, depths - 1, ranks]]  # [B, N-1]
-        return Draft(tokens.astype(jnp.int32), None), state
+        tokens = vocab.token_ids(ranked[:, depths - 1, ranks])  # [B, N-1]
+        return Draft(tokens, None), state

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from . import Draft
+from .base import Draft
 
 
 def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int,
@@ -84,3 +84,11 @@ class NgramProposer:
         tokens, valid = lookup(history, length, self.gamma, self.prompt_lookup_min,
                                self.prompt_lookup_max, self.prompt_lookup_length_factor)
         return Draft(tokens, None, valid), None
+
+
+def build(spec, draft, target):
+    """The registry's builder for method "ngram" (it uses no draft model)."""
+    if draft is not None:
+        raise ValueError(f"method {spec.method!r} uses no draft model; drop draft=")
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                         spec.prompt_lookup_max, spec.prompt_lookup_length_factor)

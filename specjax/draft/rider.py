@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ..drafter import DrafterConfig
 from ..tree import Tree
+from .heads import HeadsConfig
 
 
 @jax.tree_util.register_dataclass
@@ -27,7 +27,7 @@ class Features:
     start: Array  # [B] int32
 
     @classmethod
-    def from_prompt(cls, hidden: Array, prompt_lengths: Array, width: int) -> "Features":
+    def from_prompt(cls, hidden: Array, prompt_lengths: Array, width: int) -> Features:
         """After prefill: the last prompt position's state, at index 0."""
         B = hidden.shape[0]
         last = hidden[jnp.arange(B), prompt_lengths - 1]  # [B, E]
@@ -40,12 +40,11 @@ class Features:
         return self.feats[jnp.arange(self.feats.shape[0]), index]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RiderProposer:
-    """Base of the proposers that ride on the target (see specjax.draft)."""
+    """Base of the proposers that ride on the target (``specjax.draft.base.Rider``)."""
 
-    config: DrafterConfig
+    config: HeadsConfig
     chain: int  # γ for a chain (ignored with a tree)
     tree: Tree | None = None
 
@@ -60,6 +59,40 @@ class RiderProposer:
         return self.chain if self.tree is None else self.tree.depth
 
     @property
+    def draft_forwards_per_round(self) -> int:
+        return self.depth
+
+    @property
     def width(self) -> int:
         """Hidden states kept per round: the deepest accepted path plus its root."""
         return self.depth + 1
+
+
+def build(spec, heads, target):
+    """The registry's builder for "medusa" and "eagle": the proposer for ``heads`` (an sj.Heads
+    trained for this target), after checking it fits the target and the spec."""
+    from .eagle import EagleProposer
+    from .heads import Heads
+    from .medusa import MedusaProposer
+    if not isinstance(heads, Heads):
+        raise ValueError(f"method {spec.method!r} needs draft= an sj.Heads (sj.load_heads("
+                         f"path, target)), got {type(heads).__name__}")
+    c = heads.config
+    if c.method != spec.method:
+        raise ValueError(f"method {spec.method!r} but the heads are {c.method!r} heads")
+    if (c.hidden_size, c.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise ValueError(f"the heads were built for hidden_size={c.hidden_size}, vocab_size="
+                         f"{c.vocab_size}; the target has {target.hidden_size}, "
+                         f"{target.vocab_size}")
+    tree = None if spec.tree is None else Tree(spec.tree)
+    depth = spec.num_speculative_tokens if tree is None else tree.depth
+    if c.max_depth is not None and depth > c.max_depth:
+        raise ValueError(f"the Medusa drafter has {c.num_heads} heads, so it drafts at most "
+                         f"{c.num_heads} tokens deep; got "
+                         + (f"num_speculative_tokens={depth}" if tree is None
+                            else f"a tree of depth {depth}"))
+    if tree is not None and int(tree.children.shape[1]) > c.draft_vocab_size:
+        raise ValueError(f"the tree has {int(tree.children.shape[1])} children per node, more "
+                         f"than the drafter's {c.draft_vocab_size}-token draft vocabulary")
+    cls = MedusaProposer if c.method == "medusa" else EagleProposer
+    return cls(c, spec.num_speculative_tokens, tree)

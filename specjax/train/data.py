@@ -14,7 +14,7 @@ import json
 import pathlib
 import sys
 import sysconfig
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

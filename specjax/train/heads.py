@@ -16,17 +16,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import drafter as drafter_lib
 from ..cache import KVCache
 from ..config import ModelConfig
-from ..drafter import Drafter, DrafterConfig
-from ..model import Model, forward
+from ..draft import heads as heads_lib
+from ..draft.heads import Heads, HeadsConfig
+from ..draft.vocab import DraftVocab, frequent_tokens, lm_head
+from ..model import Model, prefill
 from .data import sample_batch
 from .loop import TrainConfig, fit
 
@@ -37,10 +38,7 @@ HEAD_DECAY = 0.8  # Medusa: weight of head k is HEAD_DECAY ** (k - 1)
 
 def _target_outputs(target: ModelConfig, target_params, inputs):
     """The frozen target on inputs [B, T]: logits [B, T, V] and hidden [B, T, E] (float32)."""
-    B, T = inputs.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, hidden, _ = forward(Model(target, target_params), inputs, positions,
-                                KVCache.init(target, B, T))
+    logits, hidden, _ = prefill(Model(target, target_params), inputs)
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden.astype(jnp.float32))
 
 
@@ -55,7 +53,7 @@ def _soft_ce(target_logits, vocab, draft_logits):
 class HeadsObjective:
     """The loss of a drafter's weights on a batch [B, T + 1]; aux = {"target", "vocab"}."""
 
-    drafter: DrafterConfig
+    drafter: HeadsConfig
     target: ModelConfig
     reg_weight: float = 1.0  # EAGLE: feature regression
     ce_weight: float = 0.5  # EAGLE: token cross-entropy
@@ -64,13 +62,13 @@ class HeadsObjective:
         target_params, vocab = aux["target"], aux["vocab"]
         inputs = batch[:, :-1]
         t_logits, hidden = _target_outputs(self.target, target_params, inputs)
-        head = jnp.take(drafter_lib.lm_head(Model(self.target, target_params)), vocab,
+        head = jnp.take(lm_head(Model(self.target, target_params)), vocab,
                         axis=1).astype(jnp.float32)
-        params = {"weights": weights, "head": head}
+        draft_vocab = DraftVocab(vocab, head)
         T = inputs.shape[1]
         if self.drafter.method == "medusa":
-            feats = drafter_lib.medusa_heads(weights, hidden)  # [B, T, K, E]
-            logits = drafter_lib.draft_logits(params, feats)  # [B, T, K, M]
+            feats = heads_lib.medusa_heads(weights, hidden)  # [B, T, K, E]
+            logits = draft_vocab.logits(feats)  # [B, T, K, M]
             total, norm = 0.0, 0.0
             for k in range(1, self.drafter.num_heads + 1):
                 w = HEAD_DECAY ** (k - 1)
@@ -79,13 +77,13 @@ class HeadsObjective:
             return total / norm
         B = inputs.shape[0]
         positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
-        out, _ = drafter_lib.eagle_forward(
-            self.drafter, weights, hidden[:, :-1], drafter_lib.embed(target_params, inputs[:, 1:]),
+        out, _ = heads_lib.eagle_forward(
+            self.drafter, weights, hidden[:, :-1], heads_lib.embed(target_params, inputs[:, 1:]),
             positions, KVCache.init(self.drafter.layer, B, T - 1))
         out = out.astype(jnp.float32)
         error = jnp.abs(out - hidden[:, 1:])
         reg = jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5).mean()  # smooth L1
-        ce = _soft_ce(t_logits[:, 1:], vocab, drafter_lib.draft_logits(params, out))
+        ce = _soft_ce(t_logits[:, 1:], vocab, draft_vocab.logits(out))
         return self.reg_weight * reg + self.ce_weight * ce
 
 
@@ -94,7 +92,7 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                 intermediate_size: int | None = None,
                 heldout: np.ndarray | None = None, progress: bool = True,
                 on_eval: Callable[[int, float], None] | None = None,
-                max_seconds: float | None = None) -> tuple[Drafter, list[dict]]:
+                max_seconds: float | None = None) -> tuple[Heads, list[dict]]:
     """Train a Medusa (``num_heads`` heads) or EAGLE drafter for the frozen ``target`` on a token
     stream, resuming from workdir. The draft vocabulary is the ``draft_vocab_size`` most frequent
     tokens of ``tokens`` (default: the whole vocabulary). Weights train in float32.
@@ -103,14 +101,14 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     M = V if draft_vocab_size is None else draft_vocab_size
     if not 1 <= M <= V:
         raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, {V}]")
-    vocab = np.arange(V, dtype=np.int32) if M == V else drafter_lib.frequent_tokens(tokens, V, M)
-    fresh = drafter_lib.init_drafter(target, method, jax.random.key(cfg.seed),
-                                     num_heads=num_heads, vocab=vocab,
-                                     intermediate_size=intermediate_size)
+    vocab = np.arange(V, dtype=np.int32) if M == V else frequent_tokens(tokens, V, M)
+    fresh = heads_lib.init_heads(target, method, jax.random.key(cfg.seed),
+                                 num_heads=num_heads, vocab=vocab,
+                                 intermediate_size=intermediate_size)
     objective = HeadsObjective(fresh.config, target.config)
     aux = {"target": target.params, "vocab": jnp.asarray(vocab)}
     run = {"drafter": dataclasses.asdict(fresh.config), "train": dataclasses.asdict(cfg),
-           "target": drafter_lib.target_record(target)}
+           "target": heads_lib.target_record(target)}
     evaluate_fn = None
     if heldout is not None:
         loss = jax.jit(objective)
@@ -123,18 +121,19 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     weights, history = fit(objective, fresh.params["weights"], aux, tokens, cfg, workdir, run,
                            evaluate_fn=evaluate_fn, progress=progress, on_eval=on_eval,
                            max_seconds=max_seconds)
-    return Drafter(fresh.config, {**fresh.params, "weights": weights}), history
+    return Heads(fresh.config, {**fresh.params, "weights": weights}), history
 
 
 def heads_main(argv=None) -> int:
     """``specjax train heads``: train, then save the drafter next to its target."""
     import argparse
+
     from ..checkpoint import load_model
     ap = argparse.ArgumentParser(
         prog="specjax train heads",
         description="Train Medusa heads or an EAGLE head on a frozen target (self-distillation "
                     "on the target's own distributions); resumes from --workdir.")
-    ap.add_argument("method", choices=list(drafter_lib.DRAFTER_METHODS))
+    ap.add_argument("method", choices=list(heads_lib.HEADS_METHODS))
     ap.add_argument("--target", default="checkpoints/code-target", help="the frozen target")
     ap.add_argument("--data", default="~/specjax-work",
                     help="folder with train.npy and heldout.npy (`specjax train pair data`)")
@@ -169,7 +168,7 @@ def heads_main(argv=None) -> int:
     for h in history:
         print(f"step {h['step']}: held-out loss {h['heldout_loss']:.4f}")
     if args.out:
-        drafter_lib.save_drafter(drafter, args.out, target, dtype=args.save_dtype,
+        heads_lib.save_heads(drafter, args.out, target, dtype=args.save_dtype,
                                  extra={"training": {"train": dataclasses.asdict(cfg),
                                                      "evals": history,
                                                      "data": str(data)}})
@@ -182,7 +181,7 @@ def heads_main(argv=None) -> int:
 CARD = """# {folder}
 
 {what} for `{target}` ({params:,} trainable parameters, stored in {dtype}), trained by
-self-distillation on the frozen target (`specjax train heads {method}`, see the repository README).
+self-distillation on the frozen target (`specjax train heads {method}`; see docs/training.md).
 
 * Draft vocabulary: the {vocab:,} most frequent tokens of the training stream (`vocab.npy`).
 * Data: `train.npy` of `specjax train pair data` (the bundled target's training corpus), batches
@@ -190,13 +189,13 @@ self-distillation on the frozen target (`specjax train heads {method}`, see the 
 * Training: {steps} optimizer steps of a {schedule}-step schedule (AdamW, peak learning rate
   {lr}), {tokens:,} tokens.
 * Held-out loss (the training objective on held-out batches): {evals}.
-* Load with `sj.load_drafter("{folder_path}", target)`; it refuses any other target.
+* Load with `sj.load_heads("{folder_path}", target)`; it refuses any other target.
 
 Command: `{command}`
 """
 
 
-def write_card(out: pathlib.Path, drafter: Drafter, args, cfg: TrainConfig, history, steps: int
+def write_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, history, steps: int
                ) -> None:
     c = drafter.config
     what = (f"{c.num_heads} Medusa heads" if c.method == "medusa"

@@ -15,16 +15,16 @@ import logging
 import math
 import pathlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..cache import KVCache
 from ..config import ModelConfig
-from ..model import Model, forward, init_model
+from ..model import Model, init_model, prefill
 from .data import sample_batch
 
 log = logging.getLogger(__name__)
@@ -79,9 +79,7 @@ def _decayed(params):
 
 
 def _logits(config: ModelConfig, params, tokens: jax.Array) -> jax.Array:
-    B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _, _ = forward(Model(config, params), tokens, positions, KVCache.init(config, B, T))
+    logits, _, _ = prefill(Model(config, params), tokens)
     return logits
 
 

@@ -41,7 +41,8 @@ TARGET_TRAINING = TrainConfig(steps=1800, batch_size=16, seq_len=256, learning_r
 SCHEDULE_NOTES = {"target": " (the schedule was first set for 8000 steps and cut to 1800 at "
                              "step 825, so the learning rate dropped from 9.9e-4 to 7.0e-4 there)",
                   "draft": " (the schedule was first set for 1200 steps and extended to 2400 at "
-                            "step 1200, so the learning rate rose from 2.0e-4 back to 1.2e-3 there)"}
+                            "step 1200, so the learning rate rose from 2.0e-4 back to 1.2e-3 "
+                            "there)"}
 DRAFT_TRAINING = TrainConfig(steps=2400, batch_size=16, seq_len=256, learning_rate=2e-3,
                              warmup_steps=100, checkpoint_every=25, eval_every=200, seed=1,
                              distill_ce_weight=0.1)
@@ -90,10 +91,11 @@ def stage_target(workdir: pathlib.Path, minutes: float | None, config: ModelConf
 
 
 def _restore(config: ModelConfig, settings: TrainConfig, run: pathlib.Path):
-    from ..model import Model, init_model
-    from .loop import TrainState, _manager, optimizer
     import jax
     import jax.numpy as jnp
+
+    from ..model import Model, init_model
+    from .loop import TrainState, _manager, optimizer
     ocp, manager = _manager(run)
     step = manager.latest_step()
     if step is None:
@@ -172,11 +174,12 @@ programs.
 def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                  runs=(("target", TARGET, TARGET_TRAINING), ("draft", DRAFT, DRAFT_TRAINING)),
                  draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> None:
-    from ..checkpoint import cast, load_model, save_model
-    from ..draft.model import VOCAB_FILE, load_draft
-    from ..drafter import frequent_tokens
-    from ..tokenizer import load_tokenizer
     import shutil
+
+    from ..checkpoint import cast, load_model, save_model
+    from ..draft.draft_model import VOCAB_FILE, load_draft_model
+    from ..draft.vocab import frequent_tokens
+    from ..tokenizer import load_tokenizer
     _, heldout = _tokens(workdir)
     corpus = json.loads((workdir / "corpus.json").read_text())
     info = {}
@@ -191,9 +194,10 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                                                                  mmap_mode="r"),
                                                          config.vocab_size, draft_vocab_size))
         # the draft restricted to its draft vocabulary, as it drafts (its loss is the full head's)
-        stored = (load_draft if name == "draft" else load_model)(folder, dtype="float32")
+        stored = (load_draft_model if name == "draft" else load_model)(folder, dtype="float32")
+        whole = stored.model if name == "draft" else stored
         info[name] = dict(folder=folder, model=stored, config=config, settings=settings,
-                          step=step, loss=evaluate(stored, heldout, batches=32))
+                          step=step, loss=evaluate(whole, heldout, batches=32))
         print(f"{folder}: step {step}, held-out loss {info[name]['loss']:.4f}")
     acceptance = {}
     if "target" in info and "draft" in info:
@@ -231,7 +235,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             vocab_row=("" if name == "target" else
                        f"| draft vocabulary | drafts only from the {draft_vocab_size} most "
                        f"frequent tokens of the training files (`{VOCAB_FILE}`; "
-                       f"`sj.draft.load_draft` applies it, `--full-draft-vocab` ignores it) |\n")))
+                       f"`sj.load_draft_model` applies it, `--full-draft-vocab` ignores it) |\n")))
 
 
 def main(argv=None) -> int:

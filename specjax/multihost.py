@@ -4,16 +4,16 @@ Every process runs this same script; together they form one mesh over all their 
 
 On a TPU pod slice (every host runs the same command; JAX finds the coordinator itself):
 
-    python experiments/multihost.py --target gs-or-local/ckpt --draft ... --model 8
+    python -m specjax.multihost --target gs-or-local/ckpt --draft ... --model 8
 
 On GPU nodes (one process per node, or per GPU), name the coordinator and each process's id:
 
-    python experiments/multihost.py --coordinator host0:1234 --num-processes 2 --process-id 0 ...
-    python experiments/multihost.py --coordinator host0:1234 --num-processes 2 --process-id 1 ...
+    python -m specjax.multihost --coordinator host0:1234 --num-processes 2 --process-id 0 ...
+    python -m specjax.multihost --coordinator host0:1234 --num-processes 2 --process-id 1 ...
 
 Here, on one CPU machine (two local processes, loopback, 4 CPU devices each, gloo collectives):
 
-    python experiments/multihost.py --local-demo
+    python -m specjax.multihost --local-demo
 
 Without --target it builds a small random target and draft from --seed, identically in every
 process. Every process passes the whole batch of prompts to ``sj.generate(..., mesh=mesh)``: the
@@ -42,6 +42,7 @@ def run(args) -> int:
     else:
         jax.distributed.initialize()  # TPU pods and SLURM/MPI-style clusters: auto-detected
     import numpy as np
+
     import specjax as sj
 
     if args.target:
@@ -87,9 +88,10 @@ def local_demo(args) -> int:
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
-    base = [sys.executable, __file__, "--coordinator", f"127.0.0.1:{port}", "--num-processes",
-            "2", "--cpu-devices", "--model", str(args.model), "--batch", str(args.batch),
-            "--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed)]
+    base = [sys.executable, "-m", "specjax.multihost", "--coordinator", f"127.0.0.1:{port}",
+            "--num-processes", "2", "--cpu-devices", "--model", str(args.model),
+            "--batch", str(args.batch), "--max-new-tokens", str(args.max_new_tokens),
+            "--seed", str(args.seed)]
     procs = [subprocess.Popen(base + ["--process-id", str(i)]
                               + (["--json", args.json] if args.json and i == 0 else []),
                               env=env) for i in range(2)]

@@ -25,11 +25,11 @@ Parameters::
 
     weights   trainable: medusa {"w": [K, E, E], "b": [K, E]};
               eagle {"fc": [2E, E], "layer": one DecoderLayer, "norm": [E]}
-    vocab     [M] int32, the draft vocabulary (ids into the target's)
-    head      [E, M], the target's LM head columns for vocab (derived, never saved)
+    vocab     a DraftVocab: ids [M] int32 (into the target's vocabulary) and the target's
+              LM head columns for them [E, M] (derived, never saved)
 
 Saved with orbax next to a ``drafter.json`` that records the method, sizes and the target it was
-trained for (its config and a fingerprint of its weights); ``load_drafter(path, target)`` refuses a
+trained for (its config and a fingerprint of its weights); ``load_heads(path, target)`` refuses a
 different target.
 """
 
@@ -47,17 +47,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from . import cache as kv
-from .cache import KVCache
-from .config import ModelConfig
-from .model import DecoderLayer, Model, RMSNorm, rope_tables
+from .. import cache as kv
+from ..cache import KVCache
+from ..config import ModelConfig
+from ..model import DecoderLayer, Model, RMSNorm, rope_tables
+from .vocab import DraftVocab, check_vocab
 
-DRAFTER_METHODS = ("medusa", "eagle")
+HEADS_METHODS = ("medusa", "eagle")
 FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class DrafterConfig:
+class HeadsConfig:
     method: str  # "medusa" or "eagle"
     hidden_size: int  # E, the target's
     vocab_size: int  # V, the target's
@@ -66,9 +67,9 @@ class DrafterConfig:
     layer: ModelConfig | None = None  # eagle: the one-layer config (the target's layer shape)
 
     def __post_init__(self):
-        if self.method not in DRAFTER_METHODS:
-            raise ValueError(f"drafter method {self.method!r} is unknown; known: "
-                             f"{', '.join(DRAFTER_METHODS)}")
+        if self.method not in HEADS_METHODS:
+            raise ValueError(f"heads method {self.method!r} is unknown; known: "
+                             f"{', '.join(HEADS_METHODS)}")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, "
                              f"{self.vocab_size}] (the target's vocab_size)")
@@ -86,11 +87,15 @@ class DrafterConfig:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Drafter:
-    """A drafter's config (static) and parameters {"weights", "vocab", "head"}."""
+class Heads:
+    """A Medusa or EAGLE drafter: its config (static) and parameters {"weights", "vocab"}."""
 
-    config: DrafterConfig = dataclasses.field(metadata=dict(static=True))
+    config: HeadsConfig = dataclasses.field(metadata=dict(static=True))
     params: Any
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return self.params["vocab"]
 
 
 def eagle_layer_config(target: ModelConfig) -> ModelConfig:
@@ -98,42 +103,9 @@ def eagle_layer_config(target: ModelConfig) -> ModelConfig:
     return dataclasses.replace(target, num_hidden_layers=1, sliding_window=None)
 
 
-def lm_head(target: Model) -> Array:
-    """The target's LM head as [E, V] (the embedding's transpose when tied)."""
-    p = target.params
-    if target.config.tie_word_embeddings:
-        return p["embed_tokens"]["embedding"].T
-    return p["lm_head"]["kernel"]
-
-
 def embed(target_params, tokens: Array) -> Array:
     """The target's embedding of tokens [...] -> [..., E]."""
     return jnp.take(target_params["embed_tokens"]["embedding"], tokens, axis=0)
-
-
-def check_vocab(vocab, vocab_size: int) -> np.ndarray:
-    """A draft vocabulary as int32 [M], or ValueError: it must be distinct ids in [0, V)."""
-    ids = np.asarray(vocab)
-    if (ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer)
-            or ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"a draft vocabulary must be a non-empty 1-D list of token ids in "
-                         f"[0, {vocab_size}), got {_describe(ids)}")
-    if np.unique(ids).size != ids.size:
-        raise ValueError("the draft vocabulary has repeated token ids")
-    return ids.astype(np.int32)
-
-
-def _describe(ids: np.ndarray) -> str:
-    if ids.size == 0 or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.number):
-        return f"an array of shape {ids.shape} and dtype {ids.dtype}"
-    return f"{ids.size} ids from {ids.min()} to {ids.max()} ({ids.dtype})"
-
-
-def frequent_tokens(tokens: np.ndarray, vocab_size: int, size: int) -> np.ndarray:
-    """The ``size`` most frequent ids of a token stream (ties: the smaller id), sorted by id."""
-    counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)[:vocab_size]
-    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
-    return np.sort(order[:size]).astype(np.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +137,7 @@ class EagleNet(nn.Module):
         return RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x), k, v
 
 
-def eagle_forward(config: DrafterConfig, weights, feats: Array, embeds: Array, positions: Array,
+def eagle_forward(config: HeadsConfig, weights, feats: Array, embeds: Array, positions: Array,
                   cache: KVCache, chunk_mask: Array | None = None) -> tuple[Array, KVCache]:
     """Feed T (feature, next-token embedding) pairs [B, T, E] at positions [B, T]; the pairs are
     written at slots cache.length .. + T - 1 (chunk_mask as in ``model.forward``). Returns the
@@ -179,37 +151,17 @@ def eagle_forward(config: DrafterConfig, weights, feats: Array, embeds: Array, p
     return out, KVCache(k[None], v[None], cache.length + T)
 
 
-def draft_logits(params, h: Array) -> Array:
-    """Features [..., E] -> logits over the draft vocabulary [..., M] (float32)."""
-    head = params["head"]
-    return jnp.einsum("...e,em->...m", h.astype(head.dtype), head,
-                      preferred_element_type=jnp.float32)
-
-
-def scatter_vocab(params, sub: Array, vocab_size: int) -> Array:
-    """Probabilities over the draft vocabulary [..., M] -> [..., V], zero elsewhere."""
-    full = jnp.zeros(sub.shape[:-1] + (vocab_size,), jnp.float32)
-    return full.at[..., params["vocab"]].set(sub)
-
-
 # ---------------------------------------------------------------------------------------------
 # Building, saving, loading
 
 
-def vocab_head(model: Model, vocab) -> dict:
-    """{"vocab": ids [M] int32, "head": the model's LM head columns for them [E, M]}: what
-    ``draft_logits`` and ``scatter_vocab`` read."""
-    vocab = jnp.asarray(vocab, jnp.int32)
-    return {"vocab": vocab, "head": jnp.take(lm_head(model), vocab, axis=1)}
+def _with_head(config: HeadsConfig, weights, vocab: np.ndarray, target: Model) -> Heads:
+    return Heads(config, {"weights": weights, "vocab": DraftVocab.of(target, vocab)})
 
 
-def _with_head(config: DrafterConfig, weights, vocab: np.ndarray, target: Model) -> Drafter:
-    return Drafter(config, {"weights": weights, **vocab_head(target, vocab)})
-
-
-def init_drafter(target: Model, method: str, key: Array, *, num_heads: int = 4,
-                 vocab: np.ndarray | None = None, dtype: str = "float32",
-                 intermediate_size: int | None = None, init_std: float = 0.02) -> Drafter:
+def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
+               vocab: np.ndarray | None = None, dtype: str = "float32",
+               intermediate_size: int | None = None, init_std: float = 0.02) -> Heads:
     """A fresh drafter for ``target``. vocab: the draft vocabulary ids (default: all V).
     intermediate_size: EAGLE's MLP width (default: the target's); a narrower one makes each
     draft step cheaper.
@@ -228,7 +180,7 @@ def init_drafter(target: Model, method: str, key: Array, *, num_heads: int = 4,
         layer = eagle_layer_config(dataclasses.replace(target.config, dtype=dtype))
         if intermediate_size is not None:
             layer = dataclasses.replace(layer, intermediate_size=int(intermediate_size))
-    config = DrafterConfig(method, E, cfg.vocab_size, int(vocab.size),
+    config = HeadsConfig(method, E, cfg.vocab_size, int(vocab.size),
                            num_heads if method == "medusa" else 0, layer)
     if method == "medusa":
         weights = {"w": jnp.zeros((num_heads, E, E), dtype), "b": jnp.zeros((num_heads, E), dtype)}
@@ -277,8 +229,8 @@ def check_target(record: dict, target: Model, source: str) -> None:
                              f"or train the drafter for this one with `specjax train heads`)")
 
 
-def save_drafter(drafter: Drafter, path: str | os.PathLike, target: Model, *,
-                 dtype: str | None = None, extra: dict | None = None) -> None:
+def save_heads(drafter: Heads, path: str | os.PathLike, target: Model, *,
+               dtype: str | None = None, extra: dict | None = None) -> None:
     """Write drafter.json and the trainable weights (orbax) to ``path``; the LM head is the
     target's and is not saved. dtype: cast the weights (e.g. "bfloat16") before saving."""
     import orbax.checkpoint as ocp
@@ -294,14 +246,14 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, target: Model, *,
               "dtype": str(jax.tree.leaves(weights)[0].dtype), "target": target_record(target),
               **(extra or {})}
     (path / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
-    np.save(path / "vocab.npy", np.asarray(drafter.params["vocab"]))
+    np.save(path / "vocab.npy", np.asarray(drafter.vocab.ids))
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path / "weights", weights, force=True)
 
 
-def load_drafter(path: str | os.PathLike, target: Model) -> Drafter:
-    """Load a drafter saved by ``save_drafter`` for ``target``. Raises ValueError if it was
-    trained for another target. Weights take the target's dtype."""
+def load_heads(path: str | os.PathLike, target: Model) -> Heads:
+    """Load Medusa or EAGLE heads saved by ``save_heads`` for ``target``. Raises ValueError if
+    they were trained for another target. Weights take the target's dtype."""
     import orbax.checkpoint as ocp
     path = pathlib.Path(path).resolve()
     meta = path / "drafter.json"
@@ -315,9 +267,9 @@ def load_drafter(path: str | os.PathLike, target: Model) -> Drafter:
     check_target(record["target"], target, str(path))
     vocab = np.load(path / "vocab.npy")
     dtype = target.config.dtype
-    shape = init_drafter(target, record["method"], jax.random.key(0),
-                         num_heads=max(record["num_heads"], 1), vocab=vocab, dtype=dtype,
-                         intermediate_size=record.get("intermediate_size"))
+    shape = init_heads(target, record["method"], jax.random.key(0),
+                       num_heads=max(record["num_heads"], 1), vocab=vocab, dtype=dtype,
+                       intermediate_size=record.get("intermediate_size"))
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, shape.params["weights"])
     with ocp.StandardCheckpointer() as ckpt:
         weights = ckpt.restore(path / "weights", jax.tree.map(

@@ -1,0 +1,171 @@
+"""The contract between proposers and the engine, and the steps proposers share.
+
+A proposer is a frozen (hashable) object: it is part of the compiled program's static
+configuration, chosen when the program is built, never by string dispatch inside traced code. Its
+parameters (if any) are passed in as arguments, and its state (a draft cache, say) is a pytree
+threaded through the decode loop. It never sees the verifier.
+
+``history[b, :length[b] + 1]`` is the row's whole sequence so far (prompt and generated tokens);
+``history[b, length[b]]`` is the last token, which the target has not yet seen. The engine never
+tells a proposer what was accepted: the next ``propose`` sees it through ``length`` and ``history``
+and rolls its own state back accordingly.
+
+A proposer may offer fewer than γ drafts in a row (none included) through ``Draft.valid``; the
+verifier treats the missing ones as never proposed (the row's next token is then drawn from the
+target's own distribution at that position), so shapes stay static and nothing recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from .. import sampling
+from ..sampling import Filters, SamplingArrays
+from .vocab import DraftVocab
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """One round's drafts for every row."""
+
+    tokens: Array  # [B, G] int32 (a tree: nodes 1 .. N-1 in the tree's order)
+    probs: Array | None  # [B, G, V] float32: what each token was drawn from; None = point masses
+    valid: Array | None = None  # [B, G] bool, a prefix per row: drafts really proposed; None = all
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What every proposer provides.
+
+    ``gamma`` drafts per round (static). ``init`` runs once after the target's prefill, on the
+    right-padded prompts [B, P] with their lengths [B] and the cache capacity S, and returns the
+    proposer's state (any pytree, or None). ``propose`` returns a round's ``Draft`` and the new
+    state; keys [B] are this round's draft keys, one per row; sampling and filters are the
+    request's, so a sampled draft can use the same processing as the target (its q must be the
+    distribution its token was drawn from).
+    """
+
+    gamma: int
+
+    def init(self, params: Any, prompts: Array, prompt_lengths: Array, capacity: int) -> Any:
+        ...
+
+    def propose(self, params: Any, state: Any, history: Array, length: Array, keys: Array,
+                sampling_params: SamplingArrays, filters: Filters) -> tuple[Draft, Any]:
+        ...
+
+
+@runtime_checkable
+class TreeProposer(Protocol):
+    """A proposer whose drafts are the nodes of a static tree.
+
+    ``tree`` is a specjax.tree.Tree (``gamma`` is its number of non-root nodes). After verification
+    the engine calls ``commit(state, start [B], path [B, D], num_accepted [B])``, when the
+    proposer has one, with the accepted nodes, so the proposer can compact its own cache as the
+    engine compacts the target's."""
+
+    tree: Any
+
+    def commit(self, state: Any, start: Array, path: Array, num_accepted: Array) -> Any:
+        ...
+
+
+@runtime_checkable
+class Rider(Protocol):
+    """A proposer that drafts from the target's own hidden states (Medusa, EAGLE).
+
+    For a rider the engine passes ``params = {"heads": its params, "target": target params}``,
+    gives ``init`` the prompt's final-norm hidden states as a fifth argument
+    (``init(params, prompts, prompt_lengths, capacity, hidden [B, P, E])``), and after every
+    verification calls ``observe(state, start [B], hidden [B, W, E])`` with the target's hidden
+    states along the round's accepted path (position start + j at index j; W = depth + 1; entries
+    past the accepted path are stale)."""
+
+    rides_on_target: ClassVar[bool]
+
+    def observe(self, state: Any, start: Array, hidden: Array) -> Any:
+        ...
+
+
+def rides_on_target(proposer) -> bool:
+    """Whether a proposer is a ``Rider``."""
+    return bool(getattr(proposer, "rides_on_target", False))
+
+
+def is_tree(proposer) -> bool:
+    """Whether a proposer drafts a tree (has a ``tree`` that is not None)."""
+    return getattr(proposer, "tree", None) is not None
+
+
+def check_proposer(proposer) -> None:
+    """ValueError naming what a proposer given to ``generate`` lacks."""
+    name = type(proposer).__name__
+    gamma = getattr(proposer, "gamma", None)
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
+        raise ValueError(f"proposer {name} must have an int gamma >= 1 (drafts per round), "
+                         f"got {gamma!r}")
+    for method in ("init", "propose"):
+        if not callable(getattr(proposer, method, None)):
+            raise ValueError(f"proposer {name} has no {method}() method (see "
+                             f"specjax.draft.Proposer)")
+    try:
+        hash(proposer)
+    except TypeError as e:
+        raise ValueError(f"proposer {name} must be hashable (a frozen dataclass, say): it is "
+                         f"part of the compiled program ({e})") from None
+    if rides_on_target(proposer) and not callable(getattr(proposer, "observe", None)):
+        raise ValueError(f"proposer {name} rides on the target but has no observe() method")
+
+
+def draw(logits: Array, key: Array, sampling_params: SamplingArrays, filters: Filters,
+         vocab: DraftVocab | None = None) -> tuple[Array, Array | None]:
+    """One chain draft per row from logits [B, M] (over the draft vocabulary when ``vocab``).
+
+    Returns (token ids [B] int32, q [B, M] or None). q is the processed distribution the token
+    was drawn from, with the request's own temperature, top-k and top-p. Greedy calls propose the
+    argmax as a point mass (q would be one-hot anyway), skipping the softmax and the draw."""
+    if filters.greedy:
+        index = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        q = None
+    else:
+        q = sampling.process_logits(logits, sampling_params, filters)  # [B, M]
+        index = sampling.sample(key, q)
+    return (index if vocab is None else vocab.token_ids(index)), q
+
+
+def stack_chain(tokens: list[Array], probs: list[Array | None], vocab: DraftVocab | None,
+                vocab_size: int, valid: Array | None = None) -> Draft:
+    """A chain's per-step tokens [B] and q's [B, M] as one Draft; q's are widened to [B, G, V]
+    once per round (the verifier reads the whole vocabulary)."""
+    tokens = jnp.stack(tokens, axis=1)  # [B, G]
+    if probs[0] is None:
+        return Draft(tokens, None, valid)
+    q = jnp.stack(probs, axis=1)  # [B, G, M]
+    return Draft(tokens, q if vocab is None else vocab.widen(q, vocab_size), valid)
+
+
+def expand_tree(tree, ranked: Array, expand: Callable[[int, Array, np.ndarray], Array]) -> Array:
+    """Fill a static tree level by level from ranked candidates.
+
+    ranked [B, 1, C]: token ids after the root, best first. For each depth d a node takes its
+    parent's candidate at the node's rank; ``expand(d, level [B, n], parent [n])`` then returns
+    the ranked candidates [B, n, C] after each node of level d (``parent`` indexes the previous
+    level; never called for the deepest level). Returns the nodes' tokens [B, N-1] in the
+    tree's order."""
+    tokens = []
+    for d, (start, stop) in enumerate(tree.levels):
+        first_parent = 0 if d == 0 else tree.levels[d - 1][0]
+        parent = tree.parents[start:stop] - first_parent  # index inside the previous level
+        level = ranked[:, parent, tree.ranks[start:stop]].astype(jnp.int32)  # [B, n]
+        tokens.append(level)
+        if d + 1 < tree.depth:  # the deepest level's children are never needed
+            ranked = expand(d, level, parent)
+    return jnp.concatenate(tokens, axis=1)

@@ -1,0 +1,241 @@
+"""Drafts from an independent small model with its own KV cache.
+
+Each round the draft runs γ forwards: one two-token forward, then γ - 1 single-token forwards. The
+first forward re-feeds the token before the last one, at slot length - 1:
+
+* if the previous round rejected a draft, that slot already holds exactly this token (recomputed,
+  identical), and rewriting it also rolls back everything after it;
+* if the previous round accepted all γ drafts, the draft model never saw its own last draft d_γ
+  (it only proposed it), and this write is how it catches up, without a data-dependent shape.
+
+So the draft cache never needs to be told what was accepted: rollback is setting its length to
+length - 1 before the write.
+
+A draft model may propose from a subset of the vocabulary (``restrict_vocab``; see
+specjax/draft/vocab.py): a ``DraftModel`` is the model and its optional ``DraftVocab``, and a
+restricted draft computes only those M logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from .. import sampling
+from ..cache import KVCache, compact
+from ..config import ModelConfig, SpecConfig
+from ..model import Model, forward, prefill
+from ..tree import Tree
+from .base import Draft, draw, expand_tree, stack_chain
+from .vocab import DraftVocab
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """A draft model and the draft vocabulary it proposes from (None: its whole vocabulary)."""
+
+    model: Model
+    vocab: DraftVocab | None = None
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        """M: how many tokens the draft can propose."""
+        return self.config.vocab_size if self.vocab is None else self.vocab.size
+
+    def logits(self, tokens: Array, positions: Array, cache: KVCache,
+               chunk_mask: Array | None = None) -> tuple[Array, KVCache]:
+        """A draft forward: logits over its draft vocabulary [B, T, M] and the extended cache.
+        With a restricted vocabulary the full-vocabulary logits are never used, and the compiler
+        drops them."""
+        logits, hidden, cache = forward(self.model, tokens, positions, cache, chunk_mask)
+        if self.vocab is not None:
+            logits = self.vocab.logits(hidden)
+        return logits, cache
+
+    def token_ids(self, index: Array) -> Array:
+        """Indices into the draft vocabulary -> token ids (the identity when unrestricted)."""
+        return index.astype(jnp.int32) if self.vocab is None else self.vocab.token_ids(index)
+
+
+def as_draft_model(draft) -> DraftModel:
+    """A DraftModel from an sj.Model (whole vocabulary) or a DraftModel; ValueError otherwise."""
+    if isinstance(draft, DraftModel):
+        return draft
+    if isinstance(draft, Model):
+        return DraftModel(draft)
+    raise ValueError(f"the draft must be an sj.Model or sj.DraftModel (sj.load_draft_model), "
+                     f"got {type(draft).__name__}")
+
+
+def restrict_vocab(draft, vocab) -> DraftModel:
+    """``draft`` (an sj.Model or sj.DraftModel) proposing only from the token ids ``vocab`` (for
+    example the M most frequent tokens of its training data: ``sj.draft.frequent_tokens``).
+
+    Returns a DraftModel whose draft vocabulary holds the model's LM head columns for ``vocab``;
+    as a draft (``sj.generate(..., draft=)``) it computes only those M logits. ``.model`` is the
+    unchanged model (save that one; a DraftModel is not a model checkpoint)."""
+    if not isinstance(draft, (Model, DraftModel)):
+        raise ValueError(f"restrict_vocab expects an sj.Model, got {type(draft).__name__}")
+    model = as_draft_model(draft).model
+    return DraftModel(model, DraftVocab.of(model, vocab))
+
+
+VOCAB_FILE = "draft_vocab.npy"
+"""A draft model folder may ship its draft vocabulary here (token ids, as ``np.save`` writes)."""
+
+
+def load_draft_model(path, dtype: str | None = None, *, full_vocab: bool = False) -> DraftModel:
+    """A draft model folder: ``sj.load_model(path, dtype)`` restricted to the draft vocabulary
+    the folder ships in ``draft_vocab.npy``, unless there is none or ``full_vocab`` is set."""
+    from ..checkpoint import load_model
+    model = load_model(path, dtype)
+    file = pathlib.Path(path) / VOCAB_FILE
+    if full_vocab or not file.exists():
+        return DraftModel(model)
+    try:
+        vocab = np.load(file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the draft vocabulary {file}: {e}") from e
+    try:
+        return restrict_vocab(model, vocab)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
+
+
+def _catch_up(draft: DraftModel, cache: KVCache, history: Array, length: Array
+              ) -> tuple[Array, KVCache]:
+    """The two-token forward at slots length - 1, length (see the module docstring): logits
+    [B, 2, M] and the cache."""
+    rows = jnp.arange(history.shape[0])
+    prev, last = history[rows, length - 1], history[rows, length]
+    return draft.logits(jnp.stack([prev, last], 1), jnp.stack([length - 1, length], 1),
+                        cache.rollback(length - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelProposer:
+    """A chain of γ drafts, sampled from the draft model with the request's processing."""
+
+    config: ModelConfig  # the draft model's config (same vocabulary as the target)
+    gamma: int  # drafts per round
+
+    @property
+    def draft_forwards_per_round(self) -> int:
+        return self.gamma
+
+    def init(self, params: DraftModel, prompts: Array, prompt_lengths: Array,
+             capacity: int) -> KVCache:
+        """Prefill the draft cache with the prompts [B, P] (right-padded)."""
+        cache = KVCache.init(self.config, prompts.shape[0], capacity)
+        _, _, cache = prefill(params.model, prompts, cache)
+        return cache.rollback(prompt_lengths)
+
+    def propose(self, params: DraftModel, cache: KVCache, history: Array, length: Array,
+                keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters
+                ) -> tuple[Draft, KVCache]:
+        draft = params
+        step_keys = jax.vmap(lambda k: jax.random.split(k, self.gamma))(keys)  # [B, G]
+        logits, cache = _catch_up(draft, cache, history, length)
+        token, q = draw(logits[:, -1], step_keys[:, 0], sampling_params, filters, draft.vocab)
+        # γ - 1 single-token forwards, unrolled (γ is static and small): a lax.scan here carries
+        # the draft cache through a loop, which measured slower per round on a CPU.
+        tokens, probs = [token], [q]
+        for i in range(1, self.gamma):
+            logits, cache = draft.logits(token[:, None], (length + i)[:, None], cache)
+            token, q = draw(logits[:, 0], step_keys[:, i], sampling_params, filters, draft.vocab)
+            tokens.append(token)
+            probs.append(q)
+        return stack_chain(tokens, probs, draft.vocab, self.config.vocab_size), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTreeProposer:
+    """The draft model expanding a static tree level by level (one draft forward per depth).
+
+    The round starts with the chain proposer's two-token catch-up forward, whose last position
+    ranks the root's children. Then for each depth d < D, the nodes at depth d are fed in one
+    forward at positions length + d, written at their tree slots (node i at slot length + i)
+    under the tree's ancestor mask (``cache.attention_mask`` with a window covering the tree
+    so far), and their logits rank their own children. A node's children are the draft's
+    top-ranked tokens after it: rank r = the r-th largest logit (the order of its processed
+    distribution wherever that is non-zero; greedy rows still get distinct runner-up children).
+    Drafts are point masses, verified with the tree rule (``verify.tree_sample``).
+
+    After verification the engine calls ``commit``, which moves the accepted path's entries to
+    consecutive slots, so the next round's catch-up sees the cache a chain would have left.
+    """
+
+    config: ModelConfig
+    tree: Tree
+
+    @property
+    def gamma(self) -> int:
+        return self.tree.num_nodes - 1  # drafts per round: every non-root node
+
+    @property
+    def draft_forwards_per_round(self) -> int:
+        return self.tree.depth
+
+    def init(self, params: DraftModel, prompts: Array, prompt_lengths: Array,
+             capacity: int) -> KVCache:
+        return DraftModelProposer(self.config, 1).init(params, prompts, prompt_lengths, capacity)
+
+    def propose(self, params: DraftModel, cache: KVCache, history: Array, length: Array,
+                keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters
+                ) -> tuple[Draft, KVCache]:
+        draft, tree = params, self.tree
+        B = history.shape[0]
+        width = int(tree.children.shape[1])
+
+        def top(logits):  # the draft's `width` best token ids after each node
+            return draft.token_ids(jax.lax.top_k(logits, width)[1])
+
+        logits, cache = _catch_up(draft, cache, history, length)
+
+        def expand(d, level, parent):
+            nonlocal cache
+            start, stop = tree.levels[d]
+            positions = jnp.broadcast_to((length + d + 1)[:, None], (B, stop - start))
+            logits, cache = draft.logits(level, positions, cache.rollback(length + start),
+                                         chunk_mask=jnp.asarray(tree.ancestors[start:stop, :stop]))
+            return top(logits)
+
+        tokens = expand_tree(tree, top(logits[:, -1:]), expand)
+        return Draft(tokens, None), cache
+
+    def commit(self, cache: KVCache, start: Array, path: Array, num_accepted: Array) -> KVCache:
+        """Move the accepted path's draft entries next to each other (the length is reset by the
+        next ``propose``)."""
+        return compact(cache, start, path, num_accepted)
+
+
+def build(spec: SpecConfig, draft, target: ModelConfig):
+    """The registry's builder for method "draft_model": a chain or tree proposer for ``draft``
+    (an sj.Model or sj.DraftModel sharing the target's vocabulary)."""
+    if draft is None:
+        raise ValueError(f"method {spec.method!r} needs a draft model: pass draft=")
+    if not isinstance(draft, (Model, DraftModel)):
+        raise ValueError(f"draft must be an sj.Model or sj.DraftModel (sj.init_model, "
+                         f"sj.load_draft_model), got {type(draft).__name__}")
+    draft = as_draft_model(draft)
+    if draft.config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
+            f"{target.vocab_size}: draft and target must share one vocabulary")
+    if spec.tree is None:
+        return DraftModelProposer(draft.config, spec.num_speculative_tokens)
+    tree = Tree(spec.tree)
+    if int(tree.children.shape[1]) > draft.vocab_size:
+        raise ValueError(f"the tree gives a node {int(tree.children.shape[1])} children, "
+                         f"more than the draft's {draft.vocab_size}-token draft vocabulary")
+    return DraftTreeProposer(draft.config, tree)

@@ -1,0 +1,70 @@
+"""Timing for benchmarks and experiments: one forward of a chunk, and interleaved medians.
+
+Timings on a shared or noisy machine mean little on their own: compare variants timed in the
+same process, interleaved (``median_seconds``), and report ratios beside the baseline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .cache import KVCache
+
+INNER = 16  # forwards per timed call: one dispatch is amortised, as inside the decode loop
+
+
+@jax.jit
+def _chunks(draft, tokens, cache: KVCache):
+    """INNER dependent forwards of a T-token chunk at the same cache slots, in one program."""
+    T = tokens.shape[1]
+    positions = cache.length[:, None] + jnp.arange(T)[None, :]
+
+    def body(_, carry):  # the cache is carried, so its writes happen in place as in generate
+        tokens, c = carry
+        logits, c = draft.logits(tokens, positions, c)  # a draft's own vocabulary
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), c.rollback(cache.length)
+    return jax.lax.fori_loop(0, INNER, body, (tokens, cache))[0]
+
+
+def forward_timer(model, T: int, capacity: int, context: int) -> Callable[[], float]:
+    """A function timing one T-token forward (seconds) of ``model`` (an sj.Model, or an
+    sj.DraftModel, which computes only its draft vocabulary's logits) with the cache filled to
+    ``context`` slots of ``capacity``. Compiles before returning."""
+    from .draft.draft_model import as_draft_model
+    draft = as_draft_model(model)
+    cache = KVCache.init(draft.config, 1, capacity).rollback(jnp.array([context]))
+    tokens = jnp.ones((1, T), jnp.int32)
+    _chunks(draft, tokens, cache).block_until_ready()  # compile
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        _chunks(draft, tokens, cache).block_until_ready()
+        return (time.perf_counter() - t0) / INNER
+    return run
+
+
+def timed(fn: Callable, *args, **kwargs) -> tuple[object, float]:
+    """(fn(*args, **kwargs) with every array in it ready, wall seconds)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return out, time.perf_counter() - t0
+
+
+def interleaved(timers: dict, repeats: int) -> dict[object, list[float]]:
+    """Each timer (a function returning seconds) called ``repeats`` times, round-robin, so slow
+    phases of the machine hit every variant alike. Returns the samples per timer."""
+    samples = {k: [] for k in timers}
+    for _ in range(repeats):
+        for k, f in timers.items():
+            samples[k].append(f())
+    return samples
+
+
+def median_seconds(timers: dict, repeats: int) -> dict:
+    """Median of interleaved repeats of each timer."""
+    return {k: statistics.median(v) for k, v in interleaved(timers, repeats).items()}

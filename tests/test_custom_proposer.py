@@ -1,0 +1,189 @@
+"""Bring your own proposer: docs/custom-proposers.md's example runs as written, stays lossless
+(greedy equality, exact-enumeration distribution test), and a dishonest q fails the same test.
+Also: the method registry, bad proposers refused before compiling, and a rider that offers fewer
+than γ drafts in some rows."""
+
+import dataclasses
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_lossless import (
+    PROMPT,
+    N,
+    exact_joint,
+    g_test,
+    models,  # noqa: F401  (the fixture: an 8-token target and drafts)
+)
+
+import specjax as sj
+from specjax.draft.medusa import MedusaProposer
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "custom-proposers.md"
+GREEDY = sj.SamplingParams(temperature=0, max_new_tokens=24)
+PROMPTS = [[1, 5, 9], [2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+
+
+def doc_example() -> dict:
+    """The classes the guide defines, from its first python block, executed as written."""
+    block = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
+    scope: dict = {}
+    exec(compile(block, str(DOC), "exec"), scope)
+    return scope
+
+
+EXAMPLE = doc_example()
+RepeatLast, FixedQ = EXAMPLE["RepeatLast"], EXAMPLE["FixedQ"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimsUniformQ(FixedQ):
+    """Broken on purpose: samples from q but tells the verifier q is uniform."""
+
+    def propose(self, q, state, history, length, keys, sampling, filters):
+        draft, state = super().propose(q, state, history, length, keys, sampling, filters)
+        uniform = jnp.full(draft.probs.shape, 1.0 / draft.probs.shape[-1])
+        return sj.draft.Draft(draft.tokens, uniform), state
+
+
+SKEWED = jnp.asarray([0.4, 0.25, 0.1, 0.1, 0.05, 0.05, 0.03, 0.02])  # q over the V = 8 ids
+
+
+def test_the_guide_shows_runnable_calls():
+    """The guide's second block (generate with proposer=) runs as written too."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    scope = dict(EXAMPLE)
+    exec(compile(blocks[1], str(DOC), "exec"), scope)
+    assert scope["out"].tokens.shape == (1, 64)
+
+
+@pytest.mark.parametrize("which", ["repeat", "fixed_q"])
+def test_greedy_equals_autoregressive(target, which):
+    proposer, params = ((RepeatLast(gamma=3), None) if which == "repeat"
+                        else (FixedQ(gamma=2), jnp.full((32,), 1 / 32)))
+    want = sj.generate(target, PROMPTS, sampling=GREEDY)
+    got = sj.generate(target, PROMPTS, sampling=GREEDY, proposer=proposer, draft=params)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.stats.proposed_tokens > 0
+
+
+def _samples(target, proposer, params):
+    out = sj.generate(target, [PROMPT] * N, sampling=sj.SamplingParams(max_new_tokens=3),
+                      proposer=proposer, draft=params, key=0)
+    assert (out.lengths == 3).all()
+    assert out.stats.accepted_tokens > N // 50  # drafts were really accepted and rejected
+    return out.tokens
+
+
+@pytest.mark.parametrize("which", ["repeat", "fixed_q"])
+def test_first_three_tokens_follow_the_target(models, which):  # noqa: F811
+    target, _ = models
+    proposer, params = ((RepeatLast(gamma=2), None) if which == "repeat"
+                        else (FixedQ(gamma=2), SKEWED))
+    assert g_test(_samples(target, proposer, params), exact_joint(target, 1.0, 0, 1.0)) > 1e-3
+
+
+def test_a_dishonest_q_fails_the_same_test(models):  # noqa: F811
+    target, _ = models
+    samples = _samples(target, ClaimsUniformQ(gamma=2), SKEWED)
+    assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6
+
+
+# -- the registry -----------------------------------------------------------------------------
+
+@pytest.fixture
+def repeat_last_method():
+    def build(spec, draft, target_config):
+        if draft is not None:
+            raise ValueError("repeat_last uses no draft; drop draft=")
+        return RepeatLast(gamma=spec.num_speculative_tokens)
+    sj.draft.register("repeat_last", build)
+    yield
+    sj.draft.unregister("repeat_last")
+
+
+def test_a_registered_method_is_a_spec_method(target, repeat_last_method):
+    assert "repeat_last" in sj.draft.names()
+    spec = sj.SpecConfig(method="repeat_last", num_speculative_tokens=2)
+    want = sj.generate(target, PROMPTS, sampling=GREEDY)
+    got = sj.generate(target, PROMPTS, sampling=GREEDY, spec=spec)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.stats.proposal_rate == 1.0 and got.stats.proposed_tokens > 0  # γ every round
+    with pytest.raises(ValueError, match="repeat_last uses no draft"):
+        sj.generate(target, PROMPTS, sampling=GREEDY, spec=spec, draft=target)
+    with pytest.raises(ValueError, match="tree is not supported with method 'repeat_last'"):
+        sj.SpecConfig(method="repeat_last", tree=[[0]])
+
+
+def test_the_built_in_methods_come_from_the_registry():
+    assert sj.draft.names()[:4] == ("draft_model", "ngram", "medusa", "eagle")
+    with pytest.raises(ValueError, match="unknown; known methods: draft_model, ngram"):
+        sj.SpecConfig(method="nope")
+    with pytest.raises(ValueError, match="identifier"):
+        sj.draft.register("two words", lambda spec, draft, target: None)
+
+
+# -- bad proposers are refused before anything compiles ----------------------------------------
+
+@dataclasses.dataclass  # not frozen: unhashable
+class Mutable:
+    gamma: int = 2
+
+    def init(self, params, prompts, prompt_lengths, capacity):
+        return None
+
+    def propose(self, params, state, history, length, keys, sampling, filters):
+        raise AssertionError("never traced")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoPropose:
+    gamma: int = 2
+
+    def init(self, params, prompts, prompt_lengths, capacity):
+        return None
+
+
+@pytest.mark.parametrize("proposer,message", [
+    (Mutable(), "must be hashable"), (NoPropose(), "no propose"),
+    (RepeatLast(gamma=0), "gamma >= 1"), (RepeatLast(gamma=True), "gamma >= 1")])
+def test_bad_proposers_are_refused(target, proposer, message):
+    before = sj.engine.compiled_programs()
+    with pytest.raises(ValueError, match=message):
+        sj.generate(target, PROMPTS, sampling=GREEDY, proposer=proposer)
+    assert sj.engine.compiled_programs() == before
+
+
+def test_spec_and_proposer_together_are_refused(target):
+    with pytest.raises(ValueError, match="either spec= or proposer="):
+        sj.generate(target, PROMPTS, spec=sj.SpecConfig(method="ngram"), proposer=RepeatLast())
+
+
+# -- a rider offering fewer than γ drafts ------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PartialMedusa(MedusaProposer):
+    """Medusa heads, but row b offers only (length + b) % (γ + 1) of its γ drafts (none at
+    times): the engine verifies per-row draft lengths and still hands the target's features
+    back to the rider."""
+
+    def propose(self, params, state, history, length, keys, sampling, filters):
+        draft, state = super().propose(params, state, history, length, keys, sampling, filters)
+        B, G = draft.tokens.shape
+        count = (length + jnp.arange(B)) % (G + 1)
+        valid = jnp.arange(G)[None, :] < count[:, None]
+        return sj.draft.Draft(draft.tokens, draft.probs, valid), state
+
+
+def test_a_rider_with_fewer_drafts_equals_autoregressive(target):
+    heads = sj.init_heads(target, "medusa", jax.random.key(0), num_heads=3)
+    want = sj.generate(target, PROMPTS, sampling=GREEDY)
+    got = sj.generate(target, PROMPTS, sampling=GREEDY,
+                      proposer=PartialMedusa(heads.config, 3), draft=heads.params)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    s = got.stats
+    assert 0 < s.proposed_tokens < 3 * s.num_rounds * len(PROMPTS)  # really partial
+    assert 0 < s.proposal_rate < 1
