@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import tempfile
-import time
 
 import jax
 import numpy as np
@@ -21,17 +20,15 @@ import torch
 import transformers
 
 import specjax as sj
-from specjax import cli
+from specjax import cli, timing
 
 
 def hf_run(model, prompt, n, **kw):
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             **kw)
-        seconds = time.perf_counter() - t0
+        out, seconds = timing.timed(
+            model.generate, ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+            min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
     return out[0, len(prompt):].numpy(), seconds
 
 
@@ -65,9 +62,8 @@ def main():
         runs["hf assisted"].append(s), outputs.setdefault("hf assisted", tok)
         for name, kw in [("specjax greedy", {}),
                          ("specjax speculative", dict(spec=spec, draft=ours_d))]:
-            t0 = time.perf_counter()
-            out = sj.generate(ours_t, [prompt], sampling=greedy, **kw)
-            seconds = time.perf_counter() - t0 - out.stats.compile_seconds
+            out, seconds = timing.timed(sj.generate, ours_t, [prompt], sampling=greedy, **kw)
+            seconds -= out.stats.compile_seconds
             runs[name].append(seconds)
             outputs.setdefault(name, out.tokens[0])
     ref = outputs["hf greedy"]

@@ -27,15 +27,11 @@ import argparse
 import collections
 import math
 import statistics
-import time
 
-import jax
-import jax.numpy as jnp
 from bench_ngram import PROMPT_SETS, setting
 
 import specjax as sj
-from specjax import model as model_lib
-from specjax.cache import KVCache
+from specjax import timing
 
 
 def occurrences(history: list[int], n_min: int, n_max: int) -> list[tuple[int, int]]:
@@ -91,33 +87,12 @@ def replay(prompt: list[int], continuation: list[int], spec, rule: str, cost) ->
     return (len(continuation) - 1) / spent
 
 
-def verify_costs(target, widths, capacity: int = 512, calls: int = 64, repeats: int = 5):
-    """Median time of a forward at each width over width 1, interleaved over repeats."""
-    def program(T):
-        @jax.jit
-        def run(params, cache):
-            model = model_lib.Model(target.config, params)
-
-            def body(_, c):
-                tokens = jnp.full((1, T), 5, jnp.int32)
-                positions = c.length[:, None] + jnp.arange(T)[None]
-                logits, _, c2 = model_lib.forward(model, tokens, positions, c)
-                # the length stays put, but it depends on the logits, so nothing is dropped
-                return c2.rollback(c.length + (jnp.argmax(logits[0, -1]) < 0).astype(jnp.int32))
-            return jax.lax.fori_loop(0, calls, body, cache)
-        return run
-    cache = KVCache.init(target.config, 1, capacity).rollback(jnp.array([200], jnp.int32))
-    programs = {w: program(w) for w in widths}
-    for f in programs.values():
-        jax.block_until_ready(f(target.params, cache))
-    times = {w: [] for w in widths}
-    for _ in range(repeats):
-        for w, f in programs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(target.params, cache))
-            times[w].append(time.perf_counter() - start)
-    one = statistics.median(times[1])
-    return {w: statistics.median(t) / one for w, t in times.items()}
+def verify_costs(target, widths, capacity: int = 512, repeats: int = 5):
+    """Median time of a forward at each width over width 1 (cache filled to 200 slots),
+    interleaved over repeats."""
+    timers = {w: timing.forward_timer(target, w, capacity, 200) for w in widths}
+    seconds = timing.median_seconds(timers, repeats)
+    return {w: s / seconds[1] for w, s in seconds.items()}
 
 
 def main():

@@ -47,6 +47,7 @@ import numpy as np
 
 from . import theory
 from .config import SamplingParams, SpecConfig
+from .draft import registry
 from .draft.draft_model import as_draft_model
 from .engine import bucket, generate
 from .model import Model
@@ -153,13 +154,13 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
               verify_repeats: int = 20, log=None) -> dict:
     """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
     per (temperature, spec). specs: SpecConfigs (chains or trees) of any methods; draft: the
-    draft model for "draft_model"; drafters: {"medusa": Heads, "eagle": Heads} for those."""
+    draft model for the methods that draft with one ("draft_model"); drafters: {"medusa": Heads,
+    "eagle": Heads} for the methods that draft with heads."""
     specs = [SpecConfig.parse(s) for s in specs]
     if not specs:
         raise ValueError("specs is empty: give at least one SpecConfig")
     drafts = dict(drafters or {})
-    if draft is not None:
-        drafts["draft_model"] = draft
+    drafts.update({s.method: draft for s in specs if s.needs_draft_model and draft is not None})
     for s in specs:
         if (s.needs_draft_model or s.needs_heads) and s.method not in drafts:
             raise ValueError(f"method {s.method!r} needs a "
@@ -173,8 +174,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     if not prompts:
         raise ValueError("prompts is empty")
     log = log or (lambda msg: None)
-    use_draft = (as_draft_model(drafts["draft_model"]) if "draft_model" in methods
-                 else None)
+    use_draft = as_draft_model(draft) if any(s.needs_draft_model for s in specs) else None
 
     rows = []
     for temperature in temperatures:
@@ -217,7 +217,9 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                                           ar.tokens_per_second)],
                 ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
-                c={"draft_model": c_model, "ngram": 0.0}.get(spec.method, float("nan")),
+                # c: the draft model's step from its own AR loop; n-gram lookup runs no model
+                c=c_model if spec.needs_draft_model else 0.0 if spec.method == "ngram" else
+                float("nan"),
                 **_pooled(sp.outputs))
             # A round's wall time: TPOT times the tokens a round emits.
             row["spec_round_ms"] = row["spec_tpot_ms"] * row["mean_accepted_length"]
@@ -243,7 +245,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     # of the two steps, timed side by side.
     vocab_scale = seconds["draft-vocab"] / seconds["draft-full"] if restricted else 1.0
     for row in rows:
-        if row["method"] == "draft_model":
+        kind = registry.get(row["method"]).draft
+        if kind == "model":
             row["c"] *= vocab_scale
         row["verify_cost"] = seconds[row["verify_tokens"]] / seconds[1]
         # What a round spends besides the verify forward, in target steps, per draft: the
@@ -254,7 +257,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         # noise can make the figure slightly negative, which is reported as measured.
         row["draft_cost_per_draft"] = (
             (row["spec_round_ms"] / row["ar_tpot_ms"] - row["verify_cost"]) / row["gamma"])
-        if row["method"] in ("medusa", "eagle"):
+        if kind != "model" and row["method"] != "ngram":  # heads, or a proposer of the user's
             row["c"] = row["draft_cost_per_draft"]
         g, alpha, c = row["gamma"], row["alpha"], row["c"]
         # the formula is for chains: i.i.d. acceptance of γ drafts in a row
@@ -335,10 +338,11 @@ def main(args) -> int:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
         prompts = [p[-args.max_prompt_tokens:] for p in prompts]  # keep the end: it is continued
     methods = args.method
+    kinds = {m: registry.get(m) for m in methods}
     draft = (load_draft_model(args.draft, dtype=args.dtype, full_vocab=args.full_draft_vocab)
-             if "draft_model" in methods else None)
-    drafters = {m: load_heads(getattr(args, m) or CHECKPOINTS / f"code-{m}", target)
-                for m in methods if m in ("medusa", "eagle")}
+             if any(k.draft == "model" for k in kinds.values()) else None)
+    drafters = {m: load_heads(getattr(args, m, None) or CHECKPOINTS / f"code-{m}", target)
+                for m, k in kinds.items() if k.draft == "heads"}
     specs = []
     for m in methods:
         lookup = lookup_options(args) if m == "ngram" else {}
@@ -349,7 +353,7 @@ def main(args) -> int:
                       f"most {limit} deep", file=sys.stderr)
                 continue
             specs.append(spec)
-        if m != "ngram":
+        if kinds[m].tree:
             specs += [SpecConfig(method=m, tree=_tree_json(tree)) for tree in args.tree or ()]
     result = run_bench(target, prompts, specs, draft=draft, drafters=drafters,
                        temperatures=args.temperatures, top_k=args.top_k, top_p=args.top_p,
@@ -358,7 +362,7 @@ def main(args) -> int:
                        log=lambda m: print(m, file=sys.stderr, flush=True))
     result["settings"].update(target=str(args.target),
                               draft=str(args.draft) if draft is not None else None,
-                              drafters={m: str(getattr(args, m) or CHECKPOINTS / f"code-{m}")
+                              drafters={m: str(getattr(args, m, None) or CHECKPOINTS / f"code-{m}")
                                         for m in drafters},
                               dtype=args.dtype)
     print(format_table(result))
