@@ -6,7 +6,7 @@
     specjax train pair export --workdir W --out checkpoints/   write the two model folders
 
 Each stage reads what the earlier ones left in the work directory; ``target`` and ``draft``
-resume from their latest checkpoint, so a run can be spread over several sessions. The exact
+resume from their latest checkpoint, so a run can be stopped and resumed any number of times. The exact
 settings are the constants in specjax/train/pair.py; ``data`` records the corpus manifest
 next to the tokens.
 """
@@ -27,15 +27,15 @@ from .loop import TrainConfig, evaluate, train
 
 VOCAB_SIZE = 8192
 # Sizes chosen for this 2-core CPU: a 32M target trained at 550 tokens/s here, too slow to train
-# well in a few sessions; this 15.7M one trains at about 1.4k tokens/s (measured in the log).
+# well in a few hours; this 15.7M one trains at about 1.4k tokens/s (measured in the log).
 TARGET = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=384, intermediate_size=1024,
                      num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
                      max_position_embeddings=1024)
 DRAFT = ModelConfig(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=384,
                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                     max_position_embeddings=1024)
-# The target's schedule was first set to 8000 steps; at step 825 (two sessions in) it was cut to
-# 1800 so that the cosine decay completes within the next session (run.json edited to match).
+# The target's schedule was first set to 8000 steps; at step 825 (after two resumed runs) it was
+# cut to 1800 so that the cosine decay completes within the next run (run.json edited to match).
 TARGET_TRAINING = TrainConfig(steps=1800, batch_size=16, seq_len=256, learning_rate=1e-3,
                               warmup_steps=200, checkpoint_every=25, eval_every=200, seed=0)
 SCHEDULE_NOTES = {"target": " (the schedule was first set for 8000 steps and cut to 1800 at "
