@@ -251,8 +251,8 @@ def _add_bench(sub) -> None:
                    help="draft over the whole vocabulary even when the draft folder ships a "
                         "draft vocabulary (draft_vocab.npy; the bundled draft does)")
     b.add_argument("--method", type=_methods, default=["draft_model"], metavar="M,M,...",
-                   help="draft methods to compare in one run: draft_model, ngram, medusa, eagle "
-                        "(default draft_model)")
+                   help=f"draft methods to compare in one run: {', '.join(draft_methods())} "
+                        f"(default draft_model)")
     b.add_argument("--medusa",
                    help="Medusa heads folder (default: bundled checkpoints/code-medusa)")
     b.add_argument("--eagle", help="EAGLE head folder (default: bundled checkpoints/code-eagle)")

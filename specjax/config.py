@@ -272,3 +272,19 @@ class SpecConfig:
         if unknown:
             raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
         return cls(**spec)
+
+
+_OLD_TABLES = {"METHODS": lambda m: True, "NEEDS_DRAFT_MODEL": lambda m: m.draft == "model",
+               "NEEDS_DRAFTER": lambda m: m.draft == "heads", "TREE_METHODS": lambda m: m.tree}
+
+
+def __getattr__(name):
+    """The method tables this module used to hold, for one version: the registry has them now."""
+    if name in _OLD_TABLES:
+        import warnings
+
+        from .draft import registry
+        warnings.warn(f"specjax.config.{name} is gone: ask the registry (sj.draft.names(), "
+                      f"sj.draft.get(name).draft / .tree)", DeprecationWarning, stacklevel=2)
+        return tuple(n for n in registry.names() if _OLD_TABLES[name](registry.get(n)))
+    raise AttributeError(f"module 'specjax.config' has no attribute {name!r}")

@@ -312,7 +312,7 @@ class Program:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.compiled = 0  # executables compiled for this plan
-        self._executables: dict = {}
+        self._executables: collections.OrderedDict = collections.OrderedDict()
 
     def executable(self, stage: str, *args):
         """(the compiled executable of ``stage`` for these arguments, seconds spent compiling
@@ -322,6 +322,7 @@ class Program:
                      tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         exe = self._executables.get(signature)
         if exe is not None:
+            self._executables.move_to_end(signature)
             return exe, 0.0
         t0 = time.perf_counter()
         exe = _STAGES[stage].lower(self.plan, *args).compile()
@@ -330,6 +331,19 @@ class Program:
         self.compiled += 1
         log.info("compiled %s for %s in %.1fs", stage, self.plan, spent)
         return exe, spent
+
+    @property
+    def held(self) -> int:
+        """Executables this program holds."""
+        return len(self._executables)
+
+    def trim(self, size: int) -> int:
+        """Drop the least recently used executables beyond ``size``; returns how many."""
+        dropped = 0
+        while len(self._executables) > size:
+            self._executables.popitem(last=False)
+            dropped += 1
+        return dropped
 
     def executables(self, stage: str) -> list:
         """The compiled executables of ``stage`` held (one per argument signature), for
@@ -365,7 +379,9 @@ class Program:
 
 
 class ProgramCache:
-    """The most recently used Programs, by plan."""
+    """The most recently used Programs, by plan. Each lookup drops the least recently used
+    programs, then the looked-up program's least recently used executables, until at most
+    ``size`` executables are held in all."""
 
     def __init__(self, size: int = 64):
         self.size = size
@@ -376,9 +392,11 @@ class ProgramCache:
         program = self._programs.get(plan)
         if program is None:
             program = self._programs[plan] = Program(plan)
-            if len(self._programs) > self.size:
-                self._dropped += self._programs.popitem(last=False)[1].compiled
         self._programs.move_to_end(plan)
+        while (len(self._programs) > 1
+               and sum(p.held for p in self._programs.values()) > self.size):
+            self._dropped += self._programs.popitem(last=False)[1].compiled
+        program.trim(self.size)
         return program
 
     @property
@@ -636,7 +654,8 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
     for b, r in enumerate(rows):
         n = int(generated[b])
         tokens[b, :n] = history[b, len(r):len(r) + n]
-    per_round = getattr(plan.proposer, "draft_forwards_per_round", 0) if plan.proposer else 0
+    per_round = (0 if plan.proposer is None
+                 else getattr(plan.proposer, "draft_forwards_per_round", 0))
     stats = Stats.summarise(
         jax.tree.map(_fetch, state.counters), gamma=plan.depth,
         draft_calls_per_round=per_round, has_draft_model=per_round > 0,
@@ -679,12 +698,12 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     (``jax.distributed``) every process makes the same call with the same prompts and gets the
     whole result.
     """
-    spec = SpecConfig.parse(spec)
     rows, sampling = check_request(target, prompts, sampling, tokenizer, return_text)
-    proposer, draft_params = build_proposer(spec, proposer, draft, target.config)
+    spec = SpecConfig.parse(spec)
     draft_config = getattr(draft, "config", None)
-    if isinstance(draft_config, ModelConfig):
+    if isinstance(draft_config, ModelConfig):  # a draft model's own context limit
         _check_context("draft", draft_config, rows, sampling.max_new_tokens)
+    proposer, draft_params = build_proposer(spec, proposer, draft, target.config)
     _check_tree_window(proposer, target.config, draft)
     plan, shapes = plan_program(target.config, proposer, rows, sampling, mesh)
     target, draft_params = place(target, draft_params, mesh)

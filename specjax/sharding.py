@@ -75,7 +75,9 @@ def _sizes(config: ModelConfig) -> dict[str, int]:
     """The size each logical axis is split by: a name whose size does not divide the mesh axis
     is replicated (heads, not head x head_dim, so a head is never cut)."""
     return {"vocab": config.vocab_size, "q_heads": config.num_attention_heads,
-            "kv_heads": config.num_key_value_heads, "mlp": config.intermediate_size}
+            "kv_heads": config.num_key_value_heads, "mlp": config.intermediate_size,
+            "embed": config.hidden_size, "layers": config.num_hidden_layers,
+            "head_dim": config.head_dim}
 
 
 def logical_spec(axes, config: ModelConfig, mesh_shape: dict, rules: dict | None = None) -> P:
@@ -126,9 +128,10 @@ def param_axes(path: str) -> tuple[str | None, ...]:
     return ()
 
 
-def param_spec(path: str, config: ModelConfig, model_size: int, rules: dict | None = None) -> P:
-    """The PartitionSpec of one parameter on a mesh with model_size devices on "model"."""
-    return logical_spec(param_axes(path), config, {DATA: 1, MODEL: model_size}, rules)
+def param_spec(path: str, config: ModelConfig, model_size: int, rules: dict | None = None,
+               data_size: int = 1) -> P:
+    """The PartitionSpec of one parameter on a mesh of data_size x model_size devices."""
+    return logical_spec(param_axes(path), config, {DATA: data_size, MODEL: model_size}, rules)
 
 
 def _paths(tree, prefix=()):
@@ -141,10 +144,10 @@ def param_shardings(config: ModelConfig, params_tree, mesh: Mesh, replicate: boo
                     rules: dict | None = None):
     """NamedShardings for a params tree (arrays or ShapeDtypeStructs) of ``config``."""
     check_mesh(mesh)
-    model_size = mesh.shape[MODEL]
+    sizes = dict(model_size=mesh.shape[MODEL], data_size=mesh.shape[DATA])
     return jax.tree.map(
         lambda path: NamedSharding(mesh, P() if replicate else param_spec(path, config,
-                                                                          model_size, rules)),
+                                                                          rules=rules, **sizes)),
         _paths(params_tree))
 
 

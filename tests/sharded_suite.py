@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import engine
+from specjax import engine, sharding
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
@@ -161,3 +161,23 @@ def test_sharded_load_equals_unsharded(models, tmp_path, fmt):
         assert replicated[name].sharding.spec == P()
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(plain[name]))
         np.testing.assert_array_equal(np.asarray(replicated[name]), np.asarray(plain[name]))
+
+
+def test_a_layout_of_the_callers_own_is_kept_and_exact(models):
+    """Another rules table (the vocabulary replicated, the MLP split over "data" as well) placed
+    with sj.shard: generate keeps that placement, and the output equals one device's."""
+    target, draft, _ = models
+    mesh = sj.make_mesh(data=2, model=4)
+    rules = {**{k: v for k, v in sharding.RULES.items() if k != "vocab"}, "layers": "data"}
+    placed = sj.shard(target, mesh, rules=rules)
+    flat = _flat(placed.params)
+    assert flat["embed_tokens/embedding"].sharding.spec == P()
+    assert flat["layers/mlp/up_proj/kernel"].sharding.spec == P("data", None, "model")
+    assert sharding.placed_on(placed, mesh) and not sharding.placed_on(target, mesh)
+    kept, _ = engine.place(placed, None, mesh)
+    assert _flat(kept.params)["embed_tokens/embedding"].sharding.spec == P()
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=12)
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    one = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=draft)
+    many = sj.generate(placed, PROMPTS, sampling=sampling, spec=spec, draft=draft, mesh=mesh)
+    np.testing.assert_array_equal(many.tokens, one.tokens)

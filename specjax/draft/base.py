@@ -121,6 +121,10 @@ def check_proposer(proposer) -> None:
     except TypeError as e:
         raise ValueError(f"proposer {name} must be hashable (a frozen dataclass, say): it is "
                          f"part of the compiled program ({e})") from None
+    tree = getattr(proposer, "tree", None)
+    if tree is not None and gamma != tree.num_nodes - 1:
+        raise ValueError(f"proposer {name} drafts a tree of {tree.num_nodes - 1} nodes but has "
+                         f"gamma={gamma}: a tree proposer's gamma is its number of nodes")
     if rides_on_target(proposer) and not callable(getattr(proposer, "observe", None)):
         raise ValueError(f"proposer {name} rides on the target but has no observe() method")
 

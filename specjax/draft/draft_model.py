@@ -85,7 +85,8 @@ def restrict_vocab(draft, vocab) -> DraftModel:
     as a draft (``sj.generate(..., draft=)``) it computes only those M logits. ``.model`` is the
     unchanged model (save that one; a DraftModel is not a model checkpoint)."""
     if not isinstance(draft, (Model, DraftModel)):
-        raise ValueError(f"restrict_vocab expects an sj.Model, got {type(draft).__name__}")
+        raise ValueError(f"restrict_vocab expects an sj.Model or sj.DraftModel, got "
+                         f"{type(draft).__name__}")
     model = as_draft_model(draft).model
     return DraftModel(model, DraftVocab.of(model, vocab))
 

@@ -47,7 +47,7 @@ DRAFT_TRAINING = TrainConfig(steps=2400, batch_size=16, seq_len=256, learning_ra
                              warmup_steps=100, checkpoint_every=25, eval_every=200, seed=1,
                              distill_ce_weight=0.1)
 # The bundled draft drafts from the most frequent tokens of the training stream only (its LM
-# head cut to these columns, `draft_vocab.npy`; see specjax/draft/model.py).
+# head cut to these columns, `draft_vocab.npy`; see specjax/draft/vocab.py).
 DRAFT_VOCAB_SIZE = 2048
 
 log = logging.getLogger(__name__)
