@@ -15,7 +15,8 @@ from test_lossless import (
     g_test,
     generate_samples,
     later_samples,
-    models,  # noqa: F401 (fixtures)
+    models,  # noqa: F401 (fixture)
+    tail_joints,  # noqa: F401 (fixture)
     tail_pvalues,
 )
 
