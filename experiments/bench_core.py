@@ -75,7 +75,8 @@ def main():
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     G = args.gamma
-    capacity = sj.engine.bucket(PROMPT_LEN + NEW_TOKENS + G + 1)
+    capacity = sj.engine.cache_capacity(CONFIGS["target-25M"], G,
+                                        sj.engine.slots_needed(PROMPT_LEN, NEW_TOKENS, G))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; gamma={G}; cache capacity "
           f"{capacity}, context {CONTEXT}; medians of {args.repeats} interleaved repeats")
     draft = sj.init_model(CONFIGS["draft-3M"], jax.random.key(1))

@@ -29,7 +29,7 @@ from specjax import bench, timing
 from specjax.draft import restrict_vocab
 from specjax.draft.draft_model import VOCAB_FILE
 from specjax.draft.vocab import frequent_tokens
-from specjax.engine import bucket
+from specjax.engine import cache_capacity, slots_needed
 
 
 def main():
@@ -62,7 +62,8 @@ def main():
     spec = sj.SpecConfig(num_speculative_tokens=args.gamma)
 
     # A draft step with each head, timed alone (the same timer as the bench's verify cost).
-    capacity = bucket(max(map(len, prompts)) + args.max_new_tokens + args.gamma + 1)
+    capacity = cache_capacity(target.config, args.gamma,
+                              slots_needed(max(map(len, prompts)), args.max_new_tokens, args.gamma))
     context = int(np.mean([len(p) for p in prompts])) + args.max_new_tokens // 2
     timers = {"target": timing.forward_timer(target, 1, capacity, context)}
     timers.update({name: timing.forward_timer(d, 1, capacity, context)

@@ -49,7 +49,7 @@ from . import theory
 from .config import SamplingParams, SpecConfig
 from .draft import registry
 from .draft.draft_model import as_draft_model
-from .engine import bucket, generate
+from .engine import cache_capacity, generate, slots_needed
 from .model import Model
 from .timing import forward_timer, median_seconds
 from .tree import Tree
@@ -232,7 +232,10 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     mean_prompt = int(np.mean([len(p) for p in prompts]))
     context = mean_prompt + max_new_tokens // 2
     sizes = sorted({row["verify_tokens"] for row in rows})
-    capacity = bucket(max(len(p) for p in prompts) + max_new_tokens + max(sizes))
+    # the capacity generate picks for the longest prompt (a tier), so the timed forwards match
+    capacity = cache_capacity(target.config, max(sizes) - 1,
+                              slots_needed(max(len(p) for p in prompts), max_new_tokens,
+                                           max(sizes) - 1))
     timers = {1: forward_timer(target, 1, capacity, context)}
     timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
     restricted = use_draft is not None and use_draft.vocab is not None

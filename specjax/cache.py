@@ -43,16 +43,38 @@ class KVCache:
 def write(buffer: Array, new: Array, start: Array) -> Array:
     """Write new [B, T, ...] into buffer [B, S, ...] at per-row offsets start [B].
 
-    The engine guarantees start + T <= S on the host; ``dynamic_update_slice`` would otherwise
-    clamp the offset and silently overwrite valid entries.
-    """
-    def one(buf, x, s):
-        return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), s, axis=0)
+    Entries that would land at slot S or beyond are dropped, never clamped onto valid ones (the
+    engine also refuses on the host any request that could write past S; the last chunk of a
+    prefill may run past it with padding only, and a finished row's rounds may too)."""
+    T = new.shape[1]
+
+    def one(buf, x, s):  # one row: buf [S, ...], x [T, ...]
+        return buf.at[s + jnp.arange(T)].set(x.astype(buf.dtype), mode="drop")
     return jax.vmap(one)(buffer, new, start)
 
 
-def attention_mask(length: Array, chunk_mask: Array, capacity: int) -> Array:
-    """Which cache slots each new token may attend to: [B, T, S] bool.
+def write_layer(buffer: Array, layer: Array, new: Array, start: Array) -> Array:
+    """``write`` into layer ``layer`` of buffer [L, B, S, ...], in place. Rows are a batch
+    dimension of the scatter, so a cache split over rows on a mesh is written without moving
+    any row's data between devices."""
+    T = new.shape[1]
+    if buffer.shape[1] == 1:  # one row: the compiler makes this an in-place slice update
+        slots = start[:, None] + jnp.arange(T)[None, :]
+        return buffer.at[layer, jnp.zeros((1, 1), jnp.int32), slots].set(
+            new.astype(buffer.dtype), mode="drop")
+
+    def one(buf, x, s):  # one row: buf [L, S, ...], x [T, ...]
+        return buf.at[layer, s + jnp.arange(T)].set(x.astype(buf.dtype), mode="drop")
+    return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buffer, new, start)
+
+
+def _slots(slots) -> Array:
+    return jnp.arange(slots, dtype=jnp.int32) if isinstance(slots, int) else slots
+
+
+def attention_mask(length: Array, chunk_mask: Array, slots: int | Array) -> Array:
+    """Which cache slots each new token may attend to: [B, T, n] bool for the slot indices
+    ``slots`` [n] (an int S: all of 0 .. S - 1).
 
     The chunk's T tokens are written at slots length[b] .. length[b] + T - 1. chunk_mask is
     [T, W] or [B, T, W] with W >= T: it covers a window of the last W slots ending with the chunk
@@ -69,26 +91,27 @@ def attention_mask(length: Array, chunk_mask: Array, capacity: int) -> Array:
     tree level by level writes each level after the earlier ones and must see only its own
     ancestors among them (the tree's ancestor mask rows for the level, all columns so far).
     """
+    slots = _slots(slots)
     B, T, W = length.shape[0], chunk_mask.shape[-2], chunk_mask.shape[-1]
+    n = slots.shape[0]
     chunk_mask = jnp.broadcast_to(chunk_mask, (B, T, W))
-    slot = jnp.arange(capacity)[None, :]  # [1, S]
-    offset = slot - (length[:, None] + T - W)  # [B, S]: index of the slot inside the window
+    offset = slots[None, :] - (length[:, None] + T - W)  # [B, n]: index inside the window
     in_window = (offset >= 0) & (offset < W)
     gathered = jnp.take_along_axis(
-        chunk_mask, jnp.broadcast_to(jnp.clip(offset, 0, W - 1)[:, None, :], (B, T, capacity)),
-        axis=2)  # [B, T, S]
+        chunk_mask, jnp.broadcast_to(jnp.clip(offset, 0, W - 1)[:, None, :], (B, T, n)),
+        axis=2)  # [B, T, n]
     return (offset < 0)[:, None, :] | (in_window[:, None, :] & gathered)
 
 
-def window_mask(length: Array, positions: Array, capacity: int, window: int) -> Array:
-    """Sliding-window attention: [B, T, S], True where the key's position is within the last
+def window_mask(length: Array, positions: Array, slots: int | Array, window: int) -> Array:
+    """Sliding-window attention: [B, T, n], True where the key's position is within the last
     ``window`` positions of the query's (q - k < window). History slot s holds position s; the
     chunk's slots hold the chunk's own positions."""
+    slots = _slots(slots)
     T = positions.shape[1]
-    slot = jnp.arange(capacity)[None, :]
-    offset = slot - length[:, None]  # [B, S]
+    offset = slots[None, :] - length[:, None]  # [B, n]
     chunk_pos = jnp.take_along_axis(positions, jnp.clip(offset, 0, T - 1), axis=1)
-    key_pos = jnp.where((offset >= 0) & (offset < T), chunk_pos, slot)  # [B, S]
+    key_pos = jnp.where((offset >= 0) & (offset < T), chunk_pos, slots[None, :])  # [B, n]
     return (positions[:, :, None] - key_pos[:, None, :]) < window
 
 

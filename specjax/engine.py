@@ -11,10 +11,11 @@ writes the num_accepted + 1 new tokens into history after the last one and advan
 what was emitted. Each row moves by its own count; done rows stay frozen. With no proposer the
 same round runs with γ = 0: plain autoregressive decoding, our baseline.
 
-Shapes that are fixed per program (static, part of the compile key): batch B, prompt bucket P,
-capacity S (cache and history), γ, the model configs, and whether top-k / top-p filters are
-compiled in. Everything else (prompt lengths, max_new_tokens, temperature, top-k, top-p, EOS ids,
-keys) is an array, so nearby request sizes share a compiled program.
+Shapes that are fixed per program (static, part of the compile key): the batch bucket B, the
+capacity tier S (cache and history; prompts are passed S wide and prefilled in chunks), the
+proposer (γ, tree), the model configs, whether top-k / top-p filters are compiled in and whether
+every row is greedy. Everything else (prompt lengths, max_new_tokens, temperature, top-k, top-p,
+EOS ids, keys) is an array, so every request of a tier shares a compiled program.
 
 ``generate`` is a short script of named steps: ``check_request`` → ``build_proposer`` →
 ``plan_program`` → ``place`` → ``build_inputs`` → ``Program.run`` (compiled once per plan and
@@ -38,14 +39,14 @@ import numpy as np
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import attention, sharding, verify
 from . import cache as kv
 from . import sampling as sampling_lib
-from . import sharding, verify
 from .cache import KVCache
 from .config import MAX_EOS_IDS, ModelConfig, SamplingParams, SpecConfig
 from .draft import base as draft_base
 from .draft import registry
-from .model import Model, forward, prefill
+from .model import PREFILL_CHUNK, Model, forward, prefill_chunked
 from .sampling import Filters, SamplingArrays
 from .stats import Counters, Stats
 
@@ -62,9 +63,11 @@ class Plan:
 
     target: ModelConfig  # the target's config
     proposer: Any  # a proposer (specjax.draft.base.Proposer), or None for autoregressive decoding
-    capacity: int  # S: cache and history slots per row
+    capacity: int  # S: cache and history slots per row (a tier, or max_cache_len)
     filters: Filters  # which sampling filters are compiled in
     mesh: Any = None  # a ("data", "model") jax.sharding.Mesh for sharded runs, or None
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per prefill forward
+    attention_block: int = attention.BLOCK  # cache slots per attention block
 
     @property
     def gamma(self) -> int:
@@ -128,21 +131,24 @@ def _proposer_params(plan: Plan, draft_params, target_params):
 
 def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, prompt_lengths: Array,
                   request: Request) -> LoopState:
-    """Run the prompts [B, P] (right-padded) through target and proposer; draw the first token."""
-    B, P = prompts.shape
+    """Run the prompts [B, N] (right-padded; the engine passes N = S rounded up to whole
+    prefill chunks) through target and proposer, a chunk at a time up to the longest prompt;
+    draw the first token."""
+    B, N = prompts.shape
     S = plan.capacity
     cache = KVCache.init(plan.target, B, S)
     if plan.mesh is not None:  # the target cache: rows over "data", kv heads over "model"
         spec = sharding.cache_spec(plan.target, plan.mesh)
         cache = dataclasses.replace(cache, k=sharding.constrain(cache.k, plan.mesh, spec),
                                     v=sharding.constrain(cache.v, plan.mesh, spec))
-    logits, hidden, cache = prefill(Model(plan.target, target_params), prompts, cache)
+    last_logits, hidden, cache = prefill_chunked(
+        Model(plan.target, target_params), prompts, prompt_lengths, cache, plan.prefill_chunk,
+        keep_hidden=plan.rides)
     rows = jnp.arange(B)
-    last_logits = logits[rows, prompt_lengths - 1]  # [B, V]
     probs = sampling_lib.process_logits(last_logits, request.sampling, plan.filters)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(request.keys)
     first = sampling_lib.sample(keys, probs)
-    history = jnp.zeros((B, S), jnp.int32).at[:, :P].set(prompts)
+    history = jnp.zeros((B, S), jnp.int32).at[:, :min(N, S)].set(prompts[:, :S])
     history = history.at[rows, prompt_lengths].set(first)
     draft_state = None
     if plan.proposer is not None:
@@ -152,7 +158,7 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
     done = jnp.any(first[:, None] == request.eos[None, :], axis=1) | (request.max_new_tokens <= 1)
     return LoopState(
         history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
-        done=done, cache=cache.rollback(prompt_lengths), draft_state=draft_state,
+        done=done, cache=cache, draft_state=draft_state,
         counters=Counters.zeros(plan.depth), step=jnp.zeros((), jnp.int32))
 
 
@@ -291,10 +297,19 @@ def decode(plan: Plan, target_params, draft_params, request: Request,
 # Compiled programs
 
 
+def _with_blocks(stage):
+    """``stage`` traced with its plan's attention block, for the target and proposers alike."""
+    @functools.wraps(stage)
+    def traced(plan: Plan, *args):
+        with attention.blocks_of(plan.attention_block):
+            return stage(plan, *args)
+    return traced
+
+
 _STAGES = {
-    "prefill": jax.jit(prefill_state, static_argnums=0),
-    "round": jax.jit(round_step, static_argnums=0),
-    "decode": jax.jit(decode, static_argnums=0, donate_argnums=4),
+    "prefill": jax.jit(_with_blocks(prefill_state), static_argnums=0),
+    "round": jax.jit(_with_blocks(round_step), static_argnums=0),
+    "decode": jax.jit(_with_blocks(decode), static_argnums=0, donate_argnums=4),
 }
 
 
@@ -537,27 +552,70 @@ class Shapes:
 
     batch: int  # B: the caller's rows
     padded_batch: int  # rows in the program (padding rows start done and are dropped)
-    prompt: int  # P: the prompt bucket
+    prompt: int  # N: the prompt array's width (the capacity rounded up to whole prefill chunks)
+
+
+CACHE_TIERS = (256, 1024, 4096, 16384, 65536, 262144)
+"""The capacities a request picks from (the smallest that holds it), so a model compiles once per
+tier, not once per request size. A model's last tier is what its context can use at most."""
+
+TOP_K_BOUND = 256
+"""The static bound on top_k compiled in when top-k is on; a larger top_k compiles a full sort."""
+
+
+def slots_needed(longest: int, max_new_tokens: int, gamma: int) -> int:
+    """Cache slots a request can use: a row's last round starts at slot prompt + max_new - 2 and
+    writes γ + 1 cache slots from there, and history one further (up to prompt + max_new + γ - 1).
+    A finished row's later writes may pass the capacity; they are dropped."""
+    return longest + max_new_tokens + gamma
+
+
+def cache_capacity(target: ModelConfig, gamma: int, needed: int,
+                   max_cache_len: int | None = None) -> int:
+    """S for a request needing ``needed`` slots: ``max_cache_len`` when given (checked), else the
+    smallest of CACHE_TIERS that holds it, never more than the target can use."""
+    limit = target.max_position_embeddings + gamma
+    if max_cache_len is None:
+        return min(next((t for t in CACHE_TIERS if t >= needed), limit), limit)
+    if (not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool)
+            or max_cache_len < 1):
+        raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+    if max_cache_len > limit:
+        raise ValueError(
+            f"max_cache_len={max_cache_len} is more than the target can use: "
+            f"max_position_embeddings={target.max_position_embeddings} plus {gamma} draft "
+            f"slots = {limit}")
+    if needed > max_cache_len:
+        raise ValueError(
+            f"max_cache_len={max_cache_len} is too small for this request: it needs {needed} "
+            f"slots (longest prompt + max_new_tokens + {gamma} draft slots)")
+    return int(max_cache_len)
 
 
 def plan_program(target: ModelConfig, proposer, rows: list[np.ndarray], sampling: SamplingParams,
-                 mesh) -> tuple[Plan, Shapes]:
-    """The program's static plan (buckets, filters, mesh) and the call's padded sizes."""
+                 mesh, max_cache_len: int | None = None) -> tuple[Plan, Shapes]:
+    """The program's static plan (capacity tier, batch bucket, filters, mesh) and the call's
+    padded sizes. Neither the prompt lengths nor max_new_tokens pick the program beyond the
+    tier; top_k only by being on, off or above TOP_K_BOUND."""
     longest = max(len(r) for r in rows)
-    P = bucket(longest)
     gamma = 0 if proposer is None else proposer.gamma
-    # Never a write past S (dynamic_update_slice would clamp and overwrite silently): a row's last
-    # round writes γ + 1 cache slots from prompt + max_new - 1 and history slots one further on.
-    capacity = bucket(max(P, longest + sampling.max_new_tokens + gamma + 1))
+    capacity = cache_capacity(target, gamma, slots_needed(longest, sampling.max_new_tokens, gamma),
+                              max_cache_len)
     B_pad = bucket(len(rows), minimum=1)
     if mesh is not None:
         sharding.check_mesh(mesh)
         data = mesh.shape[sharding.DATA]
         B_pad = -(-B_pad // data) * data  # every "data" shard gets the same number of rows
-    top_k_on = 0 < sampling.top_k < target.vocab_size
-    filters = Filters(top_k=min(bucket(sampling.top_k), target.vocab_size) if top_k_on else 0,
+    V = target.vocab_size
+    top_k_on = 0 < sampling.top_k < V
+    filters = Filters(top_k=(min(TOP_K_BOUND, V) if sampling.top_k <= TOP_K_BOUND else V)
+                      if top_k_on else 0,
                       top_p=sampling.top_p < 1.0, greedy=sampling.temperature == 0)
-    return Plan(target, proposer, capacity, filters, mesh), Shapes(len(rows), B_pad, P)
+    chunk = min(PREFILL_CHUNK, capacity)
+    width = -(-capacity // chunk) * chunk
+    plan = Plan(target, proposer, capacity, filters, mesh, prefill_chunk=chunk,
+                attention_block=attention.BLOCK)
+    return plan, Shapes(len(rows), B_pad, width)
 
 
 def place(target: Model, draft_params, mesh) -> tuple[Model, Any]:
@@ -578,7 +636,7 @@ def place(target: Model, draft_params, mesh) -> tuple[Model, Any]:
 class Inputs:
     """One call's arrays, on the devices."""
 
-    prompts: Array  # [B, P] int32, right-padded
+    prompts: Array  # [B, N] int32, right-padded
     lengths: Array  # [B] int32
     request: Request
 
@@ -656,17 +714,35 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
         tokens[b, :n] = history[b, len(r):len(r) + n]
     per_round = (0 if plan.proposer is None
                  else getattr(plan.proposer, "draft_forwards_per_round", 0))
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves((state.cache, state.draft_state)))
     stats = Stats.summarise(
         jax.tree.map(_fetch, state.counters), gamma=plan.depth,
         draft_calls_per_round=per_round, has_draft_model=per_round > 0,
         generated_tokens=int(generated.sum()), batch=B,
         prefill_seconds=timing.prefill_seconds, decode_seconds=timing.decode_seconds,
-        compile_seconds=timing.compile_seconds)
+        compile_seconds=timing.compile_seconds,
+        cache_bytes_per_row=cache_bytes // state.length.shape[0], capacity=plan.capacity)
     return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats)
 
 
 # ---------------------------------------------------------------------------------------------
 # The entry point
+
+
+def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, tokenizer,
+             return_text, mesh, max_cache_len):
+    """Every host step before running: checks, proposer, plan, placement, inputs."""
+    rows, sampling = check_request(target, prompts, sampling, tokenizer, return_text)
+    spec = SpecConfig.parse(spec)
+    draft_config = getattr(draft, "config", None)
+    if isinstance(draft_config, ModelConfig):  # a draft model's own context limit
+        _check_context("draft", draft_config, rows, sampling.max_new_tokens)
+    proposer, draft_params = build_proposer(spec, proposer, draft, target.config)
+    _check_tree_window(proposer, target.config, draft)
+    plan, shapes = plan_program(target.config, proposer, rows, sampling, mesh, max_cache_len)
+    target, draft_params = place(target, draft_params, mesh)
+    inputs = build_inputs(rows, sampling, key, shapes, mesh)
+    return rows, sampling, plan, target, draft_params, inputs
 
 
 def generate(target: Model, prompts: Sequence[Sequence[int]], *,
@@ -675,7 +751,8 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
              draft: Any = None,
              proposer: Any = None,
              key: Array | int | None = None,
-             tokenizer=None, return_text: bool = False, mesh=None) -> Generation:
+             tokenizer=None, return_text: bool = False, mesh=None,
+             max_cache_len: int | None = None) -> Generation:
     """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` or
     ``proposer`` is given.
 
@@ -691,6 +768,13 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     The output distribution equals autoregressive sampling from the target with the same
     SamplingParams; with temperature 0 the tokens equal autoregressive greedy decoding.
 
+    Compiling: a program is compiled once per batch bucket, cache capacity, proposer, set of
+    sampling filters and greedy-or-not (docs/performance.md has the table); prompt lengths,
+    max_new_tokens, temperature and top_k values share it. The capacity is the smallest of
+    ``CACHE_TIERS`` holding longest prompt + max_new_tokens + γ, or ``max_cache_len`` when
+    given (fixed for a server or notebook; ``warmup`` compiles it ahead). Attention reads only
+    live slots, so a larger capacity costs memory, not speed.
+
     mesh: a ("data", "model") mesh from ``sj.make_mesh`` runs the whole loop sharded: the target
     tensor-parallel over "model" (placed by the table in specjax/sharding.py unless it already
     is), the draft replicated, rows split over "data" (the batch is padded to a multiple of the
@@ -698,19 +782,48 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     (``jax.distributed``) every process makes the same call with the same prompts and gets the
     whole result.
     """
-    rows, sampling = check_request(target, prompts, sampling, tokenizer, return_text)
-    spec = SpecConfig.parse(spec)
-    draft_config = getattr(draft, "config", None)
-    if isinstance(draft_config, ModelConfig):  # a draft model's own context limit
-        _check_context("draft", draft_config, rows, sampling.max_new_tokens)
-    proposer, draft_params = build_proposer(spec, proposer, draft, target.config)
-    _check_tree_window(proposer, target.config, draft)
-    plan, shapes = plan_program(target.config, proposer, rows, sampling, mesh)
-    target, draft_params = place(target, draft_params, mesh)
-    inputs = build_inputs(rows, sampling, key, shapes, mesh)
+    rows, sampling, plan, target, draft_params, inputs = _prepare(
+        target, prompts, sampling, spec, draft, proposer, key, tokenizer, return_text, mesh,
+        max_cache_len)
     state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
     out = collect(plan, state, rows, sampling.max_new_tokens, timing)
     if return_text:
         text = [tokenizer.decode(out.tokens[b, :out.lengths[b]]) for b in range(len(rows))]
         out = dataclasses.replace(out, text=text)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmup:
+    """What ``warmup`` compiled."""
+
+    capacity: int  # cache slots per row of the compiled program
+    batch: int  # rows in the program (the batch bucket)
+    compiled: int  # executables compiled now (0: they were already cached)
+    compile_seconds: float
+
+
+def warmup(target: Model, *, batch_size: int = 1, prompt_tokens: int = 1,
+           sampling: SamplingParams | None = None,
+           spec: SpecConfig | dict | str | None = None, draft: Any = None, proposer: Any = None,
+           mesh=None, max_cache_len: int | None = None) -> Warmup:
+    """Compile ahead (a notebook's first cell, a server's start-up) the program that
+    ``generate`` with the same target, spec, draft, proposer, mesh and max_cache_len will use
+    for ``batch_size`` prompts of up to ``prompt_tokens`` tokens and ``sampling`` (its
+    max_new_tokens, whether it is greedy and which filters it turns on). Every request that
+    lands in the same batch bucket and capacity then compiles nothing. Runs one prefill on a
+    dummy prompt; decodes nothing."""
+    for name, value in [("batch_size", batch_size), ("prompt_tokens", prompt_tokens)]:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    prompts = [[0] * int(prompt_tokens)] * int(batch_size)
+    _, _, plan, target, draft_params, inputs = _prepare(
+        target, prompts, sampling, spec, draft, proposer, None, None, False, mesh, max_cache_len)
+    program = PROGRAMS.get(plan)
+    before = program.compiled
+    state, prefill_compile = program.call("prefill", target.params, draft_params, inputs.prompts,
+                                          inputs.lengths, inputs.request)
+    _, decode_compile = program.executable("decode", target.params, draft_params,
+                                           inputs.request, state)
+    return Warmup(plan.capacity, int(inputs.lengths.shape[0]), program.compiled - before,
+                  prefill_compile + decode_compile)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from . import attention
 from . import cache as kv
 from .cache import KVCache
 from .config import ModelConfig
@@ -106,7 +107,7 @@ class Attention(nn.Module):
     init_std: float
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, k_cache, v_cache, start):
+    def __call__(self, x, cos, sin, view, k_all, v_all, layer, block):
         cfg = self.config
         B, T, _ = x.shape
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -119,17 +120,15 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache = kv.write(k_cache, k, start)  # [B, S, K, D]
-        v_cache = kv.write(v_cache, v, start)
-        # Query heads grouped by the kv head they share: h indexes the H/K heads of a group.
-        q = q.reshape(B, T, K, H // K, D)
-        scores = jnp.einsum("btkhd,bskd->bkhts", q, k_cache,
-                            preferred_element_type=jnp.float32) * (D ** -0.5)
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(dtype)  # [B, K, H/K, T, S]
-        out = jnp.einsum("bkhts,bskd->btkhd", weights, v_cache).reshape(B, T, H * D)
-        out = _dense(cfg, self.init_std, cfg.hidden_size, "o_proj", bias=cfg.o_proj_bias)(out)
-        return out, k_cache, v_cache
+        # Written in place into the whole cache [L, B, S, K, D]: carried through the layers, the
+        # cache is never copied, so a step costs nothing per unused slot.
+        k_all = kv.write_layer(k_all, layer, k, view.length)
+        v_all = kv.write_layer(v_all, layer, v, view.length)
+        # Query heads grouped by the kv head they share: g indexes the H/K heads of a group.
+        out = attention.attend(q.reshape(B, T, K, H // K, D), k_all, v_all, layer, view, block)
+        out = _dense(cfg, self.init_std, cfg.hidden_size, "o_proj", bias=cfg.o_proj_bias)(
+            out.reshape(B, T, H * D))
+        return out, k_all, v_all
 
 
 class MLP(nn.Module):
@@ -146,20 +145,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One layer: carry (x [B, T, E], k_all, v_all [L, B, S, K, D]), ``layer`` its index."""
+
     config: ModelConfig
     init_std: float
+    block: int = attention.BLOCK  # slots per attention block
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, cos, sin, mask, start):
+    def __call__(self, carry, layer, cos, sin, view):
+        x, k_all, v_all = carry
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        a, k_cache, v_cache = Attention(cfg, self.init_std, name="self_attn")(
-            h, cos, sin, mask, k_cache, v_cache, start)
+        a, k_all, v_all = Attention(cfg, self.init_std, name="self_attn")(
+            h, cos, sin, view, k_all, v_all, layer, self.block)
         x = x + a
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
         x = x + MLP(cfg, self.init_std, name="mlp")(h)
-        return x, (k_cache, v_cache)
+        return (x, k_all, v_all), None
 
 
 class Decoder(nn.Module):
@@ -168,20 +171,22 @@ class Decoder(nn.Module):
 
     config: ModelConfig
     init_std: float = 0.02
+    block: int = attention.BLOCK
 
     @nn.compact
-    def __call__(self, tokens, positions, mask, k, v, start):
+    def __call__(self, tokens, view, k, v):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                          embedding_init=nn.initializers.normal(self.init_std), name="embed_tokens")
         x = embed(tokens)  # [B, T, E]
-        cos, sin = rope_tables(positions, cfg)
+        cos, sin = rope_tables(view.positions, cfg)
         layers = nn.scan(
             DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_hidden_layers)(cfg, self.init_std, name="layers")
-        x, (k, v) = layers(x, k, v, cos, sin, mask, start)
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_hidden_layers)(cfg, self.init_std, self.block, name="layers")
+        (x, k, v), _ = layers((x, k, v), jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32),
+                              cos, sin, view)
         hidden = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(hidden)
@@ -192,20 +197,33 @@ class Decoder(nn.Module):
         return logits.astype(jnp.float32), hidden, k, v
 
 
+def view(cache: KVCache, positions: Array, chunk_mask: Array | None, window: int | None,
+         block: int = attention.BLOCK) -> attention.View:
+    """What a chunk of T tokens at ``positions`` [B, T], written at cache.length, may see (with
+    the whole mask computed once, outside the layers, when attention is dense)."""
+    B, T = positions.shape
+    if chunk_mask is None:
+        chunk_mask = kv.causal_mask(T)
+    chunk_mask = jnp.broadcast_to(chunk_mask, (B,) + chunk_mask.shape[-2:])
+    out = attention.View(cache.length, chunk_mask, positions, window)
+    if attention.uses_dense(cache.capacity, T, block):
+        out = dataclasses.replace(out, dense_mask=out.mask(jnp.arange(cache.capacity)))
+    return out
+
+
 def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model:
     """Random parameters, every weight drawn from N(0, init_std²) (norm weights are ones)."""
     T = 1
     cache = KVCache.init(config, 1, T)
-    tokens = jnp.zeros((1, T), jnp.int32)
+    positions = jnp.zeros((1, T), jnp.int32)
     variables = jax.jit(Decoder(config, init_std).init)(
-        key, tokens, jnp.zeros((1, T), jnp.int32), jnp.ones((1, T, T), bool), cache.k, cache.v,
-        cache.length)
+        key, jnp.zeros((1, T), jnp.int32), view(cache, positions, None, None), cache.k, cache.v)
     return Model(config, variables["params"])
 
 
-@jax.jit
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
-            chunk_mask: Array | None = None) -> tuple[Array, Array, KVCache]:
+            chunk_mask: Array | None = None, *, block: int | None = None
+            ) -> tuple[Array, Array, KVCache]:
     """Run a chunk of T tokens through the model, reading and extending the cache.
 
     tokens, positions: [B, T] int32 (positions are per token, so a tree's nodes use their depth).
@@ -213,19 +231,23 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
     A wider [T, W] / [B, T, W] mask also covers the W - T slots written just before the chunk
     (see ``cache.attention_mask``; a tree drafted level by level uses it).
     The chunk is written at slots cache.length .. cache.length + T - 1 and the returned cache has
-    length + T; callers roll it back to what they accept.
+    length + T; callers roll it back to what they accept. Attention reads the cache in blocks of
+    ``block`` slots up to the longest row's length (``specjax.attention``), so the cost follows
+    the live length, not the capacity (None: ``attention.current_block()``).
 
     Returns logits [B, T, V] float32, final-norm hidden states [B, T, E], and the new cache.
     """
+    block = attention.current_block() if block is None else block
+    return _forward(model, tokens, positions, cache, chunk_mask, block=block)
+
+
+@functools.partial(jax.jit, static_argnames="block")
+def _forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
+             chunk_mask: Array | None, *, block: int) -> tuple[Array, Array, KVCache]:
     T = tokens.shape[1]
-    if chunk_mask is None:
-        chunk_mask = kv.causal_mask(T)
-    mask = kv.attention_mask(cache.length, chunk_mask, cache.capacity)
-    if model.config.sliding_window is not None:
-        mask &= kv.window_mask(cache.length, positions, cache.capacity,
-                               model.config.sliding_window)
-    logits, hidden, k, v = Decoder(model.config).apply(
-        {"params": model.params}, tokens, positions, mask, cache.k, cache.v, cache.length)
+    logits, hidden, k, v = Decoder(model.config, block=block).apply(
+        {"params": model.params}, tokens,
+        view(cache, positions, chunk_mask, model.config.sliding_window, block), cache.k, cache.v)
     return logits, hidden, KVCache(k, v, cache.length + T)
 
 
@@ -234,14 +256,61 @@ def prefill(model: Model, tokens: Array, cache: KVCache | None = None
     """A whole sequence from position 0: tokens [B, T] at positions 0 .. T-1, causal, written
     into ``cache`` (an empty cache of capacity >= T; None: one of capacity T).
 
-    The one full-sequence forward: prompts in the engine and in proposers, training losses.
-    Returns logits [B, T, V] float32, hidden [B, T, E] and the cache (length T; callers roll
-    right-padded rows back to their lengths)."""
+    The full-sequence forward of training losses and ``logits`` (prompts in the engine and in
+    proposers go through ``prefill_chunked``). Returns logits [B, T, V] float32, hidden
+    [B, T, E] and the cache (length T; callers roll right-padded rows back to their lengths)."""
     B, T = tokens.shape
     if cache is None:
         cache = KVCache.init(model.config, B, T)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     return forward(model, tokens, positions, cache)
+
+
+PREFILL_CHUNK = 64
+"""Prompt tokens per prefill forward: prompts of any length share one compiled prefill."""
+
+
+def over_chunks(fn, init, lengths: Array, chunk: int):
+    """``carry = fn(carry, start)`` for start = 0, chunk, 2·chunk, ... below max(lengths): a loop
+    whose trip count is computed on the device, so the prompt length picks no program."""
+    blocks = (jnp.max(lengths) + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, blocks, lambda i, carry: fn(carry, i * chunk), init)
+
+
+def prefill_chunked(model: Model, tokens: Array, lengths: Array, cache: KVCache,
+                    chunk: int = PREFILL_CHUNK, keep_hidden: bool = False
+                    ) -> tuple[Array, Array | None, KVCache]:
+    """Prefill right-padded prompts tokens [B, N] (lengths [B]) into an empty ``cache``,
+    ``chunk`` tokens per forward, only as many chunks as the longest row needs. Chunk slots past
+    the cache's capacity (padding only) are dropped.
+
+    Returns each row's last logits [B, V] (float32, at position lengths - 1), the final-norm
+    hidden states [B, N, E] when ``keep_hidden`` (entries past a row's length are padding),
+    and the cache rolled back to ``lengths``."""
+    B, N = tokens.shape
+    chunk = min(chunk, N)
+    tokens = jnp.pad(tokens, ((0, 0), (0, -N % chunk)))
+    rows = jnp.arange(B)
+    dtype = jnp.dtype(model.config.dtype)
+    hidden0 = (jnp.zeros((B, tokens.shape[1], model.config.hidden_size), dtype) if keep_hidden
+               else None)
+
+    def step(carry, start):
+        last, hidden_all, cache = carry
+        piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        logits, hidden, cache = forward(model, piece, positions,
+                                        cache.rollback(jnp.full((B,), start, jnp.int32)))
+        index = lengths - 1 - start
+        here = (index >= 0) & (index < chunk)
+        last = jnp.where(here[:, None], logits[rows, jnp.clip(index, 0, chunk - 1)], last)
+        if hidden_all is not None:
+            hidden_all = jax.lax.dynamic_update_slice_in_dim(hidden_all, hidden, start, axis=1)
+        return last, hidden_all, cache
+
+    init = (jnp.zeros((B, model.config.vocab_size), jnp.float32), hidden0, cache)
+    last, hidden, cache = over_chunks(step, init, lengths, chunk)
+    return last, (None if hidden is None else hidden[:, :N]), cache.rollback(lengths)
 
 
 @jax.jit

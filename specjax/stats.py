@@ -72,12 +72,15 @@ class Stats:
     decode_seconds: float  # host-timed decode loop, compile excluded
     decode_tokens_per_second: float  # tokens after the first, all rows, per decode second
     compile_seconds: float  # time spent compiling in this call (0 when programs were cached)
+    capacity: int = 0  # cache slots per row the program was compiled for (its tier)
+    cache_bytes_per_row: int = 0  # target and draft caches (and proposer state), bytes per row
 
     @classmethod
     def summarise(cls, counters: Counters, *, gamma: int, draft_calls_per_round: int,
                   has_draft_model: bool, generated_tokens: int, batch: int,
                   prefill_seconds: float, decode_seconds: float,
-                  compile_seconds: float) -> Stats:
+                  compile_seconds: float, capacity: int = 0,
+                  cache_bytes_per_row: int = 0) -> Stats:
         c = jax.device_get(counters)
         row_rounds = int(c.row_rounds)
         proposed = int(c.proposed)
@@ -101,4 +104,6 @@ class Stats:
             decode_seconds=decode_seconds,
             decode_tokens_per_second=decode_tokens / decode_seconds if decode_seconds > 0 else 0.0,
             compile_seconds=compile_seconds,
+            capacity=capacity,
+            cache_bytes_per_row=cache_bytes_per_row,
         )

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import engine, sharding
+from specjax import attention, engine, sharding
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
@@ -128,6 +128,44 @@ def test_sharded_output_equals_single_device(models, mesh_shape, name):
         assert many.tokens.shape == (3, 16)  # padding rows dropped
         if spec is not None:
             assert many.stats.accepted_tokens == one.stats.accepted_tokens
+
+
+@pytest.mark.parametrize("mesh_shape,name", [((2, 4), "chain"), ((8, 1), "tree"),
+                                             ((2, 4), "eagle")])
+def test_attention_in_blocks_sharded_equals_single_device(models, monkeypatch, mesh_shape,
+                                                          name):
+    """With 8-slot attention blocks every round walks several blocks (a dynamic trip count over
+    dynamic slices of a sharded cache), and prefill chunks run past the capacity."""
+    monkeypatch.setattr(attention, "BLOCK", 8)
+    target, draft, eagle = models
+    spec = SPECS[name]
+    d = eagle if spec.needs_heads else draft
+    mesh = sj.make_mesh(data=mesh_shape[0], model=mesh_shape[1])
+    for temperature in (0.0, 1.0):
+        sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=16)
+        one = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7,
+                          max_cache_len=60)
+        many = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7,
+                           mesh=mesh, max_cache_len=60)
+        np.testing.assert_array_equal(many.tokens, one.tokens)
+        assert many.stats.accepted_tokens == one.stats.accepted_tokens
+
+
+def test_rows_split_over_data_move_no_cache_between_devices(models):
+    """On a data-only mesh every row lives on one device: the decode loop gathers no activation
+    or cache entry (cache writes are per row, not a scatter over the whole batch), at most a few
+    token ids per row."""
+    target, draft, _ = models
+    mesh = sj.make_mesh(data=8, model=1)
+    engine.PROGRAMS.clear()
+    sj.generate(target, PROMPTS, draft=draft, spec=sj.SpecConfig(num_speculative_tokens=3),
+                sampling=sj.SamplingParams(temperature=0, max_new_tokens=8), mesh=mesh)
+    (decode,) = engine.PROGRAMS.programs()[-1].executables("decode")
+    gathers = re.findall(r"= (\w+)\[([\d,]*)\]\S* (?:all-gather|all-to-all)\(",
+                         decode.as_text())
+    for dtype, dims in gathers:
+        size = int(np.prod([int(x) for x in dims.split(",") if x]))
+        assert dtype.startswith(("s32", "u32", "pred")) and size <= 8 * 8, (dtype, dims)
 
 
 def test_no_full_weight_gathers_inside_the_loop(models):

@@ -72,7 +72,8 @@ def test_greedy_equals_autoregressive(target, which):
 
 def _samples(target, proposer, params):
     out = sj.generate(target, [PROMPT] * N, sampling=sj.SamplingParams(max_new_tokens=3),
-                      proposer=proposer, draft=params, key=0)
+                      proposer=proposer, draft=params, key=0,
+                      max_cache_len=len(PROMPT) + 3 + proposer.gamma)
     assert (out.lengths == 3).all()
     assert out.stats.accepted_tokens > N // 50  # drafts were really accepted and rejected
     return out.tokens

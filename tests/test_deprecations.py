@@ -58,24 +58,24 @@ def test_a_tree_proposer_whose_gamma_is_not_its_node_count_is_refused(target):
         sj.generate(target, [[1, 2]], proposer=proposer)
 
 
-def _run(cache, target, batch, max_new):
-    greedy = sj.SamplingParams(temperature=0, max_new_tokens=max_new)
+def _run(cache, target, batch, capacity):
+    greedy = sj.SamplingParams(temperature=0, max_new_tokens=4)
     rows = [np.array([1, 2], np.int32)] * batch
-    plan, shapes = engine.plan_program(target.config, None, rows, greedy, None)
+    plan, shapes = engine.plan_program(target.config, None, rows, greedy, None, capacity)
     cache.get(plan).run(target.params, None, engine.build_inputs(rows, greedy, 0, shapes, None))
     return plan
 
 
 def test_the_program_cache_holds_at_most_its_size_in_executables(target):
     cache = engine.ProgramCache(size=3)
-    # three capacity tiers: three plans of two executables (prefill, decode) each
-    plans = [_run(cache, target, 1, max_new) for max_new in (4, 20, 40)]
+    # three capacities: three plans of two executables (prefill, decode) each
+    plans = [_run(cache, target, 1, capacity) for capacity in (16, 24, 32)]
     assert len(set(plans)) == 3
     cache.get(plans[-1])  # a lookup drops the least recently used programs beyond the bound
     assert [p.plan for p in cache.programs()] == plans[-1:]
     # one plan, three batch buckets: six executables, trimmed to the three latest
     for batch in (1, 2, 3):
-        _run(cache, target, batch, 40)
+        _run(cache, target, batch, 32)
     program = cache.get(plans[-1])
     assert program.held == 3 and program.compiled == 6
     assert cache.compiled == 10  # 4 by the dropped programs, 6 by this one: none is forgotten

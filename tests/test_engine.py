@@ -62,7 +62,7 @@ def test_draft_identical_to_target_accepts_everything(target, gamma):
 
 
 def test_rows_do_not_depend_on_their_neighbours(target, draft):
-    """Row 0 keeps its output when its neighbour changes (content, length and prompt bucket).
+    """Row 0 keeps its output when its neighbour changes (content, length, capacity tier).
     A row's key is folded from its index, so the same prompt at another index is another sample."""
     sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=24)
     spec = sj.SpecConfig(num_speculative_tokens=3)
@@ -71,7 +71,7 @@ def test_rows_do_not_depend_on_their_neighbours(target, draft):
     b = sj.generate(target, [[1, 2, 3], [7, 8, 9, 10, 11, 12]], sampling=sampling, spec=spec,
                     draft=draft, key=key)
     c = sj.generate(target, [[1, 2, 3], list(range(30))], sampling=sampling, spec=spec,
-                    draft=draft, key=key)  # prompt bucket 32 instead of 16: another program
+                    draft=draft, key=key, max_cache_len=96)  # another capacity: another program
     np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
     np.testing.assert_array_equal(a.tokens[0], c.tokens[0])
 
@@ -103,8 +103,7 @@ def test_second_call_with_same_shapes_does_not_compile(target, draft, fresh_prog
     first = sj.generate(target, [[1, 2, 3], [4, 5]], draft=draft, spec=spec,
                         sampling=sj.SamplingParams(temperature=0.8, max_new_tokens=20))
     before = engine.compiled_programs()
-    # Other prompts (same bucket), temperature, max_new_tokens, EOS ids and key: arrays, not
-    # shapes.
+    # Other prompts, temperature, max_new_tokens, EOS ids and key: arrays, not shapes.
     second = sj.generate(target, [[9, 9, 9, 9], [8]], draft=draft, spec=spec, key=3,
                          sampling=sj.SamplingParams(temperature=0.5, max_new_tokens=17,
                                                     eos_token_id=[4, 5]))

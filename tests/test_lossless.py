@@ -15,7 +15,7 @@ from conftest import ref_process, tiny_model
 from scipy import stats as scipy_stats
 
 import specjax as sj
-from specjax import engine, verify
+from specjax import attention, engine, verify
 
 V, N, PROMPT = 8, 40000, [1, 2, 3]
 
@@ -59,8 +59,17 @@ def g_test(samples, joint):
     return scipy_stats.power_divergence(obs, exp, lambda_="log-likelihood").pvalue
 
 
+def tight_capacity(longest, max_new, spec):
+    """The fewest cache slots a request needs: tens of thousands of rows run at that capacity
+    (as a server fixes max_cache_len), not at the smallest tier."""
+    spec = sj.SpecConfig.parse(spec)
+    gamma = 0 if spec is None else (len(spec.tree) if spec.tree else spec.num_speculative_tokens)
+    return longest + max_new + gamma
+
+
 def generate_samples(target, draft, sampling, spec, seed=0, prompt=PROMPT):
-    out = sj.generate(target, [prompt] * N, sampling=sampling, spec=spec, draft=draft, key=seed)
+    out = sj.generate(target, [prompt] * N, sampling=sampling, spec=spec, draft=draft, key=seed,
+                      max_cache_len=tight_capacity(len(prompt), sampling.max_new_tokens, spec))
     assert (out.lengths == 3).all()
     if spec is not None:
         assert out.stats.proposed_tokens > N // 4  # speculation really happened
@@ -101,6 +110,20 @@ def test_first_three_tokens_follow_the_target(models, t, k, p, gamma, which):
     joint = exact_joint(target, t, k, p, prompt)
     samples = generate_samples(target, draft, sampling, spec, prompt=prompt)
     assert g_test(samples, joint) > 1e-3
+
+
+@pytest.mark.parametrize("gamma,which", [(3, "close"), (2, "ngram")])
+def test_first_three_tokens_follow_the_target_with_attention_in_blocks(models, monkeypatch, gamma,
+                                                                       which):
+    """The same test with 4-slot attention blocks: every round walks several blocks."""
+    monkeypatch.setattr(attention, "BLOCK", 4)
+    target, drafts = models
+    t, k, p = SETTINGS[1]
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    spec = sj.SpecConfig(num_speculative_tokens=gamma, **(NGRAM if which == "ngram" else {}))
+    prompt = ngram_prompt(target) if which == "ngram" else PROMPT
+    samples = generate_samples(target, drafts.get(which), sampling, spec, prompt=prompt)
+    assert g_test(samples, exact_joint(target, t, k, p, prompt)) > 1e-3
 
 
 def _recover_from_p(draft_tokens, draft_probs, target_probs, valid=None):
@@ -162,9 +185,10 @@ def tail_pvalues(samples, joints):
 
 def later_samples(target, draft, gamma, seed=1, **spec):
     sampling = sj.SamplingParams(max_new_tokens=6, **LATER)
+    spec = sj.SpecConfig(num_speculative_tokens=gamma, **spec)
     out = sj.generate(target, [list(PROMPTS[i % 2]) for i in range(N)], sampling=sampling,
-                      spec=sj.SpecConfig(num_speculative_tokens=gamma, **spec), draft=draft,
-                      key=seed)
+                      spec=spec, draft=draft, key=seed,
+                      max_cache_len=tight_capacity(max(map(len, PROMPTS)), 6, spec))
     assert (out.lengths == 6).all() and out.stats.num_rounds >= 3
     return out
 
@@ -176,8 +200,11 @@ def tail_joints(models):
             for p in PROMPTS]
 
 
-@pytest.mark.parametrize("gamma", [1, 3])
-def test_later_tokens_follow_the_target_in_a_mixed_batch(models, tail_joints, gamma):
+@pytest.mark.parametrize("gamma,block", [(1, None), (3, None), (3, 4)])
+def test_later_tokens_follow_the_target_in_a_mixed_batch(models, tail_joints, monkeypatch, gamma,
+                                                         block):
+    if block is not None:  # rows of different lengths walk different numbers of blocks
+        monkeypatch.setattr(attention, "BLOCK", block)
     target, drafts = models
     out = later_samples(target, drafts["close"], gamma)
     if gamma == 3:  # fully accepted rounds (and so the draft's catch-up) must occur often

@@ -20,7 +20,7 @@ def _arrays(B, t, k, p):
 
 
 def _filters(k, p, bound="exact"):
-    """The static filter set: top-k bound equal to k, or looser (the engine buckets it)."""
+    """The static filter set: top-k bound equal to k, or looser (the engine compiles one bound)."""
     kmax = 0 if k <= 0 else (k if bound == "exact" else 64)
     return sampling.Filters(top_k=kmax, top_p=p < 1)
 

@@ -46,8 +46,10 @@ class Proposer(Protocol):
     """What every proposer provides.
 
     ``gamma`` drafts per round (static). ``init`` runs once after the target's prefill, on the
-    right-padded prompts [B, P] with their lengths [B] and the cache capacity S, and returns the
-    proposer's state (any pytree, or None). ``propose`` returns a round's ``Draft`` and the new
+    right-padded prompts [B, N] (N >= S whatever the prompt lengths, so they pick no program;
+    prefill anything of its own in chunks up to the longest row, ``model.prefill_chunked``) with
+    their lengths [B] and the cache capacity S, and returns the proposer's state (any pytree, or
+    None). ``propose`` returns a round's ``Draft`` and the new
     state; keys [B] are this round's draft keys, one per row; sampling and filters are the
     request's, so a sampled draft can use the same processing as the target (its q must be the
     distribution its token was drawn from).
@@ -84,7 +86,7 @@ class Rider(Protocol):
 
     For a rider the engine passes ``params = {"heads": its params, "target": target params}``,
     gives ``init`` the prompt's final-norm hidden states as a fifth argument
-    (``init(params, prompts, prompt_lengths, capacity, hidden [B, P, E])``), and after every
+    (``init(params, prompts, prompt_lengths, capacity, hidden [B, N, E])``), and after every
     verification calls ``observe(state, start [B], hidden [B, W, E])`` with the target's hidden
     states along the round's accepted path (position start + j at index j; W = depth + 1; entries
     past the accepted path are stale)."""

@@ -29,7 +29,7 @@ from jax import Array
 from .. import sampling
 from ..cache import KVCache, compact
 from ..config import ModelConfig, SpecConfig
-from ..model import Model, forward, prefill
+from ..model import Model, forward, prefill_chunked
 from ..tree import Tree
 from .base import Draft, draw, expand_tree, stack_chain
 from .vocab import DraftVocab
@@ -136,10 +136,10 @@ class DraftModelProposer:
 
     def init(self, params: DraftModel, prompts: Array, prompt_lengths: Array,
              capacity: int) -> KVCache:
-        """Prefill the draft cache with the prompts [B, P] (right-padded)."""
+        """Prefill the draft cache with the prompts [B, N] (right-padded), chunk by chunk up to
+        the longest."""
         cache = KVCache.init(self.config, prompts.shape[0], capacity)
-        _, _, cache = prefill(params.model, prompts, cache)
-        return cache.rollback(prompt_lengths)
+        return prefill_chunked(params.model, prompts, prompt_lengths, cache)[2]
 
     def propose(self, params: DraftModel, cache: KVCache, history: Array, length: Array,
                 keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters

@@ -31,6 +31,7 @@ from jax import Array
 
 from .. import sampling
 from ..cache import KVCache
+from ..model import PREFILL_CHUNK, over_chunks
 from .base import Draft, draw, expand_tree, stack_chain
 from .heads import eagle_forward, embed
 from .rider import Features, RiderProposer
@@ -47,14 +48,23 @@ class EagleState:
 class EagleProposer(RiderProposer):
     def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int,
              hidden: Array) -> EagleState:
-        """Write the prompt's pairs (f_t, x_{t+1}), t < length - 1; keep f_{length-1}."""
+        """Write the prompt's pairs (f_t, x_{t+1}), t < length - 1, chunk by chunk; keep
+        f_{length-1}."""
         B, P = prompts.shape
-        nxt = jnp.concatenate([prompts[:, 1:], jnp.zeros((B, 1), prompts.dtype)], axis=1)
-        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        chunk = min(PREFILL_CHUNK, P)
+        pad = ((0, 0), (0, -P % chunk + 1))  # one more column: the token after the last
+        nxt, feats = jnp.pad(prompts, pad)[:, 1:], jnp.pad(hidden, pad + ((0, 0),))[:, :-1]
         cache = KVCache.init(self.config.layer, B, capacity)
-        _, cache = eagle_forward(
-            self.config, params["heads"]["weights"], hidden,
-            embed(params["target"], nxt), positions, cache)
+
+        def step(cache, start):
+            piece = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=1)  # noqa: E731
+            positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+            return eagle_forward(
+                self.config, params["heads"]["weights"], piece(feats),
+                embed(params["target"], piece(nxt)), positions,
+                cache.rollback(jnp.full((B,), start, jnp.int32)))[1]
+
+        cache = over_chunks(step, cache, prompt_lengths, chunk)
         return EagleState(cache.rollback(prompt_lengths - 1),
                           Features.from_prompt(hidden, prompt_lengths, self.width))
 

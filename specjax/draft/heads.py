@@ -47,10 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from .. import cache as kv
+from ..attention import BLOCK, current_block
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..model import DecoderLayer, Model, RMSNorm, rope_tables
+from ..model import view as model_view
 from .vocab import DraftVocab, check_vocab
 
 HEADS_METHODS = ("medusa", "eagle")
@@ -124,16 +125,18 @@ class EagleNet(nn.Module):
 
     config: ModelConfig  # the one-layer config
     init_std: float = 0.02
+    block: int = BLOCK  # slots per attention block
 
     @nn.compact
-    def __call__(self, feats, embeds, positions, mask, k, v, start):
+    def __call__(self, feats, embeds, view, k, v):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         x = jnp.concatenate([feats.astype(dtype), embeds.astype(dtype)], axis=-1)
         x = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="fc",
                      kernel_init=nn.initializers.normal(self.init_std))(x)
-        cos, sin = rope_tables(positions, cfg)
-        x, (k, v) = DecoderLayer(cfg, self.init_std, name="layer")(x, k, v, cos, sin, mask, start)
+        cos, sin = rope_tables(view.positions, cfg)
+        (x, k, v), _ = DecoderLayer(cfg, self.init_std, self.block, name="layer")(
+            (x, k, v), jnp.zeros((), jnp.int32), cos, sin, view)
         return RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x), k, v
 
 
@@ -143,12 +146,11 @@ def eagle_forward(config: HeadsConfig, weights, feats: Array, embeds: Array, pos
     written at slots cache.length .. + T - 1 (chunk_mask as in ``model.forward``). Returns the
     predicted features [B, T, E] and the cache with length + T."""
     T = feats.shape[1]
-    if chunk_mask is None:
-        chunk_mask = kv.causal_mask(T)
-    mask = kv.attention_mask(cache.length, chunk_mask, cache.capacity)
-    out, k, v = EagleNet(config.layer).apply(
-        {"params": weights}, feats, embeds, positions, mask, cache.k[0], cache.v[0], cache.length)
-    return out, KVCache(k[None], v[None], cache.length + T)
+    block = current_block()
+    out, k, v = EagleNet(config.layer, block=block).apply(
+        {"params": weights}, feats, embeds, model_view(cache, positions, chunk_mask, None, block),
+        cache.k, cache.v)
+    return out, KVCache(k, v, cache.length + T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,10 +189,10 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
     else:
         B, T = 1, 1
         cache = KVCache.init(layer, B, T)
+        positions = jnp.zeros((B, T), jnp.int32)
         weights = jax.jit(EagleNet(layer, init_std).init)(
             key, jnp.zeros((B, T, E), dtype), jnp.zeros((B, T, E), dtype),
-            jnp.zeros((B, T), jnp.int32), jnp.ones((B, T, T), bool), cache.k[0], cache.v[0],
-            cache.length)["params"]
+            model_view(cache, positions, None, None), cache.k, cache.v)["params"]
     return _with_head(config, weights, vocab, target)
 
 

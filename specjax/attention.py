@@ -1,0 +1,166 @@
+"""Attention over the KV cache that reads only the live slots.
+
+A chunk of T queries attends to the cache slots its mask allows (``View``). Two ways compute the
+same thing:
+
+* ``dense``: one softmax over all S slots. Used when the cache is a single block (S <= block) or
+  the chunk fills it (a full-sequence forward, as in training, where every slot is live and the
+  backward pass needs a static loop).
+* ``blocked``: the cache is walked in blocks of ``block`` slots with an online softmax (running
+  maximum, running sum, running weighted values, as in flash-decoding), from slot 0 up to the
+  batch's longest live row only. The trip count is computed on the device, so a step's cost
+  follows what is live, not the capacity: a 4096-slot cache holding 64 tokens costs one block.
+
+Both are exact for every row whatever the others hold: a block a row cannot see adds exactly zero
+to its sums (its weights are selected to 0, its maximum is unchanged), so a row's result never
+depends on how many blocks the longest row needed.
+
+Masked slots never leak, whatever they hold: scores are *selected* (``jnp.where``), never added to
+or multiplied by a mask, and value vectors that no query of the row may see are replaced by zeros
+before they are weighted, so an inf or NaN left in a dead slot cannot turn 0 · inf into NaN (in
+float32, bfloat16 or float16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+BLOCK = 256
+"""Cache slots per attention block (a static size; the number of blocks walked is dynamic). The
+engine records it in each program's plan when it plans one."""
+
+_block = [None]  # the block size set by ``blocks_of`` while a program is traced
+
+
+@contextlib.contextmanager
+def blocks_of(block: int):
+    """Trace the forwards inside with ``block`` slots per attention block (the engine wraps each
+    compiled stage in it with its plan's block, so proposers' forwards use the same)."""
+    saved = _block[0]
+    _block[0] = int(block)
+    try:
+        yield
+    finally:
+        _block[0] = saved
+
+
+def current_block() -> int:
+    """The block size forwards traced now use: ``blocks_of``'s, else BLOCK."""
+    return BLOCK if _block[0] is None else _block[0]
+
+_NEG = float(jnp.finfo(jnp.float32).min)  # a masked score: finite, so NEG - NEG is 0, not NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class View:
+    """Which cache slots each of a chunk's T queries may attend to.
+
+    The chunk's tokens are written at slots length .. length + T - 1; ``chunk_mask`` [B, T, W]
+    (W >= T) covers the last W slots ending with the chunk (see ``cache.attention_mask``), every
+    earlier slot is history and visible, every later one is dead. With a sliding window, a key
+    more than ``window - 1`` positions behind its query is hidden too."""
+
+    length: Array  # [B] int32: the chunk's first slot
+    chunk_mask: Array  # [B, T, W] bool
+    positions: Array  # [B, T] int32: the queries' positions
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    dense_mask: Array | None = None  # [B, T, S]: the whole mask, computed once for every layer
+    #   when attention is dense (``uses_dense``)
+
+    @property
+    def live(self) -> Array:
+        """[] int32: slots the longest row uses after the chunk is written."""
+        return jnp.max(self.length) + self.chunk_mask.shape[1]
+
+    def mask(self, slots: Array) -> Array:
+        """[B, T, n] bool for the slot indices ``slots`` [n]."""
+        from . import cache as kv
+        mask = kv.attention_mask(self.length, self.chunk_mask, slots)
+        if self.window is not None:
+            mask &= kv.window_mask(self.length, self.positions, slots, self.window)
+        return mask
+
+
+def _seen_values(v: Array, mask: Array) -> Array:
+    """v [B, n, K, D] with the slots no query of the row may see (mask [B, T, n]) zeroed."""
+    seen = jnp.any(mask, axis=1)[:, :, None, None]
+    return jnp.where(seen, v, jnp.zeros((), v.dtype))
+
+
+def dense(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """q [B, T, K, G, D] (G query heads per kv head), k, v [B, S, K, D], mask [B, T, S] ->
+    [B, T, K, G, D] in q's dtype. Softmax in float32."""
+    D = q.shape[-1]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
+                        preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, _NEG)
+    # exp(NEG - max) is exactly 0 (every query sees at least its own slot, so max is a real score)
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", weights, _seen_values(v, mask))
+
+
+def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
+            block: int) -> Array:
+    """Attention of q [B, T, K, G, D] over layer ``layer`` of k_all, v_all [L, B, S, K, D],
+    block by block up to ``view.live``. The last block is read ending at slot S when S is not a
+    multiple of ``block``; the slots it shares with the block before are masked out."""
+    B, T, K, G, D = q.shape
+    S = k_all.shape[2]
+    scale = D ** -0.5
+
+    def body(i, carry):
+        peak, total, acc = carry
+        first = i * block
+        start = jnp.minimum(first, S - block)
+        k = jax.lax.dynamic_slice(k_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
+        v = jax.lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
+        slots = start + jnp.arange(block, dtype=jnp.int32)
+        mask = view.mask(slots) & (slots >= first)[None, None, :]  # [B, T, n]
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
+                            preferred_element_type=jnp.float32) * scale
+        visible = mask[:, None, None]
+        scores = jnp.where(visible, scores, _NEG)
+        new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+        weights = jnp.where(visible, jnp.exp(scores - new_peak[..., None]), 0.0)
+        carried = jnp.exp(peak - new_peak)
+        total = total * carried + jnp.sum(weights, axis=-1)
+        acc = acc * carried[..., None] + jnp.einsum(
+            "bkgts,bskd->bkgtd", weights.astype(q.dtype), _seen_values(v, mask),
+            preferred_element_type=jnp.float32)
+        return new_peak, total, acc
+
+    blocks = (view.live + block - 1) // block
+    init = (jnp.full((B, K, G, T), _NEG, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
+            jnp.zeros((B, K, G, T, D), jnp.float32))
+    _, total, acc = jax.lax.fori_loop(0, blocks, body, init)
+    # a query sees at least its own slot, unless it is padding written past the capacity (a
+    # prefill's last chunk) under a sliding window: its output is never read, but keep it finite
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return jnp.moveaxis(out, 3, 1).astype(q.dtype)  # [B, T, K, G, D]
+
+
+def uses_dense(capacity: int, T: int, block: int) -> bool:
+    """Whether attention over ``capacity`` slots for a chunk of T is one dense softmax: the cache
+    is a single block, or the chunk fills it (a full-sequence forward)."""
+    return capacity <= block or capacity == T
+
+
+def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
+           block: int) -> Array:
+    """q [B, T, K, G, D] over layer ``layer`` of the cache k_all, v_all [L, B, S, K, D] (the
+    chunk already written), by ``view``; dense when ``uses_dense``."""
+    S, T = k_all.shape[2], q.shape[1]
+    if uses_dense(S, T, block):
+        k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
+        mask = view.dense_mask
+        if mask is None:
+            mask = view.mask(jnp.arange(S, dtype=jnp.int32))
+        return dense(q, k, v, mask)
+    return blocked(q, k_all, v_all, layer, view, block)

@@ -1,0 +1,151 @@
+"""Attention that reads only live slots (specjax/attention.py): the blocked walk equals one dense
+softmax on random caches, lengths, tree masks and sliding windows; nothing in a dead slot (inf,
+NaN) ever reaches an output, in float32, bfloat16 and float16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+import specjax as sj
+from specjax import attention
+from specjax.tree import Tree
+
+
+def random_view(rng, B, T, S, W=None, window=None, tree=None):
+    W = T if W is None else W
+    length = rng.integers(W - T, S - T + 1, size=B).astype(np.int32)
+    if tree is not None:
+        chunk = np.broadcast_to(tree.ancestors, (B, T, W))
+    else:
+        chunk = np.tril(np.ones((T, W), bool), W - T) & (rng.random((B, T, W)) < 0.7)
+        chunk |= np.eye(T, W, W - T, dtype=bool)  # every query sees its own slot
+    positions = length[:, None] + np.arange(T)[None, :]
+    return attention.View(jnp.asarray(length), jnp.asarray(chunk), jnp.asarray(positions),
+                          window)
+
+
+def numpy_attention(q, k, v, mask):
+    """Reference: q [B, T, K, G, D], k, v [B, S, K, D], mask [B, T, S] (float64)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scores = np.einsum("btkgd,bskd->bkgts", q, k) / np.sqrt(q.shape[-1])
+    scores = np.where(np.asarray(mask)[:, None, None], scores, -np.inf)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("bkgts,bskd->btkgd", w, np.where(np.isfinite(v), v, 0))
+
+
+@pytest.mark.parametrize("S,block", [(16, 4), (13, 5), (24, 7), (12, 12)])
+@pytest.mark.parametrize("kind", ["causal", "wide", "window", "tree"])
+def test_blocked_equals_dense_and_numpy(S, block, kind):
+    rng = np.random.default_rng(S * 31 + block)
+    L, B, K, G, D = 3, 4, 2, 2, 8
+    tree = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0))) if kind == "tree" else None
+    T = {"causal": 3, "wide": 2, "window": 3, "tree": tree.num_nodes if tree else 0}[kind]
+    W = 5 if kind == "wide" else None
+    view = random_view(rng, B, T, S, W=W, window=4 if kind == "window" else None, tree=tree)
+    k_all = jnp.asarray(rng.normal(size=(L, B, S, K, D)), jnp.float32)
+    v_all = jnp.asarray(rng.normal(size=(L, B, S, K, D)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(B, T, K, G, D)), jnp.float32)
+    layer = jnp.int32(1)
+    mask = view.mask(jnp.arange(S))
+    want = numpy_attention(q, k_all[1], v_all[1], mask)
+    dense = attention.dense(q, k_all[1], v_all[1], mask)
+    blocked = attention.blocked(q, k_all, v_all, layer, view, block)
+    np.testing.assert_allclose(np.asarray(dense), want, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(blocked), want, atol=2e-5)
+
+
+def test_a_row_does_not_depend_on_how_long_the_others_are():
+    """Extra blocks walked for a longer neighbour add exactly nothing: bitwise the same."""
+    rng = np.random.default_rng(0)
+    L, S, K, G, D, T = 1, 40, 1, 2, 4, 1
+    k_all = jnp.asarray(rng.normal(size=(L, 2, S, K, D)), jnp.float32)
+    v_all = jnp.asarray(rng.normal(size=(L, 2, S, K, D)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(2, T, K, G, D)), jnp.float32)
+    causal = jnp.ones((2, 1, 1), bool)
+    short = attention.View(jnp.array([5, 6]), causal, jnp.array([[5], [6]]))
+    long = attention.View(jnp.array([5, 38]), causal, jnp.array([[5], [38]]))
+    a = attention.blocked(q, k_all, v_all, jnp.int32(0), short, 8)
+    b = attention.blocked(q, k_all, v_all, jnp.int32(0), long, 8)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+
+
+def _poison(cache, live, value):
+    """Fill every slot at or past live[b] with value."""
+    slot = jnp.arange(cache.capacity)[None, None, :, None, None]
+    dead = slot >= jnp.asarray(live)[None, :, None, None, None]
+    return sj.KVCache(jnp.where(dead, jnp.asarray(value, cache.k.dtype), cache.k),
+                      jnp.where(dead, jnp.asarray(value, cache.v.dtype), cache.v), cache.length)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("block", [256, 4], ids=["dense", "blocked"])
+def test_inf_and_nan_in_dead_slots_change_nothing(dtype, block):
+    model = tiny_model(seed=4, dtype=dtype)
+    tokens = jnp.array([[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1]])
+    cache = sj.KVCache.init(model.config, 2, 24)
+    _, _, cache = sj.forward(model, tokens, jnp.broadcast_to(jnp.arange(7), (2, 7)), cache,
+                             block=block)
+    cache = cache.rollback(jnp.array([5, 3]))  # rows hold 5 and 3 tokens; the rest is dead
+    chunk = jnp.array([[6, 6], [5, 5]])
+    positions = jnp.array([[5, 6], [3, 4]])
+    clean, _, _ = sj.forward(model, chunk, positions, cache, block=block)
+    assert np.isfinite(np.asarray(clean)).all()
+    for value in (jnp.inf, -jnp.inf, jnp.nan):
+        # everything past the chunk's slots: the chunk itself is written by the forward
+        poisoned = _poison(cache, cache.length + 2, value)
+        got, _, _ = sj.forward(model, chunk, positions, poisoned, block=block)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(clean), err_msg=str(value))
+
+
+def test_the_poison_test_catches_values_weighted_by_zero(monkeypatch):
+    """Without zeroing unseen values, 0 · inf turns the output into NaN: the test above fails."""
+    monkeypatch.setattr(attention, "_seen_values", lambda v, mask: v)
+    model = tiny_model(seed=4, dtype="float16")
+    cache = sj.KVCache.init(model.config, 1, 16)
+    _, _, cache = sj.forward(model, jnp.array([[3, 1, 4]]), jnp.arange(3)[None], cache)
+    poisoned = _poison(cache, jnp.array([4]), jnp.inf)
+    got, _, _ = sj.model._forward.__wrapped__(model, jnp.array([[5]]), jnp.array([[3]]),
+                                              poisoned, None, block=256)
+    assert np.isnan(np.asarray(got)).any()
+
+
+def test_the_model_is_the_same_blocked_or_dense():
+    model = tiny_model(seed=3, heads=4, kv_heads=2)
+    B, T = 2, 19
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, model.config.vocab_size)
+    full = np.asarray(sj.logits(model, tokens))
+    for block in (4, 5, 256):
+        cache = sj.KVCache.init(model.config, B, 24)
+        pieces = []
+        for lo, hi in [(0, 6), (6, 13), (13, 14), (14, 19)]:
+            pos = jnp.broadcast_to(jnp.arange(lo, hi), (B, hi - lo))
+            out, _, cache = sj.forward(model, tokens[:, lo:hi], pos, cache, block=block)
+            pieces.append(np.asarray(out))
+        np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=2e-5, err_msg=block)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("block", [256, 4], ids=["dense", "blocked"])
+def test_chunked_prefill_equals_one_forward(window, block):
+    """Chunks of 4, 5, 11 and 12 tokens into 16 slots: the last chunk of 5 or 11 runs past the
+    capacity (padding only, dropped)."""
+    model = tiny_model(seed=6, sliding_window=window)
+    rows = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [4, 5], [7, 7, 7, 7, 7]]
+    lengths = jnp.array([len(r) for r in rows])
+    tokens = jnp.array([r + [0] * (16 - len(r)) for r in rows])
+    for chunk in (4, 5, 11, 12):
+        cache = sj.KVCache.init(model.config, 3, 16)
+        with attention.blocks_of(block):
+            last, hidden, cache = sj.model.prefill_chunked(model, tokens, lengths, cache, chunk,
+                                                           keep_hidden=True)
+        assert np.isfinite(np.asarray(hidden)).all()
+        assert list(np.asarray(cache.length)) == [15, 2, 5]
+        for b, r in enumerate(rows):
+            want_logits, want_hidden, _ = sj.prefill(model, jnp.array([r]))
+            np.testing.assert_allclose(np.asarray(last[b]), np.asarray(want_logits[0, -1]),
+                                       atol=2e-5)
+            np.testing.assert_allclose(np.asarray(hidden[b, :len(r)]),
+                                       np.asarray(want_hidden[0]), atol=2e-5)

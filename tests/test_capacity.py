@@ -1,0 +1,166 @@
+"""Compile once, run any request: capacity tiers, chunked prefill, warm-up, and outputs that do
+not change across tiers, chunk boundaries and attention block sizes."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+import specjax as sj
+from specjax import attention, engine
+from specjax.model import PREFILL_CHUNK
+
+GREEDY = sj.SamplingParams(temperature=0, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def long_pair():
+    """A target and draft with a 600-token context, so tiers above one block exist."""
+    target = tiny_model(seed=0, vocab_size=32, hidden_size=32, layers=2, heads=4, kv_heads=2,
+                        max_pos=600)
+    draft = tiny_model(seed=1, vocab_size=32, hidden_size=16, layers=1, heads=2, kv_heads=1,
+                       max_pos=600)
+    return target, draft
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [list(rng.integers(0, 32, size=n)) for n in lengths]
+
+
+def test_capacity_tiers_and_max_cache_len(long_pair):
+    cfg = long_pair[0].config
+    assert engine.cache_capacity(cfg, 4, 10) == 256
+    assert engine.cache_capacity(cfg, 4, 256) == 256
+    assert engine.cache_capacity(cfg, 4, 257) == 604  # the 1024 tier, cut to what 600 can use
+    assert engine.cache_capacity(cfg, 0, 300, max_cache_len=300) == 300
+    with pytest.raises(ValueError, match="max_cache_len=299 is too small"):
+        engine.cache_capacity(cfg, 0, 300, max_cache_len=299)
+    with pytest.raises(ValueError, match="max_cache_len=700 is more than the target can use"):
+        engine.cache_capacity(cfg, 4, 10, max_cache_len=700)
+    for bad in (0, -5, 2.5, "256", True):
+        with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+            engine.cache_capacity(cfg, 4, 10, max_cache_len=bad)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "tree", "eagle", "medusa"])
+def test_greedy_equal_across_tiers_chunks_and_blocks(long_pair, monkeypatch, method):
+    """Rows of very different lengths in one batch: one exactly a prefill chunk long, one a token
+    past it, a short one and one that crosses the 256-slot attention block while decoding. Every
+    method equals autoregressive greedy decoding, in the dense tier (256) and in blocked ones."""
+    target, draft = long_pair
+    short = prompts_of([PREFILL_CHUNK, PREFILL_CHUNK + 1, 3], seed=1)
+    batch = short + prompts_of([250], seed=2)
+    ref_short = sj.generate(target, short, sampling=GREEDY)
+    ref = sj.generate(target, batch, sampling=GREEDY)
+    assert ref.stats.capacity == 600 and ref_short.stats.capacity == 256  # the context for AR
+    np.testing.assert_array_equal(ref.tokens[:3], ref_short.tokens)  # blocked = dense
+    kw = {"draft_model": dict(spec=sj.SpecConfig(num_speculative_tokens=3), draft=draft),
+          "ngram": dict(spec=sj.SpecConfig(method="ngram", num_speculative_tokens=3,
+                                           prompt_lookup_min=1)),
+          "tree": dict(spec=sj.SpecConfig(num_speculative_tokens=3, tree=[[0], [1], [0, 0]]),
+                       draft=draft),
+          "eagle": dict(spec=sj.SpecConfig(method="eagle", num_speculative_tokens=3),
+                        draft=sj.init_heads(target, "eagle", jax.random.key(3))),
+          "medusa": dict(spec=sj.SpecConfig(method="medusa", num_speculative_tokens=2),
+                         draft=sj.init_heads(target, "medusa", jax.random.key(4),
+                                             num_heads=2))}[method]
+    out = sj.generate(target, batch, sampling=GREEDY, **kw)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    out = sj.generate(target, short, sampling=GREEDY, max_cache_len=400, **kw)
+    assert out.stats.capacity == 400
+    np.testing.assert_array_equal(out.tokens, ref_short.tokens)
+    monkeypatch.setattr(attention, "BLOCK", 16)  # many blocks, a partial last one
+    out = sj.generate(target, batch, sampling=GREEDY, **kw)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def test_eagle_prefill_in_chunks_equals_one_forward(long_pair):
+    """The EAGLE head's cache after a chunked prefill holds what one forward over the whole
+    prompt writes."""
+    target, _ = long_pair
+    heads = sj.init_heads(target, "eagle", jax.random.key(5))
+    proposer = sj.draft.eagle.EagleProposer(heads.config, 3)
+    rows = prompts_of([PREFILL_CHUNK * 2 + 5, 7], seed=3)
+    P = len(rows[0])
+    prompts = np.zeros((2, P), np.int32)
+    for b, r in enumerate(rows):
+        prompts[b, :len(r)] = r
+    lengths = jax.numpy.asarray([len(r) for r in rows])
+    _, hidden, _ = sj.prefill(target, jax.numpy.asarray(prompts))
+    params = {"heads": heads.params, "target": target.params}
+    state = proposer.init(params, jax.numpy.asarray(prompts), lengths, 256, hidden)
+    nxt = np.concatenate([prompts[:, 1:], np.zeros((2, 1), np.int32)], axis=1)
+    whole = sj.KVCache.init(heads.config.layer, 2, 256)
+    _, whole = sj.draft.heads.eagle_forward(
+        heads.config, heads.params["weights"], hidden,
+        sj.draft.heads.embed(target.params, jax.numpy.asarray(nxt)),
+        jax.numpy.broadcast_to(jax.numpy.arange(P), (2, P)), whole)
+    assert list(np.asarray(state.cache.length)) == [P - 1, 6]
+    for b, n in enumerate([P - 1, 6]):
+        for got, want in [(state.cache.k, whole.k), (state.cache.v, whole.v)]:
+            np.testing.assert_allclose(np.asarray(got[:, b, :n]), np.asarray(want[:, b, :n]),
+                                       atol=2e-5)
+
+
+def test_request_that_exactly_fills_max_cache_len(long_pair):
+    target, draft = long_pair
+    rows = prompts_of([40, 3], seed=4)
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    needed = 40 + GREEDY.max_new_tokens + 3
+    out = sj.generate(target, rows, sampling=GREEDY, spec=spec, draft=draft,
+                      max_cache_len=needed)
+    ref = sj.generate(target, rows, sampling=GREEDY)
+    np.testing.assert_array_equal(out.lengths, [24, 24])
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    with pytest.raises(ValueError, match=f"max_cache_len={needed - 1} is too small"):
+        sj.generate(target, rows, sampling=GREEDY, spec=spec, draft=draft,
+                    max_cache_len=needed - 1)
+
+
+def test_other_lengths_and_values_in_a_tier_compile_nothing(long_pair, fresh_programs):
+    target, draft = long_pair
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    first = sj.generate(target, prompts_of([5, 7]), spec=spec, draft=draft,
+                        sampling=sj.SamplingParams(temperature=0.7, top_k=20, max_new_tokens=10))
+    assert first.stats.compile_seconds > 0
+    before = engine.compiled_programs()
+    # Other prompt lengths (one past a prefill chunk), max_new_tokens, temperature, top_k, key.
+    for lengths, max_new, temperature, top_k in [([70, 2], 40, 1.0, 25), ([1, 130], 8, 0.3, 3)]:
+        out = sj.generate(target, prompts_of(lengths), spec=spec, draft=draft, key=7,
+                          sampling=sj.SamplingParams(temperature=temperature, top_k=top_k,
+                                                     max_new_tokens=max_new))
+        assert out.stats.compile_seconds == 0 and out.tokens.shape == (2, max_new)
+        assert (out.lengths == max_new).all()
+    assert engine.compiled_programs() == before
+
+
+def test_warmup_compiles_what_generate_then_uses(long_pair, fresh_programs):
+    target, draft = long_pair
+    spec = sj.SpecConfig(num_speculative_tokens=2)
+    sampling = sj.SamplingParams(temperature=0.8, max_new_tokens=30)
+    done = sj.warmup(target, batch_size=2, prompt_tokens=20, sampling=sampling, spec=spec,
+                     draft=draft)
+    assert done.compiled == 2 and done.capacity == 256 and done.batch == 2
+    assert done.compile_seconds > 0
+    before = engine.compiled_programs()
+    out = sj.generate(target, prompts_of([12, 3]), sampling=sampling, spec=spec, draft=draft)
+    assert out.stats.compile_seconds == 0 and engine.compiled_programs() == before
+    again = sj.warmup(target, batch_size=2, prompt_tokens=20, sampling=sampling, spec=spec,
+                      draft=draft)
+    assert again.compiled == 0 and again.compile_seconds == 0
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        sj.warmup(target, batch_size=0)
+    with pytest.raises(ValueError, match="max_cache_len=10 is too small"):
+        sj.warmup(target, prompt_tokens=5, sampling=sampling, max_cache_len=10)
+
+
+def test_stats_report_capacity_and_cache_bytes(long_pair):
+    target, draft = long_pair
+    out = sj.generate(target, prompts_of([4]), sampling=GREEDY, draft=draft,
+                      spec=sj.SpecConfig(num_speculative_tokens=2))
+    S = out.stats.capacity
+    per_slot = sum(2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+                   for c in (target.config, draft.config))
+    # K and V of both caches, and their int32 lengths
+    assert S == 256 and out.stats.cache_bytes_per_row == per_slot * S + 2 * 4
