@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-import jax
+import os
+import pathlib
+
+# One on-disk XLA compilation cache for every test process: the pytest-xdist workers, the
+# subprocesses the sharding tests start (they inherit the environment) and later runs. A program
+# compiled again (in another process, or after a test cleared the caches to patch traced code) is
+# read back instead of compiled; patched code traces to other HLO and so to other entries.
+# Set before jax is imported, so jax reads it from the environment.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 

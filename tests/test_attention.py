@@ -57,6 +57,17 @@ def test_blocked_equals_dense_and_numpy(S, block, kind):
     np.testing.assert_allclose(np.asarray(blocked), want, atol=2e-5)
 
 
+@pytest.mark.parametrize("short_by", [1, 2])
+def test_the_comparison_catches_a_walk_that_stops_short(monkeypatch, short_by):
+    """A blocked walk that skips the last block(s) (a trip count off by one or two) fails the
+    test above."""
+    fori_loop = jax.lax.fori_loop
+    monkeypatch.setattr(jax.lax, "fori_loop",
+                        lambda lo, hi, body, init: fori_loop(lo, hi - short_by, body, init))
+    with pytest.raises(AssertionError):
+        test_blocked_equals_dense_and_numpy(16, 4, "causal")
+
+
 def test_a_row_does_not_depend_on_how_long_the_others_are():
     """Extra blocks walked for a longer neighbour add exactly nothing: bitwise the same."""
     rng = np.random.default_rng(0)

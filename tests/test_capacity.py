@@ -67,9 +67,10 @@ def test_greedy_equal_across_tiers_chunks_and_blocks(long_pair, monkeypatch, met
                                              num_heads=2))}[method]
     out = sj.generate(target, batch, sampling=GREEDY, **kw)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
-    out = sj.generate(target, short, sampling=GREEDY, max_cache_len=400, **kw)
-    assert out.stats.capacity == 400
-    np.testing.assert_array_equal(out.tokens, ref_short.tokens)
+    if method == "draft_model":  # a capacity of the caller's, two blocks with one live
+        out = sj.generate(target, short, sampling=GREEDY, max_cache_len=400, **kw)
+        assert out.stats.capacity == 400
+        np.testing.assert_array_equal(out.tokens, ref_short.tokens)
     monkeypatch.setattr(attention, "BLOCK", 16)  # many blocks, a partial last one
     out = sj.generate(target, batch, sampling=GREEDY, **kw)
     np.testing.assert_array_equal(out.tokens, ref.tokens)

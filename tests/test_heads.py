@@ -18,7 +18,7 @@ from test_lossless import (  # noqa: F401
 )
 
 import specjax as sj
-from specjax import engine, verify
+from specjax import attention, engine, verify
 from specjax.draft import heads as heads_lib
 from specjax.draft.eagle import EagleProposer
 from specjax.sampling import Filters, SamplingArrays
@@ -283,11 +283,14 @@ def tiny_drafters(models, tmp_path_factory):
     return target, drafters
 
 
-@pytest.mark.parametrize("method,spec", [
-    ("medusa", dict(tree=((0,), (1,), (0, 0)))), ("eagle", dict(num_speculative_tokens=2)),
-    ("eagle", dict(tree=((0,), (1,), (0, 0))))],
-    ids=["medusa-tree", "eagle-chain", "eagle-tree"])
-def test_first_three_tokens_follow_the_target(tiny_drafters, method, spec):
+@pytest.mark.parametrize("method,spec,block", [
+    ("medusa", dict(tree=((0,), (1,), (0, 0))), 4), ("eagle", dict(num_speculative_tokens=2), None),
+    ("eagle", dict(tree=((0,), (1,), (0, 0))), 4)],
+    ids=["medusa-tree-in-blocks", "eagle-chain", "eagle-tree-in-blocks"])
+def test_first_three_tokens_follow_the_target(tiny_drafters, monkeypatch, method, spec, block):
+    """block=4: the target's and EAGLE's attention walk their caches in 4-slot blocks."""
+    if block is not None:
+        monkeypatch.setattr(attention, "BLOCK", block)
     target, drafters = tiny_drafters
     t, k = 0.8, 5
     sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
@@ -317,13 +320,15 @@ def test_eagle_reporting_the_wrong_q_fails_the_same_test(tiny_drafters, monkeypa
     assert g_test(samples, exact_joint(target, t, k, 1.0)) < 1e-6
 
 
-@pytest.mark.parametrize("method,spec", [("eagle", dict(num_speculative_tokens=3)),
-                                         ("medusa", dict(num_speculative_tokens=3))],
-                         ids=["eagle-chain3", "medusa-chain3"])
-def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_drafters, tail_joints, method,
-                                                         spec):
+@pytest.mark.parametrize("method,spec,block", [("eagle", dict(num_speculative_tokens=3), 4),
+                                               ("medusa", dict(num_speculative_tokens=3), None)],
+                         ids=["eagle-chain3-in-blocks", "medusa-chain3"])
+def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_drafters, tail_joints, monkeypatch,
+                                                         method, spec, block):
     """Tokens 5 and 6 of rows alternating between two prompt lengths: several rounds, so the
     features handed from one verification to the next round's drafts are in play."""
+    if block is not None:
+        monkeypatch.setattr(attention, "BLOCK", block)
     target, drafters = tiny_drafters
     spec = dict(spec)
     out = later_samples(target, drafters[method], spec.pop("num_speculative_tokens", None),

@@ -21,8 +21,8 @@ from test_lossless import (
 )
 
 import specjax as sj
+from specjax import attention, engine, verify
 from specjax import cache as kv
-from specjax import engine, verify
 from specjax.sampling import Filters, SamplingArrays
 from specjax.tree import Tree
 
@@ -367,8 +367,12 @@ def test_committed_cache_equals_plain_decoding(greedy_setup):
 
 # -- end to end distributions -------------------------------------------------------------------
 
-@pytest.mark.parametrize("paths", [TREE, ((0,), (1,), (2,), (0, 0), (1, 0))], ids=["issue", "wide"])
-def test_first_three_tokens_follow_the_target_with_a_tree(models, paths):
+@pytest.mark.parametrize("paths,block", [(TREE, None), (((0,), (1,), (2,), (0, 0), (1, 0)), 4)],
+                         ids=["issue", "wide-in-blocks"])
+def test_first_three_tokens_follow_the_target_with_a_tree(models, monkeypatch, paths, block):
+    """block=4: attention walks the cache in 4-slot blocks (ancestor masks span blocks)."""
+    if block is not None:
+        monkeypatch.setattr(attention, "BLOCK", block)
     target, drafts = models
     t, k = 0.8, 5
     sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
@@ -376,7 +380,8 @@ def test_first_three_tokens_follow_the_target_with_a_tree(models, paths):
     assert g_test(samples, exact_joint(target, t, k, 1.0)) > 1e-3
 
 
-def test_later_tokens_follow_the_target_with_a_tree(models, tail_joints):
+def test_later_tokens_follow_the_target_with_a_tree(models, tail_joints, monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK", 4)  # rows of two lengths walk different block counts
     target, drafts = models
     out = later_samples(target, drafts["close"], None, tree=TREE)
     assert out.stats.per_position_acceptance[1] > 0.05  # deep paths (and compaction) happen
