@@ -29,6 +29,13 @@ Figures per (temperature, γ):
   measured cost of that forward in target steps, and ``predicted·v`` puts it in the denominator
   (γc + v): the gap between the two predictions is what the verify forward costs on this
   machine.
+* meas/pred: the measured speed-up over ``predicted·v``, for chains whose c is timed apart from
+  the round (the draft model; n-gram, whose lookup counts as overhead). Below 1 by what a round
+  costs beyond its parts (sampling, verification, bookkeeping, copies). Blank for trees (the
+  formula is for chains) and for Medusa and EAGLE, whose c is derived from the round itself (the
+  ratio would be 1 by construction).
+* ``--roofline``: the target's weight bytes over the AR step against this machine's memory
+  bandwidth (a jitted sum over 512 MiB), the fraction of the bandwidth roofline a step reaches.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from .draft import registry
 from .draft.draft_model import as_draft_model
 from .engine import cache_capacity, generate, slots_needed
 from .model import Model
-from .timing import forward_timer, median_seconds
+from .timing import forward_timer, median_seconds, memory_bandwidth
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
@@ -151,7 +158,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
               drafters: dict | None = None,
               temperatures=(0.0, 0.8), top_k: int = 0, top_p: float = 1.0,
               max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
-              verify_repeats: int = 20, log=None) -> dict:
+              verify_repeats: int = 20, roofline: bool = False, log=None) -> dict:
     """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
     per (temperature, spec). specs: SpecConfigs (chains or trees) of any methods; draft: the
     draft model for the methods that draft with one ("draft_model"); drafters: {"medusa": Heads,
@@ -269,7 +276,19 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         row["predicted_speedup_with_verify_cost"] = (
             theory.expected_tokens_per_round(alpha, g) / (g * c + row["verify_cost"]) if ok
             else float("nan"))
+        timed_apart = kind == "model" or row["method"] == "ngram"
+        row["measured_over_predicted"] = (
+            row["speedup"] / row["predicted_speedup_with_verify_cost"] if ok and timed_apart
+            else float("nan"))
+    roof = None
+    if roofline:
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+        bytes_per_second = memory_bandwidth()
+        roof = dict(weight_bytes=weight_bytes, bandwidth_bytes_per_second=bytes_per_second,
+                    step_ms=1e3 * seconds[1],
+                    fraction=weight_bytes / seconds[1] / bytes_per_second)
     return dict(
+        roofline=roof,
         machine=dict(platform=platform.platform(), processor=platform.processor(),
                      cpu_count=os.cpu_count(), jax=jax.__version__,
                      backend=jax.default_backend(), device=str(jax.devices()[0].device_kind)),
@@ -282,7 +301,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                       draft_vocab_size=(use_draft.vocab_size if use_draft is not None
                                         else None),
                       draft_step_vocab_scale=vocab_scale,
-                      target_step_ms=1e3 * seconds[1], verify_context=context),
+                      target_step_ms=1e3 * seconds[1], verify_context=context,
+                      dtype=target.config.dtype),
         rows=rows)
 
 
@@ -296,7 +316,7 @@ def format_table(result: dict) -> str:
     head = (f"{'method':<12}{'variant':<{width}}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}"
             f"{'speed-up':>9}{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'α':>6}{'len':>6}"
             f"{'c':>7}{'verify':>7}"
-            f"{'predicted':>10}{'pred·v':>7}  per-position acceptance")
+            f"{'predicted':>10}{'pred·v':>7}{'meas/pred':>10}  per-position acceptance")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
         line = (f"{r['method']:<12}{r['label']:<{width}}{r['temperature']:>4g} "
@@ -305,11 +325,20 @@ def format_table(result: dict) -> str:
                 f"{r['ar_tpot_ms']:9.2f}/{r['spec_tpot_ms']:<7.2f}"
                 f"{r['acceptance_rate']:7.3f}{r['alpha']:6.3f}{r['mean_accepted_length']:6.2f}{r['c']:7.3f}"
                 f"{r['verify_cost']:7.2f}{r['predicted_speedup']:9.2f}x"
-                f"{r['predicted_speedup_with_verify_cost']:6.2f}x  "
+                f"{r['predicted_speedup_with_verify_cost']:6.2f}x"
+                + (f"{r['measured_over_predicted']:10.2f}"
+                   if np.isfinite(r["measured_over_predicted"]) else f"{'':10}") + "  "
                 + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
         if r.get("identical_to_autoregressive") is False:
             line += "  OUTPUT DIFFERS FROM AUTOREGRESSIVE"
         lines.append(line)
+    roof = result.get("roofline")
+    if roof:
+        lines.append(f"\nroofline: {roof['weight_bytes'] / 2**20:.1f} MiB of target weights "
+                     f"({s.get('dtype', '?')}) per {roof['step_ms']:.2f} ms step = "
+                     f"{roof['weight_bytes'] / roof['step_ms'] / 1e6:.1f} GB/s against "
+                     f"{roof['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s measured: "
+                     f"{roof['fraction']:.0%} of the roofline")
     if any("identical_to_autoregressive" in r for r in result["rows"]):
         same = all(r.get("identical_to_autoregressive", True) for r in result["rows"])
         lines.append(f"\ngreedy output identical to autoregressive on every prompt: {same}")
@@ -361,13 +390,12 @@ def main(args) -> int:
     result = run_bench(target, prompts, specs, draft=draft, drafters=drafters,
                        temperatures=args.temperatures, top_k=args.top_k, top_p=args.top_p,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
-                       verify_repeats=args.verify_repeats,
+                       verify_repeats=args.verify_repeats, roofline=args.roofline,
                        log=lambda m: print(m, file=sys.stderr, flush=True))
     result["settings"].update(target=str(args.target),
                               draft=str(args.draft) if draft is not None else None,
                               drafters={m: str(getattr(args, m, None) or CHECKPOINTS / f"code-{m}")
-                                        for m in drafters},
-                              dtype=args.dtype)
+                                        for m in drafters})
     print(format_table(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

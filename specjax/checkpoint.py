@@ -401,12 +401,35 @@ def cast(model: Model, dtype: str) -> Model:
     return Model(cfg, params)
 
 
+DTYPES = ("auto", "stored", "float32", "bfloat16", "float16")
+"""What ``load_model(dtype=)`` accepts; None means "auto"."""
+
+
+def compute_dtype(dtype: str | None, platform: str) -> str | None:
+    """The dtype a model loaded with ``dtype`` computes in on ``platform`` ("cpu", "gpu",
+    "tpu"), or None for the checkpoint's own.
+
+    "auto" (or None): float32 on CPU, the checkpoint's dtype elsewhere. A CPU without native
+    bfloat16 arithmetic emulates it and decodes at about half the speed of float32
+    (docs/performance.md#dtype); GPUs and TPUs run bfloat16 at full rate and need half the
+    memory. "stored" keeps the checkpoint's dtype everywhere; a dtype name casts to it."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} or None, "
+                         f"got {dtype!r}")
+    if dtype in (None, "auto"):
+        return "float32" if platform == "cpu" else None
+    return None if dtype == "stored" else dtype
+
+
 def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
                replicate: bool = False) -> Model:
     """Load a model folder: a Hugging Face folder (``config.json`` plus ``model.safetensors`` or a
     sharded ``model.safetensors.index.json``) or a folder written by ``save_model``.
 
-    dtype: None keeps the checkpoint's dtype; "float32", "bfloat16" or "float16" casts.
+    dtype: None or "auto" computes in float32 on CPU and in the checkpoint's dtype on GPU and TPU
+    (the platform of ``mesh``'s devices, else JAX's default backend); "stored" keeps the
+    checkpoint's dtype; "float32", "bfloat16" or "float16" casts. Sampling and verification
+    always work on float32 probabilities, whatever the model computes in.
     Architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
     mesh: an ``sj.make_mesh`` mesh places the parameters straight into the sharded layout of
     specjax/sharding.py (``replicate=True``: a full copy per device, for drafts): orbax restores
@@ -414,8 +437,8 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
     receives only its slice.
     """
     folder = pathlib.Path(path)
-    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16, float16 or None, got {dtype!r}")
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    dtype = compute_dtype(dtype, platform)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     if mesh is not None:

@@ -21,10 +21,15 @@ import numpy as np
 
 from . import theory
 from .bench import CHECKPOINTS, lookup_options
+from .checkpoint import DTYPES
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .draft import names as draft_methods
 from .engine import generate, warmup
 from .model import Model, init_model
+
+DTYPE_HELP = ("compute dtype; auto (the default, as in sj.load_model): float32 on CPU, the "
+              "checkpoint's dtype (bfloat16 for the bundled pair) on GPU and TPU; stored: the "
+              "checkpoint's dtype everywhere")
 
 DEMO_TARGET = ModelConfig(vocab_size=4096, hidden_size=384, intermediate_size=1024,
                           num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
@@ -223,8 +228,7 @@ def _add_generate(sub) -> None:
                    help="cache slots per row (default: the smallest capacity tier that holds "
                         "the request)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="compute dtype (the bundled pair is stored in bfloat16)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     g.add_argument("--compare", action="store_true",
                    help="also run plain autoregressive decoding and print the speed-up")
 
@@ -291,8 +295,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--prompts", help='a JSON file {"prompts": [{"text": ...}, ...]} '
                                      "(default: the shipped held-out set)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="compute dtype (the bundled pair is stored in bfloat16)")
+    b.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    b.add_argument("--roofline", action="store_true",
+                   help="also print the AR step's weight bytes per second against this "
+                        "machine's measured memory bandwidth")
     b.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
 
 
@@ -302,7 +308,8 @@ def _bundled(path: str) -> None:
                                 f"(and --draft) folders, or build it with `specjax train pair`")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``specjax`` argument parser (``train`` is dispatched before it parses)."""
     parser = argparse.ArgumentParser(
         prog="specjax", description="Lossless speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -321,6 +328,11 @@ def main(argv=None) -> int:
     _add_bench(sub)
     sub.add_parser("train", add_help=False,
                    help="train models (`specjax train pair --help`, `specjax train heads --help`)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["train", "heads"]:
         from .train.heads import heads_main

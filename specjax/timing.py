@@ -68,3 +68,17 @@ def interleaved(timers: dict, repeats: int) -> dict[object, list[float]]:
 def median_seconds(timers: dict, repeats: int) -> dict:
     """Median of interleaved repeats of each timer."""
     return {k: statistics.median(v) for k, v in interleaved(timers, repeats).items()}
+
+
+def memory_bandwidth(mib: int = 512, repeats: int = 9) -> float:
+    """Bytes per second this machine's default device reads: a jitted sum over ``mib`` MiB of
+    float32, median of ``repeats`` (after one compiling call)."""
+    x = jnp.ones((mib * 2 ** 20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return x.nbytes / statistics.median(times)

@@ -28,7 +28,8 @@ def test_the_pair_loads_as_trained(bundled):
     import dataclasses
     for model, want in [(target, pair.TARGET), (draft, pair.DRAFT)]:
         assert dataclasses.replace(model.config, dtype="float32") == want
-    assert sj.load_model(CKPT / "code-target").config.dtype == "bfloat16"  # stored as bf16
+    assert sj.load_model(CKPT / "code-target", dtype="stored").config.dtype == "bfloat16"
+    assert sj.load_model(CKPT / "code-target").config.dtype == "float32"  # "auto" on CPU
     assert tok.vocab_size == pair.VOCAB_SIZE and tok.eos_token_ids == (0,)
     text = "def fibonacci(n):\n    return n\n"
     assert tok.decode(tok.encode(text)) == text
@@ -87,6 +88,11 @@ def test_generate_command_defaults_to_the_bundled_pair(capsys):
     assert completion.startswith("def fibonacci(n):") and len(completion) > len("def fibonacci(n):")
     assert cli.main(argv + ["--method", "none"]) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == completion
+    # the Python API with its defaults gives the same text (one dtype rule for both)
+    out = sj.generate(sj.load_model(CKPT / "code-target"), ["def fibonacci(n):"],
+                      tokenizer=sj.load_tokenizer(CKPT / "code-target"), return_text=True,
+                      sampling=sj.SamplingParams(temperature=0, max_new_tokens=24))
+    assert ("def fibonacci(n):" + out.text[0]).split("\n\n")[0] == completion
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])

@@ -102,7 +102,7 @@ def test_old_style_config_keys(tmp_path):
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     d["torch_dtype"] = "bfloat16"
     (folder / "config.json").write_text(json.dumps(d))
-    assert sj.load_model(folder).config.dtype == "bfloat16"  # read from torch_dtype
+    assert sj.load_model(folder, dtype="stored").config.dtype == "bfloat16"  # from torch_dtype
     model = sj.load_model(folder, dtype="float32")
     assert model.config.rope_scaling.rope_type == "llama3"
     diff = np.abs(np.asarray(sj.logits(model, TOKENS)) - hf_logits(ref, TOKENS)).max()
@@ -124,7 +124,7 @@ def test_sharded_checkpoint(tmp_path):
 def test_half_precision_weights_and_casting(torch_dtype, name, tmp_path):
     ref = hf_model("llama").to(torch_dtype)
     folder = saved(ref, tmp_path)
-    model = sj.load_model(folder)
+    model = sj.load_model(folder, dtype="stored")
     assert model.config.dtype == name
     assert all(x.dtype == np.dtype(name) for x in jax.tree.leaves(model.params))
     up = sj.load_model(folder, dtype="float32")
@@ -345,8 +345,28 @@ def test_saving_replaces_an_earlier_save_of_the_other_format(tmp_path):
     assert not (tmp_path / "config.json").exists() and (tmp_path / "specjax.json").exists()
 
 
+def test_one_dtype_rule(tmp_path):
+    """auto: float32 on CPU, the checkpoint's dtype on GPU and TPU; stored keeps it everywhere;
+    a dtype name casts. The command line's --dtype takes the same values with the same default."""
+    from specjax.checkpoint import compute_dtype
+    for platform, auto in [("cpu", "float32"), ("gpu", None), ("tpu", None)]:
+        assert compute_dtype(None, platform) == compute_dtype("auto", platform) == auto
+        assert compute_dtype("stored", platform) is None
+        assert compute_dtype("float16", platform) == "float16"
+    sj.save_model(sj.checkpoint.cast(tiny_model(), "bfloat16"), tmp_path / "m")
+    assert jax.default_backend() == "cpu"
+    assert sj.load_model(tmp_path / "m").config.dtype == "float32"
+    assert sj.load_model(tmp_path / "m", dtype="auto").config.dtype == "float32"
+    stored = sj.load_model(tmp_path / "m", dtype="stored")
+    assert stored.config.dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(stored.params)} == {np.dtype("bfloat16")}
+    from specjax import cli
+    for command in ("generate", "bench"):
+        assert cli.build_parser().parse_args([command]).dtype == "auto"
+
+
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="dtype must be one of .* got 'int8'"):
         sj.load_model(tmp_path, dtype="int8")
     with pytest.raises(ValueError, match="format"):
         sj.save_model(tiny_model(), tmp_path, format="gguf")

@@ -3,9 +3,11 @@
 import pathlib
 import re
 
+import jax
 import numpy as np
 import pytest
 
+import specjax as sj
 from specjax import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -159,7 +161,7 @@ BENCH_FIELDS = {
     "acceptance_rate", "alpha", "accepted_length_distribution", "mean_accepted_length",
     "per_position_acceptance", "proposal_rate",
     "rounds", "proposed_tokens", "accepted_tokens", "c", "verify_cost", "predicted_speedup",
-    "predicted_speedup_with_verify_cost"}
+    "predicted_speedup_with_verify_cost", "measured_over_predicted"}
 
 
 def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
@@ -171,12 +173,18 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
                      str(model_folders / "d"), "--gammas", "1,3", "--temperatures", "0,0.8",
                      "--max-new-tokens", "10", "--repeats", "2", "--verify-repeats", "2",
                      "--tree", "[[0], [1], [0, 0]]", "--num-prompts", "2",
-                     "--max-prompt-tokens", "40", "--json", str(out)]) == 0
+                     "--max-prompt-tokens", "40", "--roofline", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "per-position acceptance" in printed
+    assert "per-position acceptance" in printed and "of the roofline" in printed
     assert "identical to autoregressive on every prompt: True" in printed
     result = json.loads(out.read_text())
     assert result["settings"]["prompts"] == 2 and result["machine"]["cpu_count"] >= 1
+    assert result["settings"]["dtype"] == "float32"  # "auto" on CPU
+    roof = result["roofline"]
+    weights = sum(x.nbytes for x in jax.tree.leaves(sj.load_model(model_folders / "t").params))
+    assert roof["weight_bytes"] == weights and roof["bandwidth_bytes_per_second"] > 0
+    assert roof["fraction"] == pytest.approx(
+        weights / (roof["step_ms"] / 1e3) / roof["bandwidth_bytes_per_second"])
     rows = result["rows"]
     assert [(r["temperature"], r["label"]) for r in rows] == [
         (t, label) for t in (0, 0.8) for label in ("chain 1", "chain 3", "tree 3/2")]
@@ -193,13 +201,15 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
         if r["tree"] is None:
             assert r["predicted_speedup"] == pytest.approx(
                 theory.speedup(r["alpha"], r["gamma"], r["c"]))
+            assert r["measured_over_predicted"] == pytest.approx(
+                r["speedup"] / r["predicted_speedup_with_verify_cost"])
             # α counts each round's rejection: accepted / (accepted + rounds not fully accepted)
             full = r["accepted_length_distribution"][-1] * r["rounds"]
             assert r["alpha"] == pytest.approx(
                 r["accepted_tokens"] / (r["accepted_tokens"] + r["rounds"] - full))
         else:  # the formula is for chains
             assert r["tree"] == [[0], [1], [0, 0]] and r["depth"] == 2 and r["verify_tokens"] == 4
-            assert np.isnan(r["predicted_speedup"])
+            assert np.isnan(r["predicted_speedup"]) and np.isnan(r["measured_over_predicted"])
     assert all(r["identical_to_autoregressive"] for r in rows if r["temperature"] == 0)
     assert not any("identical_to_autoregressive" in r for r in rows if r["temperature"] > 0)
 

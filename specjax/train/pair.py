@@ -152,7 +152,7 @@ from scratch on this machine (2-core CPU) on Python source code. {blurb}
 | --- | --- |
 | parameters | {params:,} ({params_m:.1f}M) |
 | shape | hidden {hidden}, {layers} layers, {heads} heads ({kv} key/value heads), MLP {inter}, vocabulary {vocab}, context {ctx} |
-| stored as | bfloat16 safetensors, Hugging Face `LlamaForCausalLM` layout (load with `sj.load_model`; compute in float32 by default) |
+| stored as | bfloat16 safetensors, Hugging Face `LlamaForCausalLM` layout (`sj.load_model` computes in float32 on CPU and in bfloat16 on GPU/TPU by default) |
 | training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{distil}{note} |
 | held-out loss | {loss:.3f} nats/token on held-out files (32 batches, stored bf16 weights) |
 | acceptance (draft vs target, γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}); T = 0.8: {acc_t:.3f} ({len_t:.2f}) |
