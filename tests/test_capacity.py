@@ -1,7 +1,10 @@
 """Compile once, run any request: capacity tiers, chunked prefill, warm-up, and outputs that do
 not change across tiers, chunk boundaries and attention block sizes."""
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
@@ -165,3 +168,33 @@ def test_stats_report_capacity_and_cache_bytes(long_pair):
                    for c in (target.config, draft.config))
     # K and V of both caches, and their int32 lengths
     assert S == 256 and out.stats.cache_bytes_per_row == per_slot * S + 2 * 4
+
+
+def _cache_copies(target, draft):
+    """Instructions of a batch-2 decode loop (512 slots) that copy a whole KV cache buffer."""
+    engine.PROGRAMS.clear()
+    sj.generate(target, prompts_of([5, 9]), sampling=GREEDY, draft=draft, max_cache_len=512,
+                spec=sj.SpecConfig(num_speculative_tokens=3))
+    (decode,) = engine.PROGRAMS.programs()[-1].executables("decode")
+    # a copy spanning all 512 slots (a block of the blocked attention spans 256)
+    return [dims for dims in re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", decode.as_text())
+            if "512" in dims.split(",")]
+
+
+def test_the_decode_loop_copies_no_cache_buffer(long_pair, monkeypatch, fresh_programs):
+    """Writes update the caches in place for every batch size, so a step costs what is live,
+    not the capacity. A vmapped per-row write (which moves the row axis to the front, and so
+    copies the whole buffer at every write once B > 1) is caught by the same check."""
+    target, draft = long_pair
+    assert _cache_copies(target, draft) == []
+
+    def vmapped(buffer, new, start, layer):
+        T = new.shape[1]
+        if layer is None:
+            return jax.vmap(lambda b, x, s: b.at[s + jnp.arange(T)].set(x, mode="drop"))(
+                buffer, new, start)
+        return jax.vmap(lambda b, x, s: b.at[layer, s + jnp.arange(T)].set(x, mode="drop"),
+                        in_axes=(1, 0, 0), out_axes=1)(buffer, new, start)
+    monkeypatch.setattr(sj.cache, "_write_rows", vmapped)
+    jax.clear_caches()
+    assert _cache_copies(target, draft) != []
