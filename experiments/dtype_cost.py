@@ -6,8 +6,9 @@ The bundled target and draft (its draft vocabulary), each loaded twice: ``dtype=
 * the target's one-token decode step, its five-token verify forward (γ = 4), the draft's step;
 * one matrix product the size of the target's output layer ([T, E] x [E, V]) in float32, in
   bfloat16, and in float32 from bfloat16 weights converted inside the program;
-* this machine's memory bandwidth (a jitted sum over 512 MiB of float32), so each decode step is
-  also shown as weight bytes per second against it (the roofline).
+* what one jitted sum over 512 MiB of float32 reads per second, so each decode step is also shown
+  as the weight bytes it reads per second against it (the roofline; the input embedding, of which
+  a step reads one row, is not counted).
 
 It also counts, in the compiled bfloat16 decode step, the instructions that convert a
 weight-sized tensor from bfloat16 to float32: on a CPU without native bfloat16 arithmetic XLA
@@ -100,7 +101,7 @@ def main() -> None:
         print(f"{what:34} {variant:24} {s * 1e3:8.3f} {s / base:10.2f}")
     print()
     for d, (target, _) in models.items():
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+        nbytes = timing.step_weight_bytes(target)
         step = medians[("decode step", "bfloat16" if d == "stored" else d)]
         print(f"target decode step in {target.config.dtype}: {nbytes / 2**20:.1f} MiB of weights, "
               f"{nbytes / step / 1e9:.1f} GB/s = {nbytes / step / bw:.0%} of the roofline; "

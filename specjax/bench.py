@@ -31,11 +31,14 @@ Figures per (temperature, γ):
   machine.
 * meas/pred: the measured speed-up over ``predicted·v``, for chains whose c is timed apart from
   the round (the draft model; n-gram, whose lookup counts as overhead). Below 1 by what a round
-  costs beyond its parts (sampling, verification, bookkeeping, copies). Blank for trees (the
-  formula is for chains) and for Medusa and EAGLE, whose c is derived from the round itself (the
-  ratio would be 1 by construction).
-* ``--roofline``: the target's weight bytes over the AR step against this machine's memory
-  bandwidth (a jitted sum over 512 MiB), the fraction of the bandwidth roofline a step reaches.
+  costs beyond its parts (sampling, verification, bookkeeping, copies), above 1 where the
+  formula's independent-acceptance model (one α for every position) undersells the acceptance
+  measured; it can land on either side. Blank for trees (the formula is for chains) and for
+  Medusa and EAGLE, whose c is derived from the round itself (the ratio would be 1 by
+  construction).
+* ``--roofline``: the weight bytes a target step reads (every parameter but an untied input
+  embedding, of which a step reads one row) over the AR step, against what one jitted sum over
+  512 MiB reads per second on this machine: the fraction of that bandwidth a step reaches.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from .draft import registry
 from .draft.draft_model import as_draft_model
 from .engine import cache_capacity, generate, slots_needed
 from .model import Model
-from .timing import forward_timer, median_seconds, memory_bandwidth
+from .timing import forward_timer, median_seconds, memory_bandwidth, step_weight_bytes
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
@@ -282,7 +285,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             else float("nan"))
     roof = None
     if roofline:
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+        weight_bytes = step_weight_bytes(target)
         bytes_per_second = memory_bandwidth()
         roof = dict(weight_bytes=weight_bytes, bandwidth_bytes_per_second=bytes_per_second,
                     step_ms=1e3 * seconds[1],
@@ -334,7 +337,7 @@ def format_table(result: dict) -> str:
         lines.append(line)
     roof = result.get("roofline")
     if roof:
-        lines.append(f"\nroofline: {roof['weight_bytes'] / 2**20:.1f} MiB of target weights "
+        lines.append(f"\nroofline: {roof['weight_bytes'] / 2**20:.1f} MiB of target weights read "
                      f"({s.get('dtype', '?')}) per {roof['step_ms']:.2f} ms step = "
                      f"{roof['weight_bytes'] / roof['step_ms'] / 1e6:.1f} GB/s against "
                      f"{roof['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s measured: "

@@ -409,10 +409,11 @@ def compute_dtype(dtype: str | None, platform: str) -> str | None:
     """The dtype a model loaded with ``dtype`` computes in on ``platform`` ("cpu", "gpu",
     "tpu"), or None for the checkpoint's own.
 
-    "auto" (or None): float32 on CPU, the checkpoint's dtype elsewhere. A CPU without native
-    bfloat16 arithmetic emulates it and decodes at about half the speed of float32
-    (docs/performance.md#dtype); GPUs and TPUs run bfloat16 at full rate and need half the
-    memory. "stored" keeps the checkpoint's dtype everywhere; a dtype name casts to it."""
+    "auto" (or None): float32 on CPU, the checkpoint's dtype elsewhere. On a CPU without native
+    bfloat16 arithmetic XLA converts the weights inside every step (the bundled target's decode
+    step: 1.40x as long, docs/performance.md#dtype); GPUs and TPUs compute in bfloat16 natively,
+    in half the memory. "stored" keeps the checkpoint's dtype everywhere; a dtype name casts to
+    it."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} or None, "
                          f"got {dtype!r}")

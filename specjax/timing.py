@@ -70,9 +70,19 @@ def median_seconds(timers: dict, repeats: int) -> dict:
     return {k: statistics.median(v) for k, v in interleaved(timers, repeats).items()}
 
 
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step of ``model`` (an sj.Model) reads: every parameter but an
+    untied input embedding, of which a step reads one row per token."""
+    total = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    if model.config.tie_word_embeddings:  # the table is read whole, as the LM head
+        return total
+    return total - model.params["embed_tokens"]["embedding"].nbytes
+
+
 def memory_bandwidth(mib: int = 512, repeats: int = 9) -> float:
-    """Bytes per second this machine's default device reads: a jitted sum over ``mib`` MiB of
-    float32, median of ``repeats`` (after one compiling call)."""
+    """Bytes per second the default device reads in one jitted sum over ``mib`` MiB of float32,
+    median of ``repeats`` (after one compiling call): a practical figure for what a forward can
+    stream, not the hardware's peak (one reduction may not use every core or channel)."""
     x = jnp.ones((mib * 2 ** 20 // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
     total(x).block_until_ready()

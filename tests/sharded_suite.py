@@ -104,8 +104,10 @@ SPECS = {"autoregressive": None, "chain": sj.SpecConfig(num_speculative_tokens=3
 
 
 # every mesh with a chain; every method on the mixed mesh and the tree on the widest "model" axis.
-# Sampling (T = 1) on every case, greedy as well on the mixed mesh's chain: a sampled round
-# exercises everything a greedy one does and more (each compile on 8 devices costs seconds).
+# Sampling (T = 1) on every case; greedy, a program of its own (argmax verdicts over sharded
+# logits), on the mixed mesh's chain and EAGLE and the widest axis's tree (each compile on 8
+# devices costs seconds).
+GREEDY_TOO = {((2, 4), "chain"), ((2, 4), "eagle"), ((1, 8), "tree")}
 CASES = ([(mesh, "chain") for mesh in MESHES]
          + [((2, 4), name) for name in SPECS if name != "chain"]
          + [((1, 8), "tree")])
@@ -121,7 +123,7 @@ def test_sharded_output_equals_single_device(models, mesh_shape, name):
     if name == "draft-vocab":
         d = sj.draft.restrict_vocab(draft, np.arange(0, draft.config.vocab_size, 2))
     mesh = sj.make_mesh(data=data, model=model)
-    temperatures = (0.0, 1.0) if (mesh_shape, name) == ((2, 4), "chain") else (1.0,)
+    temperatures = (0.0, 1.0) if (mesh_shape, name) in GREEDY_TOO else (1.0,)
     for temperature in temperatures:
         sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=16)
         one = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7)
@@ -165,7 +167,7 @@ def _collectives(ops):
 
 def test_rows_split_over_data_move_no_cache_between_devices(models):
     """On a data-only mesh every row lives on one device: the decode loop gathers no activation
-    or cache entry (cache writes are per row, not a scatter over the whole batch), at most a few
+    or cache entry (a cache write is a scatter whose batch dimension is the row), at most a few
     token ids per row."""
     target, draft, _ = models
     mesh = sj.make_mesh(data=8, model=1)

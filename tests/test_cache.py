@@ -92,7 +92,7 @@ def test_rollback_changes_only_the_length():
 @pytest.mark.parametrize("trailing,dtype", [((2, 3), jnp.float32), ((2, 3), jnp.bfloat16),
                                             ((), jnp.int32)])
 @pytest.mark.parametrize("layered", [False, True], ids=["write", "write_layer"])
-@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("rows", [1, 6, "1-past"])
 def test_write_at_per_row_offsets(trailing, dtype, layered, rows):
     """[B, S, K, D] cache buffers and the [B, S] token history (``write``), and layer 1 of
     [L, B, S, K, D] (``write_layer``); new values are cast to the buffer's dtype (integer-valued
@@ -100,8 +100,11 @@ def test_write_at_per_row_offsets(trailing, dtype, layered, rows):
     rng = np.random.default_rng(1)
     L, S, T = 3, 10, 3
     # rows: from slot 0; in the middle; ending exactly at capacity; one slot left (two dropped);
-    # wholly past the capacity (all dropped); overlapping the start of the history
-    start = np.array([4, 0, S - T, S - 1, S + 2, 2], np.int32)[:rows]
+    # wholly past the capacity (all dropped); overlapping the start of the history. "1-past":
+    # a single row with one slot left (two dropped)
+    start = {1: np.array([4], np.int32), "1-past": np.array([S - 1], np.int32),
+             6: np.array([4, 0, S - T, S - 1, S + 2, 2], np.int32)}[rows]
+    rows = len(start)
     shape = (L, rows, S) + trailing if layered else (rows, S) + trailing
     buffer = rng.integers(-50, 50, size=shape).astype(np.float32)
     new = rng.integers(100, 200, size=(rows, T) + trailing).astype(np.float32)

@@ -354,9 +354,11 @@ def test_one_dtype_rule(tmp_path):
         assert compute_dtype("stored", platform) is None
         assert compute_dtype("float16", platform) == "float16"
     sj.save_model(sj.checkpoint.cast(tiny_model(), "bfloat16"), tmp_path / "m")
-    assert jax.default_backend() == "cpu"
-    assert sj.load_model(tmp_path / "m").config.dtype == "float32"
-    assert sj.load_model(tmp_path / "m", dtype="auto").config.dtype == "float32"
+    auto = compute_dtype("auto", jax.default_backend()) or "bfloat16"  # float32 on CPU
+    assert sj.load_model(tmp_path / "m").config.dtype == auto
+    assert sj.load_model(tmp_path / "m", dtype="auto").config.dtype == auto
+    # with a mesh, the platform of its devices
+    assert sj.load_model(tmp_path / "m", mesh=sj.make_mesh()).config.dtype == auto
     stored = sj.load_model(tmp_path / "m", dtype="stored")
     assert stored.config.dtype == "bfloat16"
     assert {x.dtype for x in jax.tree.leaves(stored.params)} == {np.dtype("bfloat16")}
