@@ -85,10 +85,5 @@ def memory_bandwidth(mib: int = 512, repeats: int = 9) -> float:
     stream, not the hardware's peak (one reduction may not use every core or channel)."""
     x = jnp.ones((mib * 2 ** 20 // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(times)
+    timed(total, x)  # compile
+    return x.nbytes / statistics.median(timed(total, x)[1] for _ in range(repeats))
