@@ -1,7 +1,7 @@
 """``specjax bench``: speculative against autoregressive decoding on a fixed held-out prompt set.
 
 Every figure comes from one run, variants interleaved (each repeat runs the autoregressive
-baseline, the draft model on its own and every γ in turn), so drift on a noisy machine hits them
+baseline and every variant in turn), so drift on a noisy machine hits them
 alike; throughputs are medians over repeats. Prompts run one at a time (batch 1, the latency case
 speculation is for), each with its own seed; compilation happens in a warm-up pass and is never
 timed.
@@ -15,27 +15,26 @@ Figures per (temperature, γ):
   that the drafts before it passed: accepted / (accepted + rejected), the α of the speed-up
   formula in specjax/theory.py), mean accepted length (tokens per round, bonus included),
   per-position acceptance (fraction of rounds whose k-th draft was accepted)
-* c: the draft's TPOT over the target's, both decoding autoregressively in the same loop
-  (0 for n-gram lookup, which runs no model). A draft restricted to a draft vocabulary decodes
-  that loop with its whole LM head, so its c is scaled by its cut step's time over its whole
-  step (``draft_step_vocab_scale``, two forwards timed side by side). Medusa and EAGLE have no
-  model to time on its own: their c is ``draft_cost_per_draft``, a round's time less its verify
-  forward, in target steps per draft (the drafter plus the loop's overhead; also reported for
-  the other methods)
+* c: the proposer's time per draft in target steps: its ``propose`` alone (a draft model's
+  forwards and draws, a head's, an n-gram lookup), timed apart from the round
+  (``timing.round_timers``) over γ target decode steps
+* verify: the target's forward over the γ + 1 tokens a round verifies (a tree: its nodes), in
+  target decode steps
+* round/parts: one whole round of generate's own program (propose, verify forward, sampling,
+  verification, bookkeeping) over the sum of its two parts, propose and verify forward: what
+  the round costs beyond its parts (1 = nothing)
+* ``draft_cost_per_draft`` (JSON): a round's time in the generate loop less its verify forward,
+  in target steps per draft (the drafter plus the loop's overhead)
 * several methods can run in one bench (``--method draft_model,medusa,eagle``): one AR baseline,
   every variant interleaved with it
 * predicted: the formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` (specjax/theory.py) from the
-  measured α and c; it assumes verifying γ + 1 tokens costs one target step. ``verify`` is the
-  measured cost of that forward in target steps, and ``predicted·v`` puts it in the denominator
-  (γc + v): the gap between the two predictions is what the verify forward costs on this
-  machine.
-* meas/pred: the measured speed-up over ``predicted·v``, for chains whose c is timed apart from
-  the round (the draft model; n-gram, whose lookup counts as overhead). Below 1 by what a round
-  costs beyond its parts (sampling, verification, bookkeeping, copies), above 1 where the
-  formula's independent-acceptance model (one α for every position) undersells the acceptance
-  measured; it can land on either side. Blank for trees (the formula is for chains) and for
-  Medusa and EAGLE, whose c is derived from the round itself (the ratio would be 1 by
-  construction).
+  measured α and c; it assumes verifying γ + 1 tokens costs one target step. ``pred·v`` puts the
+  measured verify cost in the denominator (γc + v); for a tree, whose acceptance the formula
+  does not model, its numerator is the measured mean accepted length.
+* meas/pred: the measured speed-up over ``pred·v``. Below 1 by what a round costs beyond its
+  parts (round/parts) and by the loop's own overhead; for a chain also off by how far the
+  formula's independent-acceptance model (one α for every position) is from the acceptance
+  measured, which can put it on either side of 1.
 * ``--roofline``: the weight bytes a target step reads (every parameter but an untied input
   embedding, of which a step reads one row) over the AR step, against what one jitted sum over
   512 MiB reads per second on this machine: the fraction of that bandwidth a step reaches.
@@ -61,7 +60,7 @@ from .draft import registry
 from .draft.draft_model import as_draft_model
 from .engine import cache_capacity, generate, slots_needed
 from .model import Model
-from .timing import forward_timer, median_seconds, memory_bandwidth, step_weight_bytes
+from .timing import forward_timer, median_seconds, memory_bandwidth, round_timers, step_weight_bytes
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
@@ -190,13 +189,11 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     for temperature in temperatures:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                   max_new_tokens=max_new_tokens)
-        variants = {"ar": (target, None, None)}
-        if use_draft is not None:
-            variants["draft-ar"] = (use_draft.model, None, None)
-        variants.update({i: (target, s, drafts.get(s.method)) for i, s in enumerate(specs)})
+        variants = {"ar": (None, None)}
+        variants.update({i: (s, drafts.get(s.method)) for i, s in enumerate(specs)})
 
-        def run_all(model, spec, d, sampling=sampling):
-            return [generate(model, [p], sampling=sampling, spec=spec, draft=d, key=seed + i)
+        def run_all(spec, d, sampling=sampling):
+            return [generate(target, [p], sampling=sampling, spec=spec, draft=d, key=seed + i)
                     for i, p in enumerate(prompts)]
 
         t0 = time.perf_counter()
@@ -209,8 +206,6 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 runs[name].add(run_all(*v))
             log(f"T={temperature}: repeat {r + 1}/{repeats} done")
         ar = runs["ar"]
-        c_model = (runs["draft-ar"].median("tpot") / ar.median("tpot")
-                   if use_draft is not None else 0.0)
         for i, spec in enumerate(specs):
             sp = runs[i]
             tree = None if spec.tree is None else Tree(spec.tree)
@@ -227,9 +222,6 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                                           ar.tokens_per_second)],
                 ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
-                # c: the draft model's step from its own AR loop; n-gram lookup runs no model
-                c=c_model if spec.needs_draft_model else 0.0 if spec.method == "ngram" else
-                float("nan"),
                 **_pooled(sp.outputs))
             # A round's wall time: TPOT times the tokens a round emits.
             row["spec_round_ms"] = row["spec_tpot_ms"] * row["mean_accepted_length"]
@@ -238,51 +230,54 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                     np.array_equal(a.tokens, s.tokens) for a, s in zip(ar.outputs, sp.outputs))
             rows.append(row)
 
-    # The verify forward's cost in target steps, at the mean context of a decode round.
-    mean_prompt = int(np.mean([len(p) for p in prompts]))
-    context = mean_prompt + max_new_tokens // 2
+    # The parts of a round, each timed apart inside one compiled program (timing.py), for the
+    # prompt of median length after half the new tokens, in the capacity generate picked for it.
+    prompt = sorted(prompts, key=len)[len(prompts) // 2]
+    decoded = max_new_tokens // 2
+    context = len(prompt) + decoded
     sizes = sorted({row["verify_tokens"] for row in rows})
-    # the capacity generate picks for the longest prompt (a tier), so the timed forwards match
     capacity = cache_capacity(target.config, max(sizes) - 1,
-                              slots_needed(max(len(p) for p in prompts), max_new_tokens,
-                                           max(sizes) - 1))
+                              slots_needed(len(prompt), max_new_tokens, max(sizes) - 1))
     timers = {1: forward_timer(target, 1, capacity, context)}
     timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
-    restricted = use_draft is not None and use_draft.vocab is not None
-    if restricted:  # the draft's step with its cut LM head against the same draft whole
-        timers["draft-full"] = forward_timer(use_draft.model, 1, capacity, context)
-        timers["draft-vocab"] = forward_timer(use_draft, 1, capacity, context)
+    for temperature in temperatures:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                  max_new_tokens=max_new_tokens)
+        for i, spec in enumerate(specs):
+            g = spec.num_speculative_tokens
+            parts = round_timers(target, prompt, sampling=sampling, spec=spec,
+                                 draft=drafts.get(spec.method), decoded=decoded, key=seed,
+                                 max_cache_len=cache_capacity(target.config, g, slots_needed(
+                                     len(prompt), max_new_tokens, g)))
+            timers.update({(temperature, i, k): f for k, f in parts.items()})
+    log(f"timing the parts of a round ({len(timers)} programs compiled)")
     seconds = median_seconds(timers, verify_repeats)
-    # The draft-ar loop decodes with the draft's full LM head (its own distribution); a draft
-    # restricted to a draft vocabulary drafts with the cut head, so its c is scaled by the ratio
-    # of the two steps, timed side by side.
-    vocab_scale = seconds["draft-vocab"] / seconds["draft-full"] if restricted else 1.0
-    for row in rows:
-        kind = registry.get(row["method"]).draft
-        if kind == "model":
-            row["c"] *= vocab_scale
-        row["verify_cost"] = seconds[row["verify_tokens"]] / seconds[1]
-        # What a round spends besides the verify forward, in target steps, per draft: the
-        # drafter's cost plus the loop's own overhead. For Medusa and EAGLE it stands in for c
-        # (no separate model to time on its own); for the draft model it sits beside c. The
-        # target step is the autoregressive loop's TPOT from the same interleaved repeats (a
-        # timing taken apart from the loop can differ from it by more than a draft's cost);
-        # noise can make the figure slightly negative, which is reported as measured.
+    for k, row in enumerate(rows):  # temperature-major, then specs in order
+        i = k % len(specs)
+        step = seconds[1]
+        row["verify_cost"] = seconds[row["verify_tokens"]] / step
+        row["propose_ms"] = 1e3 * seconds[(row["temperature"], i, "propose")]
+        row["round_ms"] = 1e3 * seconds[(row["temperature"], i, "round")]
+        # c: the proposer's time per draft in target steps, its propose timed alone (a draft
+        # model's catch-up forward and draws included; an n-gram lookup's too)
+        row["c"] = row["propose_ms"] / 1e3 / step / row["gamma"]
+        # what the round costs over its parts: sampling, verification, bookkeeping, copies
+        row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * seconds[
+            row["verify_tokens"]])
+        # What a round spends besides the verify forward, in target steps, per draft, from the
+        # generate loop's own times: the drafter plus the loop's overhead.
         row["draft_cost_per_draft"] = (
             (row["spec_round_ms"] / row["ar_tpot_ms"] - row["verify_cost"]) / row["gamma"])
-        if kind != "model" and row["method"] != "ngram":  # heads, or a proposer of the user's
-            row["c"] = row["draft_cost_per_draft"]
         g, alpha, c = row["gamma"], row["alpha"], row["c"]
-        # the formula is for chains: i.i.d. acceptance of γ drafts in a row
-        ok = np.isfinite(alpha) and row["tree"] is None and c >= 0
+        chain = row["tree"] is None
+        ok = np.isfinite(alpha) and chain
         row["predicted_speedup"] = theory.speedup(alpha, g, c) if ok else float("nan")
-        row["predicted_speedup_with_verify_cost"] = (
-            theory.expected_tokens_per_round(alpha, g) / (g * c + row["verify_cost"]) if ok
-            else float("nan"))
-        timed_apart = kind == "model" or row["method"] == "ngram"
-        row["measured_over_predicted"] = (
-            row["speedup"] / row["predicted_speedup_with_verify_cost"] if ok and timed_apart
-            else float("nan"))
+        # Tokens a round yields: the formula's from α for a chain (i.i.d. acceptance of γ drafts
+        # in a row), the measured mean accepted length for a tree (the formula is for chains).
+        tokens = (theory.expected_tokens_per_round(alpha, g) if ok
+                  else row["mean_accepted_length"] if not chain else float("nan"))
+        row["predicted_speedup_with_verify_cost"] = tokens / (g * c + row["verify_cost"])
+        row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup_with_verify_cost"]
     roof = None
     if roofline:
         weight_bytes = step_weight_bytes(target)
@@ -303,8 +298,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                       draft_params=use_draft.config.num_params if use_draft is not None else 0,
                       draft_vocab_size=(use_draft.vocab_size if use_draft is not None
                                         else None),
-                      draft_step_vocab_scale=vocab_scale,
                       target_step_ms=1e3 * seconds[1], verify_context=context,
+                      parts_prompt_tokens=len(prompt), parts_capacity=capacity,
                       dtype=target.config.dtype),
         rows=rows)
 
@@ -318,7 +313,7 @@ def format_table(result: dict) -> str:
     width = max([12] + [len(r["label"]) + 1 for r in result["rows"]])
     head = (f"{'method':<12}{'variant':<{width}}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}"
             f"{'speed-up':>9}{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'α':>6}{'len':>6}"
-            f"{'c':>7}{'verify':>7}"
+            f"{'c':>7}{'verify':>7}{'round/parts':>12}"
             f"{'predicted':>10}{'pred·v':>7}{'meas/pred':>10}  per-position acceptance")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
@@ -327,7 +322,8 @@ def format_table(result: dict) -> str:
                 f"{r['speedup']:8.2f}x{r['spec_ttft_ms']:8.1f}"
                 f"{r['ar_tpot_ms']:9.2f}/{r['spec_tpot_ms']:<7.2f}"
                 f"{r['acceptance_rate']:7.3f}{r['alpha']:6.3f}{r['mean_accepted_length']:6.2f}{r['c']:7.3f}"
-                f"{r['verify_cost']:7.2f}{r['predicted_speedup']:9.2f}x"
+                f"{r['verify_cost']:7.2f}{r['round_over_parts']:12.2f}"
+                f"{r['predicted_speedup']:9.2f}x"
                 f"{r['predicted_speedup_with_verify_cost']:6.2f}x"
                 + (f"{r['measured_over_predicted']:10.2f}"
                    if np.isfinite(r["measured_over_predicted"]) else f"{'':10}") + "  "

@@ -1,9 +1,9 @@
 """Checkpoints: Hugging Face folders (config.json + safetensors) and orbax folders.
 
-Hugging Face weights are read tensor by tensor from safetensors files, cast, stacked over layers
-and placed on the device one parameter at a time, so a multi-GB model is never held
-twice in host memory. Every check (files, architecture, names, shapes, file integrity) runs before
-the model is returned: nothing half-loaded escapes.
+Hugging Face weights are read tensor by tensor from safetensors files, cast and placed on the
+device one parameter at a time, so a multi-GB model is never held twice in host memory. Every
+check (files, architecture, names, shapes, file integrity) runs before the model is returned:
+nothing half-loaded escapes.
 
 Name mapping (our parameter path -> Hugging Face tensor name)::
 
@@ -32,9 +32,13 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig, RopeScaling
-from .model import Model, init_model
+from .model import Model, init_model, stack_layers, unstack_layers
 
 log = logging.getLogger(__name__)
+
+ORBAX_VERSION = 2
+"""specjax.json "version" that save_model writes. Version 1 (specjax 0.1) stacked the layers on a
+leading [L] axis; load_model still reads it."""
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -276,14 +280,12 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
-def hf_name(path: tuple[str, ...], layer: int | None = None) -> tuple[str, bool]:
+def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
     """(Hugging Face tensor name, transposed?) for one of our parameter paths."""
     last = path[-1]
     suffix = "bias" if last == "bias" else "weight"
     if path[0] == "lm_head":
         return "lm_head.weight", True
-    if path[0] == "layers":
-        return f"model.layers.{layer}.{'.'.join(path[1:-1])}.{suffix}", last == "kernel"
     return f"model.{'.'.join(path[:-1])}.{suffix}", last == "kernel"
 
 
@@ -338,14 +340,8 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
 
     params: dict = {}
     for path, leaf in _leaves(_abstract_params(cfg)):
-        if path[0] == "layers":
-            array = np.empty(leaf.shape, target_dtype)
-            for i in range(cfg.num_hidden_layers):
-                name, transpose = hf_name(path, i)
-                array[i] = read(name, leaf.shape[1:], transpose)
-        else:
-            name, transpose = hf_name(path)
-            array = read(name, leaf.shape, transpose)
+        name, transpose = hf_name(path)
+        array = read(name, leaf.shape, transpose)
         _set(params, path, place(path, array, cfg))
         del array  # one parameter at a time on the host
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -377,11 +373,26 @@ def _load_orbax(folder: pathlib.Path, dtype: str | None, mesh=None) -> Model:
             raise
         raise CheckpointError(f"{meta_path} is not a valid specjax checkpoint description "
                               f"({type(e).__name__}: {e})") from None
+    version = meta.get("version")
+    if version not in (1, ORBAX_VERSION):
+        raise CheckpointError(f"{meta_path}: version {version!r} is not one this specjax reads "
+                              f"(1 or {ORBAX_VERSION})")
     params_dir = (folder / "params").resolve()
     if not params_dir.exists():
         raise FileNotFoundError(f"{folder} has {SPECJAX_FILE} but no params/ folder")
     ckpt = _orbax().StandardCheckpointer()
     abstract = _abstract_params(cfg)
+    if version == 1:  # layers stacked on a leading axis: restored whole, then split per layer
+        stacked = jax.eval_shape(lambda p: stack_layers(p, cfg.num_hidden_layers), abstract)
+        try:
+            params = ckpt.restore(params_dir, stacked)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise CheckpointError(f"{params_dir} does not match {meta_path} ({e})") from None
+        model = Model(cfg, unstack_layers(params, cfg.num_hidden_layers))
+        if mesh is not None:
+            from .sharding import shard
+            model = shard(model, mesh)
+        return cast(model, dtype) if dtype else model
     if mesh is not None:  # each device reads only its own shards
         from .sharding import param_shardings
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -490,7 +501,8 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
         ckpt = _orbax().StandardCheckpointer()
         ckpt.save((folder / "params").resolve(), model.params, force=True)
         ckpt.wait_until_finished()
-        meta = {"format": "specjax", "version": 1, "config": dataclasses.asdict(model.config)}
+        meta = {"format": "specjax", "version": ORBAX_VERSION,
+                "config": dataclasses.asdict(model.config)}
         (folder / SPECJAX_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return
     hf = config_to_hf(cfg)
@@ -502,13 +514,8 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
     tensors = {}
     for path_, leaf in _leaves(model.params):
         leaf = np.asarray(jax.device_get(leaf))
-        if path_[0] == "layers":
-            for i in range(cfg.num_hidden_layers):
-                name, transpose = hf_name(path_, i)
-                tensors[name] = leaf[i].T if transpose else leaf[i]
-        else:
-            name, transpose = hf_name(path_)
-            tensors[name] = leaf.T if transpose else leaf
+        name, transpose = hf_name(path_)
+        tensors[name] = leaf.T if transpose else leaf
     write_safetensors(folder / "model.safetensors", tensors)
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     if bos_token_id is not None or eos_token_id is not None:

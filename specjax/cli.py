@@ -43,10 +43,11 @@ def demo_target(key) -> Model:
     model = init_model(DEMO_TARGET, key)
     params = jax.tree.map(lambda x: x, model.params)
     layer_scale = np.concatenate([[1.0], np.full(DEMO_TARGET.num_hidden_layers - 1, 0.02)])
-    layers = params["layers"]
-    for block, proj in [("self_attn", "o_proj"), ("mlp", "down_proj")]:
-        kernel = layers[block][proj]["kernel"]
-        layers[block][proj] = {"kernel": kernel * layer_scale[:, None, None].astype(kernel.dtype)}
+    for i, scale in enumerate(layer_scale):
+        layer = params["layers"][str(i)]
+        for block, proj in [("self_attn", "o_proj"), ("mlp", "down_proj")]:
+            kernel = layer[block][proj]["kernel"]
+            layer[block][proj] = {"kernel": kernel * float(scale)}
     params["lm_head"] = {"kernel": params["lm_head"]["kernel"] * 25}
     return Model(DEMO_TARGET, params)
 
@@ -56,7 +57,7 @@ def first_layers(model: Model, n: int) -> Model:
     (self-speculative) draft that needs no training and no second vocabulary."""
     config = dataclasses.replace(model.config, num_hidden_layers=n)
     params = dict(model.params)
-    params["layers"] = jax.tree.map(lambda x: x[:n], params["layers"])
+    params["layers"] = {str(i): params["layers"][str(i)] for i in range(n)}
     return Model(config, params)
 
 

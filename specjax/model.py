@@ -1,18 +1,23 @@
 """A Llama-family decoder in Flax that reads and writes a KVCache.
 
 RMSNorm, rotary position embeddings (Hugging Face's rotate-half layout), SwiGLU MLP and
-grouped-query attention. Layers are stacked with ``nn.scan``, so every parameter of a layer has a
-leading [L] axis and the program compiles once per layer shape, not once per layer.
+grouped-query attention.
 
-Parameter tree (names follow Hugging Face, kernels are [in, out])::
+Each layer has its own parameters (``layers/<i>/...``, as Hugging Face names them), not one
+array stacked over the layers: a layer loop over stacked weights (``nn.scan``) slices each
+layer's weights out of the stack, and XLA on CPU and GPU copies that slice at every step before
+the matrix product reads it, which made a decode step of the bundled target 1.7x as long
+(docs/performance.md#layer-weights). The layers are unrolled in the program instead.
 
-    embed_tokens/embedding                 [V, E]
-    layers/input_layernorm/weight          [L, E]
-    layers/self_attn/{q,k,v,o}_proj/kernel [L, E, H*D] ... [L, H*D, E]
-    layers/post_attention_layernorm/weight [L, E]
-    layers/mlp/{gate,up,down}_proj/kernel  [L, E, F] ... [L, F, E]
-    norm/weight                            [E]
-    lm_head/kernel                         [E, V]   (absent when tie_word_embeddings)
+Parameter tree (names follow Hugging Face, kernels are [in, out]; i = 0 .. L-1)::
+
+    embed_tokens/embedding                    [V, E]
+    layers/<i>/input_layernorm/weight          [E]
+    layers/<i>/self_attn/{q,k,v,o}_proj/kernel [E, H*D] ... [H*D, E]
+    layers/<i>/post_attention_layernorm/weight [E]
+    layers/<i>/mlp/{gate,up,down}_proj/kernel  [E, F] ... [F, E]
+    norm/weight                               [E]
+    lm_head/kernel                            [E, V]   (absent when tie_word_embeddings)
 """
 
 from __future__ import annotations
@@ -165,13 +170,30 @@ class DecoderLayer(nn.Module):
         return (x, k_all, v_all), None
 
 
+class Layers(nn.Module):
+    """The decoder layers, unrolled: layer i's parameters are ``layers/<i>/...``."""
+
+    config: ModelConfig
+    init_std: float
+    block: int
+
+    @nn.compact
+    def __call__(self, carry, cos, sin, view):
+        for i in range(self.config.num_hidden_layers):
+            carry, _ = DecoderLayer(self.config, self.init_std, self.block, name=str(i))(
+                carry, i, cos, sin, view)
+        return carry
+
+
 class Decoder(nn.Module):
     """tokens [B, T] -> logits [B, T, V] (float32), hidden [B, T, E], updated k, v [L, B, S, K,
-    D]."""
+    D]. ``stacked``: the layers as one ``nn.scan`` over weights stacked on a leading [L] axis,
+    used only by ``init_model`` (so a seed draws the same weights as in specjax 0.1)."""
 
     config: ModelConfig
     init_std: float = 0.02
     block: int = attention.BLOCK
+    stacked: bool = False
 
     @nn.compact
     def __call__(self, tokens, view, k, v):
@@ -181,12 +203,15 @@ class Decoder(nn.Module):
                          embedding_init=nn.initializers.normal(self.init_std), name="embed_tokens")
         x = embed(tokens)  # [B, T, E]
         cos, sin = rope_tables(view.positions, cfg)
-        layers = nn.scan(
-            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_hidden_layers)(cfg, self.init_std, self.block, name="layers")
-        (x, k, v), _ = layers((x, k, v), jnp.arange(cfg.num_hidden_layers, dtype=jnp.int32),
-                              cos, sin, view)
+        if self.stacked:
+            layers = nn.scan(
+                DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_hidden_layers)(cfg, self.init_std, self.block, name="layers")
+            (x, k, v), _ = layers((x, k, v), jnp.arange(cfg.num_hidden_layers), cos, sin, view)
+        else:
+            x, k, v = Layers(cfg, self.init_std, self.block, name="layers")(
+                (x, k, v), cos, sin, view)
         hidden = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(hidden)
@@ -195,6 +220,20 @@ class Decoder(nn.Module):
                               kernel_init=nn.initializers.normal(self.init_std),
                               name="lm_head")(hidden)
         return logits.astype(jnp.float32), hidden, k, v
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """``params`` with the per-layer trees ``layers/<i>/...`` stacked into one tree of [L, ...]
+    arrays (the layout of specjax checkpoints before version 2)."""
+    per_layer = [params["layers"][str(i)] for i in range(num_layers)]
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)}
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """The inverse of ``stack_layers``."""
+    stacked = params["layers"]
+    return {**params, "layers": {str(i): jax.tree.map(lambda x, i=i: x[i], stacked)
+                                 for i in range(num_layers)}}
 
 
 def view(cache: KVCache, positions: Array, chunk_mask: Array | None, window: int | None,
@@ -216,9 +255,13 @@ def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model
     T = 1
     cache = KVCache.init(config, 1, T)
     positions = jnp.zeros((1, T), jnp.int32)
-    variables = jax.jit(Decoder(config, init_std).init)(
-        key, jnp.zeros((1, T), jnp.int32), view(cache, positions, None, None), cache.k, cache.v)
-    return Model(config, variables["params"])
+
+    @jax.jit
+    def init(key, tokens, view, k, v):
+        stacked = Decoder(config, init_std, stacked=True).init(key, tokens, view, k, v)
+        return unstack_layers(stacked["params"], config.num_hidden_layers)
+    return Model(config, init(key, jnp.zeros((1, T), jnp.int32),
+                              view(cache, positions, None, None), cache.k, cache.v))
 
 
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,

@@ -7,24 +7,24 @@ partitioner does the rest: ``generate`` runs the same program with sharded input
 Every array dimension has a logical name (``PARAM_AXES``, ``CACHE_AXES``), and one table maps the
 names to mesh axes (``RULES``; pass another as ``rules=`` to ``shard``, ``param_shardings`` or
 ``cache_spec`` to try another layout). With the default table, one line per parameter (shapes
-as in specjax/model.py, layers stacked on a leading L)::
+as in specjax/model.py, <i> the layer)::
 
-    parameter                        shape          spec
-    embed_tokens/embedding           [V, E]         (model, -)      vocabulary rows split
-    layers/*_layernorm/weight        [L, E]         replicated
-    layers/self_attn/q_proj/kernel   [L, E, H*D]    (-, -, model)   query heads split
-    layers/self_attn/k_proj/kernel   [L, E, K*D]    (-, -, model)   kv heads split (replicated
-    layers/self_attn/v_proj/kernel   [L, E, K*D]    (-, -, model)     when K % model != 0)
-    layers/self_attn/{q,k,v}_proj/bias [L, *]       (-, model)      as their kernels
-    layers/self_attn/o_proj/kernel   [L, H*D, E]    (-, model, -)   row-parallel
-    layers/self_attn/o_proj/bias     [L, E]         replicated
-    layers/self_attn/{q,k}_norm/weight [L, D]       replicated
-    layers/mlp/{gate,up}_proj/kernel [L, E, F]      (-, -, model)   MLP width split
-    layers/mlp/down_proj/kernel      [L, F, E]      (-, model, -)   row-parallel
-    norm/weight                      [E]            replicated
-    lm_head/kernel                   [E, V]         (-, model)      vocabulary columns split
+    parameter                            shape          spec
+    embed_tokens/embedding               [V, E]         (model, -)      vocabulary rows split
+    layers/<i>/*_layernorm/weight        [E]            replicated
+    layers/<i>/self_attn/q_proj/kernel   [E, H*D]       (-, model)      query heads split
+    layers/<i>/self_attn/k_proj/kernel   [E, K*D]       (-, model)      kv heads split (replicated
+    layers/<i>/self_attn/v_proj/kernel   [E, K*D]       (-, model)        when K % model != 0)
+    layers/<i>/self_attn/{q,k,v}_proj/bias [*]          (model,)        as their kernels
+    layers/<i>/self_attn/o_proj/kernel   [H*D, E]       (model, -)      row-parallel
+    layers/<i>/self_attn/o_proj/bias     [E]            replicated
+    layers/<i>/self_attn/{q,k}_norm/weight [D]          replicated
+    layers/<i>/mlp/{gate,up}_proj/kernel [E, F]         (-, model)      MLP width split
+    layers/<i>/mlp/down_proj/kernel      [F, E]         (model, -)      row-parallel
+    norm/weight                          [E]            replicated
+    lm_head/kernel                       [E, V]         (-, model)      vocabulary columns split
 
-    KV cache k, v                    [L, B, S, K, D] (-, data, -, model, -)  as k_proj
+    KV cache k, v                        [L, B, S, K, D] (-, data, -, model, -)  as k_proj
     per-row arrays (tokens, lengths, keys, ...)   [B, ...]   (data, ...)
 
 Embedding and LM head are split over the vocabulary rather than replicated: they are the largest
@@ -54,13 +54,13 @@ DATA, MODEL = "data", "model"
 # out is replicated. Parameters (path regex over the "/"-joined path, first match wins):
 PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"embed_tokens/embedding$", ("vocab", "embed")),
-    (r"layers/self_attn/q_proj/kernel$", ("layers", "embed", "q_heads")),
-    (r"layers/self_attn/[kv]_proj/kernel$", ("layers", "embed", "kv_heads")),
-    (r"layers/self_attn/q_proj/bias$", ("layers", "q_heads")),
-    (r"layers/self_attn/[kv]_proj/bias$", ("layers", "kv_heads")),
-    (r"layers/self_attn/o_proj/kernel$", ("layers", "q_heads", "embed")),
-    (r"layers/mlp/(gate|up)_proj/kernel$", ("layers", "embed", "mlp")),
-    (r"layers/mlp/down_proj/kernel$", ("layers", "mlp", "embed")),
+    (r"layers/\d+/self_attn/q_proj/kernel$", ("embed", "q_heads")),
+    (r"layers/\d+/self_attn/[kv]_proj/kernel$", ("embed", "kv_heads")),
+    (r"layers/\d+/self_attn/q_proj/bias$", ("q_heads",)),
+    (r"layers/\d+/self_attn/[kv]_proj/bias$", ("kv_heads",)),
+    (r"layers/\d+/self_attn/o_proj/kernel$", ("q_heads", "embed")),
+    (r"layers/\d+/mlp/(gate|up)_proj/kernel$", ("embed", "mlp")),
+    (r"layers/\d+/mlp/down_proj/kernel$", ("mlp", "embed")),
     (r"lm_head/kernel$", ("embed", "vocab")),
 )
 CACHE_AXES = ("layers", "batch", "cache", "kv_heads", "head_dim")  # KV cache k, v

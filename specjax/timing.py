@@ -87,3 +87,76 @@ def memory_bandwidth(mib: int = 512, repeats: int = 9) -> float:
     total = jax.jit(jnp.sum)
     timed(total, x)  # compile
     return x.nbytes / statistics.median(timed(total, x)[1] for _ in range(repeats))
+
+
+def _repeated(stage: str):
+    """INNER back-to-back calls of one round's ``stage`` ("round": the whole round_step,
+    "propose": the proposer's propose alone) from the same state, in one program. Each call
+    starts where the first did (length, history, keys; caches roll back to the length), so
+    every call does the same work, and the carried caches are written in place as in
+    ``generate``'s loop."""
+    import dataclasses
+
+    from . import attention, engine
+
+    def run(plan, target_params, draft_params, request, state):
+        with attention.blocks_of(plan.attention_block):
+            if stage == "propose":
+                keys, _ = engine.round_keys(request.keys, state.step)
+
+                def body(_, draft_state):
+                    s = dataclasses.replace(state, draft_state=draft_state)
+                    return engine._propose(plan, target_params, draft_params, request, s,
+                                           keys)[1]
+                return jax.lax.fori_loop(0, INNER, body, state.draft_state)
+
+            def body(_, carry):
+                s, total = carry
+                out = engine.round_step(plan, target_params, draft_params, request, s)
+                # What the round decided feeds the result, so none of it is dead code.
+                for x in jax.tree.leaves((out.history, out.length, out.num_generated, out.done,
+                                          out.counters)):
+                    total = total + jnp.sum(x.astype(jnp.int32))
+                return dataclasses.replace(
+                    out, history=state.history, length=state.length,
+                    num_generated=state.num_generated, done=state.done,
+                    cache=out.cache.rollback(state.length), counters=state.counters,
+                    step=state.step), total
+            return jax.lax.fori_loop(0, INNER, body, (state, jnp.zeros((), jnp.int32)))
+    return jax.jit(run, static_argnums=0)
+
+
+_REPEATED = {stage: _repeated(stage) for stage in ("round", "propose")}
+
+
+def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=None,
+                 decoded: int = 64, key=0, max_cache_len: int | None = None
+                 ) -> dict[str, Callable[[], float]]:
+    """Functions timing (seconds per call) one round of ``sj.generate``'s own program for the
+    single row ``prompt`` after ``decoded`` tokens of it have been generated (so the caches hold
+    prompt + decoded tokens): "round" is the whole round (propose, the target's verify forward,
+    verification, bookkeeping; with no spec, one autoregressive step), "propose" the proposer's
+    part alone (absent with no spec). Arguments as ``generate``'s (``sampling.max_new_tokens``
+    must leave room for ``decoded`` tokens and a round). Compiles before returning."""
+    from . import engine
+
+    rows, sampling, plan, target, draft_params, inputs = engine._prepare(
+        target, [prompt], sampling, spec, draft, proposer, key, None, False, None, max_cache_len)
+    params = target.params
+    state = engine._STAGES["prefill"](plan, params, draft_params, inputs.prompts, inputs.lengths,
+                                      inputs.request)
+    while int(state.num_generated[0]) < decoded and not bool(state.done[0]):
+        state = engine._STAGES["round"](plan, params, draft_params, inputs.request, state)
+    if bool(state.done[0]):
+        raise ValueError(f"the row ended (EOS or max_new_tokens) before {decoded} tokens were "
+                         f"decoded: nothing left to time")
+    args = (params, draft_params, inputs.request, state)
+    stages = ["round"] + (["propose"] if plan.proposer is not None else [])
+    timers = {}
+    for stage in stages:
+        exe = _REPEATED[stage].lower(plan, *args).compile()
+
+        def run(exe=exe) -> float:
+            return timed(exe, *args)[1] / INNER
+        timers[stage] = run
+    return timers

@@ -49,17 +49,21 @@ def test_make_mesh():
 
 
 # The table, written out by hand (not computed by specjax) for TARGET on 4 "model" devices.
+LAYER = {  # each layer's parameters, layers/<i>/...
+    "input_layernorm/weight": P(),
+    "post_attention_layernorm/weight": P(),
+    "self_attn/q_proj/kernel": P(None, "model"),
+    "self_attn/k_proj/kernel": P(None, "model"),
+    "self_attn/v_proj/kernel": P(None, "model"),
+    "self_attn/o_proj/kernel": P("model", None),
+    "mlp/gate_proj/kernel": P(None, "model"),
+    "mlp/up_proj/kernel": P(None, "model"),
+    "mlp/down_proj/kernel": P("model", None),
+}
 EXPECTED = {
     "embed_tokens/embedding": P("model", None),
-    "layers/input_layernorm/weight": P(),
-    "layers/post_attention_layernorm/weight": P(),
-    "layers/self_attn/q_proj/kernel": P(None, None, "model"),
-    "layers/self_attn/k_proj/kernel": P(None, None, "model"),
-    "layers/self_attn/v_proj/kernel": P(None, None, "model"),
-    "layers/self_attn/o_proj/kernel": P(None, "model", None),
-    "layers/mlp/gate_proj/kernel": P(None, None, "model"),
-    "layers/mlp/up_proj/kernel": P(None, None, "model"),
-    "layers/mlp/down_proj/kernel": P(None, "model", None),
+    **{f"layers/{i}/{name}": spec for i in range(TARGET.num_hidden_layers)
+       for name, spec in LAYER.items()},
     "norm/weight": P(),
     "lm_head/kernel": P(None, "model"),
 }
@@ -92,8 +96,8 @@ def test_heads_that_do_not_divide_are_replicated():
                          num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
                          max_position_embeddings=64)
     placed = _flat(sj.shard(sj.init_model(cfg, jax.random.key(0)), sj.make_mesh(1, 8)).params)
-    assert placed["layers/self_attn/k_proj/kernel"].sharding.spec == P()
-    assert placed["layers/self_attn/q_proj/kernel"].sharding.spec == P(None, None, "model")
+    assert placed["layers/0/self_attn/k_proj/kernel"].sharding.spec == P()
+    assert placed["layers/0/self_attn/q_proj/kernel"].sharding.spec == P(None, "model")
 
 
 SPECS = {"autoregressive": None, "chain": sj.SpecConfig(num_speculative_tokens=3),
@@ -209,18 +213,18 @@ def test_sharded_load_equals_unsharded(models, tmp_path, fmt):
 
 
 def test_a_layout_of_the_callers_own_is_kept_and_exact(models):
-    """Another rules table (the vocabulary replicated, the MLP split over "data" as well) placed
+    """Another rules table (the vocabulary replicated, the model width split over "data") placed
     with sj.shard: generate keeps that placement, and the output equals one device's."""
     target, draft, _ = models
     mesh = sj.make_mesh(data=2, model=4)
-    rules = {**{k: v for k, v in sharding.RULES.items() if k != "vocab"}, "layers": "data"}
+    rules = {**{k: v for k, v in sharding.RULES.items() if k != "vocab"}, "embed": "data"}
     placed = sj.shard(target, mesh, rules=rules)
     flat = _flat(placed.params)
-    assert flat["embed_tokens/embedding"].sharding.spec == P()
-    assert flat["layers/mlp/up_proj/kernel"].sharding.spec == P("data", None, "model")
+    assert flat["embed_tokens/embedding"].sharding.spec == P(None, "data")
+    assert flat["layers/1/mlp/up_proj/kernel"].sharding.spec == P("data", "model")
     assert sharding.placed_on(placed, mesh) and not sharding.placed_on(target, mesh)
     kept, _ = engine.place(placed, None, mesh)
-    assert _flat(kept.params)["embed_tokens/embedding"].sharding.spec == P()
+    assert _flat(kept.params)["embed_tokens/embedding"].sharding.spec == P(None, "data")
     sampling = sj.SamplingParams(temperature=0, max_new_tokens=12)
     spec = sj.SpecConfig(num_speculative_tokens=3)
     one = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=draft)

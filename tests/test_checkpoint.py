@@ -130,7 +130,7 @@ def test_half_precision_weights_and_casting(torch_dtype, name, tmp_path):
     up = sj.load_model(folder, dtype="float32")
     assert up.config.dtype == "float32"
     want = ref.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
-    np.testing.assert_array_equal(np.asarray(up.params["layers"]["mlp"]["up_proj"]["kernel"][1]),
+    np.testing.assert_array_equal(np.asarray(up.params["layers"]["1"]["mlp"]["up_proj"]["kernel"]),
                                   want)
     # Computed in float32 from the same rounded weights, logits match the reference's float32.
     # (Reloaded, not ref.float(): casting a torch model also rounds its RoPE frequency buffer.)
@@ -177,6 +177,31 @@ def test_orbax_round_trip(tmp_path):
     assert half.config.dtype == "bfloat16"
     sj.save_model(back, tmp_path / "m")  # saving over an existing checkpoint works
 
+
+
+def test_a_version_1_orbax_checkpoint_with_stacked_layers_still_loads(tmp_path):
+    """Checkpoints written before version 2 stacked each layer weight on a leading [L] axis:
+    they load into the per-layer layout, value for value; an unknown version is refused."""
+    import orbax.checkpoint as ocp
+
+    from specjax.model import stack_layers
+    model = tiny_model(seed=5, layers=3)
+    sj.save_model(model, tmp_path / "m")
+    meta_path = tmp_path / "m" / checkpoint.SPECJAX_FILE
+    meta = json.loads(meta_path.read_text())
+    assert meta["version"] == checkpoint.ORBAX_VERSION == 2
+    shutil.rmtree(tmp_path / "m" / "params")
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save((tmp_path / "m" / "params").resolve(), stack_layers(model.params, 3))
+    ckpt.wait_until_finished()
+    meta_path.write_text(json.dumps({**meta, "version": 1}))
+    back = sj.load_model(tmp_path / "m", dtype="stored")
+    assert jax.tree.structure(back.params) == jax.tree.structure(model.params)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    meta_path.write_text(json.dumps({**meta, "version": 7}))
+    with pytest.raises(sj.CheckpointError, match="version 7"):
+        sj.load_model(tmp_path / "m")
 
 @pytest.mark.parametrize("features", [
     dict(),

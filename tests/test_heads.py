@@ -340,8 +340,8 @@ def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_drafters, tail_joi
 # -- the bench ----------------------------------------------------------------------------------
 
 def test_bench_runs_several_methods_against_one_baseline(target, draft, trained):
-    """specjax bench --method draft_model,medusa,eagle: one AR baseline, a row per method, c
-    measured for the draft model and derived (round time less verify, per draft) for the heads."""
+    """specjax bench --method draft_model,medusa,eagle: one AR baseline, a row per method, and
+    for each its propose timed apart from the round (c) and measured over predicted."""
     from specjax.bench import run_bench
     specs = [sj.SpecConfig(method=m, num_speculative_tokens=2)
              for m in ("draft_model", "medusa", "eagle")]
@@ -353,10 +353,8 @@ def test_bench_runs_several_methods_against_one_baseline(target, draft, trained)
     assert len({r["ar_tokens_per_second"] for r in rows}) == 1  # one shared baseline
     assert all(r["identical_to_autoregressive"] for r in rows)
     for r in rows:
-        assert np.isfinite(r["draft_cost_per_draft"]) and np.isfinite(r["c"])
-    for r in rows[1:]:  # c derived from the round: measured / predicted would be 1 by design
-        assert r["c"] == r["draft_cost_per_draft"] and np.isnan(r["measured_over_predicted"])
-    assert np.isfinite(rows[0]["measured_over_predicted"])
-    assert rows[0]["c"] > 0 and rows[0]["c"] != rows[0]["draft_cost_per_draft"]
+        assert np.isfinite(r["draft_cost_per_draft"]) and r["c"] > 0
+        assert 0 < r["propose_ms"] < r["round_ms"] and r["round_over_parts"] > 0
+        assert np.isfinite(r["measured_over_predicted"]) and r["c"] != r["draft_cost_per_draft"]
     with pytest.raises(ValueError, match="needs a drafter"):
         run_bench(target, PROMPTS[:2], specs[2:], temperatures=(0.0,))

@@ -159,6 +159,7 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
 def test_weight_decay_skips_norms_and_biases():
     params = sj.init_model(tiny_config(attention_bias=True), jax.random.key(0)).params
     mask = train.loop._decayed(params)
-    assert mask["layers"]["mlp"]["up_proj"]["kernel"] and mask["embed_tokens"]["embedding"]
-    assert not mask["norm"]["weight"] and not mask["layers"]["input_layernorm"]["weight"]
-    assert not mask["layers"]["self_attn"]["q_proj"]["bias"]
+    layer = mask["layers"]["0"]
+    assert layer["mlp"]["up_proj"]["kernel"] and mask["embed_tokens"]["embedding"]
+    assert not mask["norm"]["weight"] and not layer["input_layernorm"]["weight"]
+    assert not layer["self_attn"]["q_proj"]["bias"]

@@ -199,13 +199,25 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
 def fingerprint(target: Model) -> dict[str, list[float]]:
     """A few values of every target weight, rounded to bfloat16: the same for the target in any
     dtype it is stored or loaded in, different for any other trained or initialised model."""
-    out = {}
+    # A layer weight is fingerprinted as the [L, ...] stack of its L layers' copies (the layout
+    # drafters were first saved against), picked one value at a time, so nothing is stacked.
+    L = target.config.num_hidden_layers
+    groups: dict[str, list] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if keys[0] == "layers":  # layers/<i>/... -> layers/...
+            groups.setdefault("/".join(["layers"] + keys[2:]), [None] * L)[int(keys[1])] = leaf
+        else:
+            groups["/".join(keys)] = [leaf]
+    out = {}
+    for name, leaves in groups.items():
+        size = leaves[0].size
+        index = np.linspace(0, size * len(leaves) - 1, 8).astype(np.int64)
         # pick on the device: only 8 values per weight come to the host
-        index = np.linspace(0, leaf.size - 1, 8).astype(np.int64)
+        picks = [leaves[i // size].reshape(-1)[i % size] for i in index]
         picks = np.asarray(jax.device_get(
-            leaf.reshape(-1)[index].astype(jnp.bfloat16).astype(jnp.float32)))
-        out["/".join(str(getattr(k, "key", k)) for k in path)] = [float(x) for x in picks]
+            jnp.stack(picks).astype(jnp.bfloat16).astype(jnp.float32)))
+        out[name] = [float(x) for x in picks]
     return out
 
 

@@ -1,0 +1,124 @@
+"""Why decode speed swings between processes, and what bounds it against the bandwidth roofline.
+
+Starts ``--processes`` fresh Python processes one after another, alternating two placements:
+both cores, and core 0 only (``taskset -c 0``). Each process measures, in this order and again
+at its end:
+
+* ``bw``: what one jitted sum over 512 MiB of float32 reads per second
+  (``timing.memory_bandwidth``);
+* ``matvec``: bytes per second of one-token products through 48 different [384, 1024] float32
+  matrices (72 MiB, more than the last-level cache, so every product streams from memory);
+* ``step``: the bundled target's decode step in float32 (64 of 256 cache slots), and its weight
+  bytes per second (every weight but the input embedding).
+
+Then, across processes of the same placement, the correlation between the decode step's time and
+1 / bandwidth: if the step swings with what the memory delivers, the swings are the machine's.
+The single-core rows show whether XLA spreads a one-token product over both cores: if
+``matvec`` is the same on one core as on two, it does not, and a decode step can reach at best
+the one-core bandwidth, not the two-core figure the roofline divides by.
+
+    .venv/bin/python experiments/speed_swings.py [--processes 8] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def child(repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import specjax as sj
+    from specjax import bench, timing
+
+    target = sj.load_model(bench.CHECKPOINTS / "code-target", "float32")
+    step = timing.forward_timer(target, 1, 256, 64)
+    weights = timing.step_weight_bytes(target)
+
+    E, F, N = 384, 1024, 48
+    mats = [jax.random.normal(jax.random.key(i), (E, F), jnp.float32) for i in range(N)]
+
+    @jax.jit
+    def products(x, mats):
+        for w in mats:  # each product depends on the last: no two run at once
+            x = x + (x @ w)[:, :E] * 1e-9
+        return x
+
+    x = jnp.ones((1, E), jnp.float32)
+    products(x, mats).block_until_ready()
+
+    def matvec() -> float:
+        return N * E * F * 4 / timing.timed(products, x, mats)[1]
+
+    def measure() -> dict:
+        bw = timing.memory_bandwidth()
+        mv = statistics.median(matvec() for _ in range(repeats))
+        s = statistics.median(step() for _ in range(repeats))
+        return {"bw": bw, "matvec": mv, "step_ms": s * 1e3, "step_bytes_per_s": weights / s}
+
+    first = measure()
+    time.sleep(1.0)
+    return {"first": first, "last": measure()}
+
+
+def pearson(xs, ys) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sx = sum((x - mx) ** 2 for x in xs) ** 0.5
+    sy = sum((y - my) ** 2 for y in ys) ** 0.5
+    return sxy / (sx * sy) if sx and sy else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.repeats)))
+        return
+    rows = []
+    for i in range(args.processes):
+        placement = "both cores" if i % 2 == 0 else "core 0"
+        cmd = [sys.executable, __file__, "--child", "--repeats", str(args.repeats)]
+        if placement == "core 0":
+            cmd = ["taskset", "-c", "0"] + cmd
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        for when in ("first", "last"):
+            rows.append({"process": i, "placement": placement, "when": when, **r[when]})
+            m = r[when]
+            print(f"process {i} {placement:10s} {when:5s}  bw {m['bw'] / 1e9:5.1f} GB/s  "
+                  f"matvec {m['matvec'] / 1e9:5.1f} GB/s  step {m['step_ms']:5.2f} ms "
+                  f"({m['step_bytes_per_s'] / 1e9:4.1f} GB/s, "
+                  f"{m['step_bytes_per_s'] / m['bw']:.0%} of bw)", flush=True)
+    for placement in ("both cores", "core 0"):
+        sel = [r for r in rows if r["placement"] == placement]
+        steps = [r["step_ms"] for r in sel]
+        print(f"\n{placement}: step {min(steps):.2f}-{max(steps):.2f} ms over {len(sel)} "
+              f"measurements; bw {min(r['bw'] for r in sel) / 1e9:.1f}-"
+              f"{max(r['bw'] for r in sel) / 1e9:.1f} GB/s; matvec median "
+              f"{statistics.median(r['matvec'] for r in sel) / 1e9:.1f} GB/s; "
+              f"corr(step, 1/bw) = {pearson(steps, [1 / r['bw'] for r in sel]):.2f}")
+    both = [r for r in rows if r["placement"] == "both cores"]
+    one = [r for r in rows if r["placement"] == "core 0"]
+    if both and one:
+        med = {k: (statistics.median(r[k] for r in both), statistics.median(r[k] for r in one))
+               for k in ("bw", "matvec", "step_ms")}
+        print(f"\none core / two cores (medians): bw {med['bw'][1] / med['bw'][0]:.2f}, matvec "
+              f"{med['matvec'][1] / med['matvec'][0]:.2f}, step time "
+              f"{med['step_ms'][1] / med['step_ms'][0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
