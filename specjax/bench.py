@@ -60,7 +60,7 @@ from .draft import registry
 from .draft.draft_model import as_draft_model
 from .engine import cache_capacity, generate, slots_needed
 from .model import Model
-from .timing import forward_timer, median_seconds, memory_bandwidth, round_timers, step_weight_bytes
+from .timing import forward_timer, memory_bandwidth, round_timers, step_weight_bytes
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
@@ -90,6 +90,7 @@ class _Runs:
     tokens_per_second: list = dataclasses.field(default_factory=list)  # per repeat
     ttft: list = dataclasses.field(default_factory=list)
     tpot: list = dataclasses.field(default_factory=list)
+    round_seconds: list = dataclasses.field(default_factory=list)  # decode seconds per round
 
     def add(self, outs) -> None:
         decode_tokens = sum(int(o.lengths[0]) - 1 for o in outs)
@@ -97,6 +98,7 @@ class _Runs:
         self.outputs = outs
         self.tokens_per_second.append(decode_tokens / decode_seconds)
         self.tpot.append(decode_seconds / decode_tokens)
+        self.round_seconds.append(decode_seconds / max(1, sum(o.stats.num_rounds for o in outs)))
         self.ttft.append(statistics.mean(o.stats.prefill_seconds for o in outs))
 
     def median(self, name: str) -> float:
@@ -178,12 +180,33 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     methods = sorted({s.method for s in specs})
     if not temperatures or any(not t >= 0 for t in temperatures):
         raise ValueError(f"temperatures must be >= 0, got {list(temperatures)!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    for name, value in (("repeats", repeats), ("verify_repeats", verify_repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not prompts:
         raise ValueError("prompts is empty")
     log = log or (lambda msg: None)
     use_draft = as_draft_model(draft) if any(s.needs_draft_model for s in specs) else None
+
+    # The parts of a round, each timed apart inside one compiled program (timing.py), for the
+    # prompt of median length after half the new tokens, in the capacity generate picks for it;
+    # their samples are taken inside the same repeats as the generate runs, so a slow phase of
+    # the machine hits the parts and the whole alike.
+    prompt = sorted(prompts, key=len)[len(prompts) // 2]
+    decoded = max_new_tokens // 2
+    context = len(prompt) + decoded
+    sizes = sorted({s.num_speculative_tokens + 1 for s in specs})
+    capacity = cache_capacity(target.config, max(sizes) - 1,
+                              slots_needed(len(prompt), max_new_tokens, max(sizes) - 1))
+    timers = {1: forward_timer(target, 1, capacity, context)}
+    timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
+    samples: dict = {}
+    inner = -(-verify_repeats // repeats)  # samples of each part per repeat
+
+    def sample_parts(keys):
+        for _ in range(inner):
+            for k in keys:
+                samples.setdefault(k, []).append(timers[k]())
 
     rows = []
     for temperature in temperatures:
@@ -199,11 +222,19 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         t0 = time.perf_counter()
         for v in variants.values():  # warm-up: compiles every program the timed passes use
             run_all(*v)
+        for i, spec in enumerate(specs):
+            g = spec.num_speculative_tokens
+            parts = round_timers(target, prompt, sampling=sampling, spec=spec,
+                                 draft=drafts.get(spec.method), decoded=decoded, key=seed,
+                                 max_cache_len=cache_capacity(target.config, g, slots_needed(
+                                     len(prompt), max_new_tokens, g)))
+            timers.update({(temperature, i, k): f for k, f in parts.items()})
         log(f"T={temperature}: compiled and warmed up in {time.perf_counter() - t0:.0f} s")
         runs = {name: _Runs() for name in variants}
         for r in range(repeats):
             for name, v in variants.items():
                 runs[name].add(run_all(*v))
+            sample_parts([k for k in timers if not isinstance(k, tuple) or k[0] == temperature])
             log(f"T={temperature}: repeat {r + 1}/{repeats} done")
         ar = runs["ar"]
         for i, spec in enumerate(specs):
@@ -223,35 +254,13 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
                 **_pooled(sp.outputs))
-            # A round's wall time: TPOT times the tokens a round emits.
-            row["spec_round_ms"] = row["spec_tpot_ms"] * row["mean_accepted_length"]
+            row["spec_round_ms"] = 1e3 * sp.median("round_seconds")  # in the generate loop
             if temperature == 0:
                 row["identical_to_autoregressive"] = all(
                     np.array_equal(a.tokens, s.tokens) for a, s in zip(ar.outputs, sp.outputs))
             rows.append(row)
 
-    # The parts of a round, each timed apart inside one compiled program (timing.py), for the
-    # prompt of median length after half the new tokens, in the capacity generate picked for it.
-    prompt = sorted(prompts, key=len)[len(prompts) // 2]
-    decoded = max_new_tokens // 2
-    context = len(prompt) + decoded
-    sizes = sorted({row["verify_tokens"] for row in rows})
-    capacity = cache_capacity(target.config, max(sizes) - 1,
-                              slots_needed(len(prompt), max_new_tokens, max(sizes) - 1))
-    timers = {1: forward_timer(target, 1, capacity, context)}
-    timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
-    for temperature in temperatures:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                  max_new_tokens=max_new_tokens)
-        for i, spec in enumerate(specs):
-            g = spec.num_speculative_tokens
-            parts = round_timers(target, prompt, sampling=sampling, spec=spec,
-                                 draft=drafts.get(spec.method), decoded=decoded, key=seed,
-                                 max_cache_len=cache_capacity(target.config, g, slots_needed(
-                                     len(prompt), max_new_tokens, g)))
-            timers.update({(temperature, i, k): f for k, f in parts.items()})
-    log(f"timing the parts of a round ({len(timers)} programs compiled)")
-    seconds = median_seconds(timers, verify_repeats)
+    seconds = {k: statistics.median(v) for k, v in samples.items()}
     for k, row in enumerate(rows):  # temperature-major, then specs in order
         i = k % len(specs)
         step = seconds[1]

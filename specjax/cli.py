@@ -289,7 +289,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3, help="timed passes per variant (median)")
     b.add_argument("--verify-repeats", type=int, default=20,
-                   help="repeats of the single-forward timings behind the verify cost")
+                   help="samples of each part's timing (step, verify forward, each variant's "
+                        "propose and round), spread over the repeats")
     b.add_argument("--num-prompts", type=int, help="use only the first N prompts")
     b.add_argument("--max-prompt-tokens", type=int,
                    help="keep only the last N tokens of each prompt (default: whole prompts)")

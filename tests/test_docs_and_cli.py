@@ -250,6 +250,7 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
                           (["--tree", "[[0"], "--tree is not valid JSON"),
                           (["--gammas", ""], "specs is empty"),
                           (["--repeats", "0"], "repeats must be an int >= 1"),
+                          (["--verify-repeats", "0"], "verify_repeats must be an int >= 1"),
                           (["--num-prompts", "0"], "--num-prompts must be >= 1"),
                           (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
                           (["--prompts", str(tmp_path / "none.json")], "cannot read bench prompts"),
