@@ -57,8 +57,9 @@ def matmul_timer(T: int, E: int, V: int, dtype: str, upcast: bool = False):
 
 def weight_converts(model) -> int:
     """Instructions of the compiled decode step that write a float32 tensor of at least 64k
-    elements named for a conversion (XLA fuses the slice of a layer's weight out of the scanned
-    stack with its bfloat16 -> float32 convert: "convert_bitcast_fusion")."""
+    elements named for a conversion (with layers stacked, as when this was first measured, XLA
+    fused the slice of a layer's weight with its bfloat16 -> float32 convert:
+    "convert_bitcast_fusion")."""
     from specjax.draft.draft_model import as_draft_model
     draft = as_draft_model(model)
     cache = sj.KVCache.init(draft.config, 1, CAPACITY).rollback(jnp.array([CONTEXT]))

@@ -5,8 +5,8 @@ grouped-query attention.
 
 Each layer has its own parameters (``layers/<i>/...``, as Hugging Face names them), not one
 array stacked over the layers: a layer loop over stacked weights (``nn.scan``) slices each
-layer's weights out of the stack, and XLA on CPU and GPU copies that slice at every step before
-the matrix product reads it, which made a decode step of the bundled target 1.7x as long
+layer's weights out of the stack, and XLA on CPU copies that slice at every step before the
+matrix product reads it, which made a decode step of the bundled target 1.09-1.25x as long
 (docs/performance.md#layer-weights). The layers are unrolled in the program instead.
 
 Parameter tree (names follow Hugging Face, kernels are [in, out]; i = 0 .. L-1)::

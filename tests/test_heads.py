@@ -358,3 +358,21 @@ def test_bench_runs_several_methods_against_one_baseline(target, draft, trained)
         assert np.isfinite(r["measured_over_predicted"]) and r["c"] != r["draft_cost_per_draft"]
     with pytest.raises(ValueError, match="needs a drafter"):
         run_bench(target, PROMPTS[:2], specs[2:], temperatures=(0.0,))
+
+
+def test_the_propose_timer_times_the_proposal(target, trained):
+    """timing.round_timers' propose program keeps the drafts live: a proposer whose state does
+    not change (Medusa, n-gram) is not compiled away (the program still multiplies by every head
+    and reads the history)."""
+    from specjax import timing
+    E, prompt = target.config.hidden_size, PROMPTS[3] * 3
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=16)
+    heads = trained["medusa"]
+    medusa = timing.round_timers(target, prompt, sampling=sampling, decoded=4, draft=heads,
+                                 spec=dict(method="medusa", num_speculative_tokens=3))
+    flops = medusa["propose"].executable.cost_analysis()["flops"]
+    assert flops >= heads.config.num_heads * 2 * E * E, flops
+    ngram = timing.round_timers(target, prompt, sampling=sampling, decoded=4,
+                                spec=dict(method="ngram", num_speculative_tokens=3))
+    cost = ngram["propose"].executable.cost_analysis()
+    assert cost["flops"] > 0 and cost["bytes accessed"] >= 4 * 256, cost  # the [1, S] history
