@@ -97,40 +97,39 @@ def _repeated(stage: str):
     ``generate``'s loop."""
     import dataclasses
 
-    from . import attention, engine
+    from . import engine
 
     def run(plan, target_params, draft_params, request, state):
-        with attention.blocks_of(plan.attention_block):
-            if stage == "propose":
-                keys, _ = engine.round_keys(request.keys, state.step)
-
-                def body(_, carry):
-                    draft_state, total = carry
-                    s = dataclasses.replace(state, draft_state=draft_state)
-                    draft, draft_state = engine._propose(plan, target_params, draft_params,
-                                                         request, s, keys)
-                    # The drafts (tokens, q, valid) feed the result: a proposer whose state
-                    # does not change (n-gram, Medusa) would otherwise be dead code.
-                    for x in jax.tree.leaves(draft):
-                        total = total + jnp.sum(x.astype(jnp.float32))
-                    return draft_state, total
-                return jax.lax.fori_loop(0, INNER, body,
-                                         (state.draft_state, jnp.zeros((), jnp.float32)))
+        if stage == "propose":
+            keys, _ = engine.round_keys(request.keys, state.step)
 
             def body(_, carry):
-                s, total = carry
-                out = engine.round_step(plan, target_params, draft_params, request, s)
-                # What the round decided feeds the result, so none of it is dead code.
-                for x in jax.tree.leaves((out.history, out.length, out.num_generated, out.done,
-                                          out.counters)):
-                    total = total + jnp.sum(x.astype(jnp.int32))
-                return dataclasses.replace(
-                    out, history=state.history, length=state.length,
-                    num_generated=state.num_generated, done=state.done,
-                    cache=out.cache.rollback(state.length), counters=state.counters,
-                    step=state.step), total
-            return jax.lax.fori_loop(0, INNER, body, (state, jnp.zeros((), jnp.int32)))
-    return jax.jit(run, static_argnums=0)
+                draft_state, total = carry
+                s = dataclasses.replace(state, draft_state=draft_state)
+                draft, draft_state = engine._propose(plan, target_params, draft_params,
+                                                     request, s, keys)
+                # The drafts (tokens, q, valid) feed the result: a proposer whose state
+                # does not change (n-gram, Medusa) would otherwise be dead code.
+                for x in jax.tree.leaves(draft):
+                    total = total + jnp.sum(x.astype(jnp.float32))
+                return draft_state, total
+            return jax.lax.fori_loop(0, INNER, body,
+                                     (state.draft_state, jnp.zeros((), jnp.float32)))
+
+        def body(_, carry):
+            s, total = carry
+            out = engine.round_step(plan, target_params, draft_params, request, s)
+            # What the round decided feeds the result, so none of it is dead code.
+            for x in jax.tree.leaves((out.history, out.length, out.num_generated, out.done,
+                                      out.counters)):
+                total = total + jnp.sum(x.astype(jnp.int32))
+            return dataclasses.replace(
+                out, history=state.history, length=state.length,
+                num_generated=state.num_generated, done=state.done,
+                cache=out.cache.rollback(state.length), counters=state.counters,
+                step=state.step), total
+        return jax.lax.fori_loop(0, INNER, body, (state, jnp.zeros((), jnp.int32)))
+    return jax.jit(engine._with_blocks(run), static_argnums=0)  # the plan's attention block
 
 
 _REPEATED = {stage: _repeated(stage) for stage in ("round", "propose")}
