@@ -72,18 +72,37 @@ class View:
     window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     dense_mask: Array | None = None  # [B, T, S]: the whole mask, computed once for every layer
     #   when attention is dense (``uses_dense``)
+    # False: the chunk is not written into the cache; its keys and values are passed to
+    # ``attend`` apart (``chunk=``), the cache is read for the history only (slots < length), and
+    # chunk_mask is [B, T, T] over the chunk alone. The caller writes them afterwards
+    # (``cache.write_chunk``): a write inside a ``lax.switch`` branch made XLA copy the whole cache.
+    chunk_in_cache: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @property
     def live(self) -> Array:
-        """[] int32: slots the longest row uses after the chunk is written."""
-        return jnp.max(self.length) + self.chunk_mask.shape[1]
+        """[] int32: slots the longest row uses after the chunk is written (not written: the
+        history's)."""
+        return jnp.max(self.length) + (self.chunk_mask.shape[1] if self.chunk_in_cache else 0)
 
     def mask(self, slots: Array) -> Array:
-        """[B, T, n] bool for the slot indices ``slots`` [n]."""
+        """[B, T, n] bool for the cache slot indices ``slots`` [n]."""
         from . import cache as kv
-        mask = kv.attention_mask(self.length, self.chunk_mask, slots)
+        if self.chunk_in_cache:
+            mask = kv.attention_mask(self.length, self.chunk_mask, slots)
+        else:  # the history alone
+            B, T = self.positions.shape
+            mask = jnp.broadcast_to((slots[None, :] < self.length[:, None])[:, None, :],
+                                    (B, T, slots.shape[0]))
         if self.window is not None:
             mask &= kv.window_mask(self.length, self.positions, slots, self.window)
+        return mask
+
+    def chunk_visible(self) -> Array:
+        """[B, T, T]: which of the chunk's own tokens each query sees, when the chunk is passed
+        apart from the cache (``chunk_in_cache=False``)."""
+        mask = self.chunk_mask
+        if self.window is not None:
+            mask &= (self.positions[:, :, None] - self.positions[:, None, :]) < self.window
         return mask
 
 
@@ -105,40 +124,49 @@ def dense(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return jnp.einsum("bkgts,bskd->btkgd", weights, _seen_values(v, mask))
 
 
+def _fold(carry, q: Array, k: Array, v: Array, mask: Array):
+    """One online-softmax step: (running peak, total, weighted values) with the keys k and
+    values v [B, n, K, D] folded in, of which each query sees those mask [B, T, n] allows."""
+    peak, total, acc = carry
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
+                        preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    visible = mask[:, None, None]
+    scores = jnp.where(visible, scores, _NEG)
+    new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+    weights = jnp.where(visible, jnp.exp(scores - new_peak[..., None]), 0.0)
+    carried = jnp.exp(peak - new_peak)
+    total = total * carried + jnp.sum(weights, axis=-1)
+    acc = acc * carried[..., None] + jnp.einsum(
+        "bkgts,bskd->bkgtd", weights.astype(q.dtype), _seen_values(v, mask),
+        preferred_element_type=jnp.float32)
+    return new_peak, total, acc
+
+
 def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
-            block: int) -> Array:
+            block: int, chunk: tuple[Array, Array] | None = None) -> Array:
     """Attention of q [B, T, K, G, D] over layer ``layer`` of k_all, v_all [L, B, S, K, D],
-    block by block up to ``view.live``. The last block is read ending at slot S when S is not a
-    multiple of ``block``; the slots it shares with the block before are masked out."""
+    block by block up to ``view.live``, then over ``chunk``'s keys and values [B, T, K, D] when
+    they are not in the cache. The last block is read ending at slot S when S is not a multiple
+    of ``block``; the slots it shares with the block before are masked out."""
     B, T, K, G, D = q.shape
     S = k_all.shape[2]
-    scale = D ** -0.5
 
     def body(i, carry):
-        peak, total, acc = carry
         first = i * block
         start = jnp.minimum(first, S - block)
         k = jax.lax.dynamic_slice(k_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
         v = jax.lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
         slots = start + jnp.arange(block, dtype=jnp.int32)
         mask = view.mask(slots) & (slots >= first)[None, None, :]  # [B, T, n]
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
-                            preferred_element_type=jnp.float32) * scale
-        visible = mask[:, None, None]
-        scores = jnp.where(visible, scores, _NEG)
-        new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
-        weights = jnp.where(visible, jnp.exp(scores - new_peak[..., None]), 0.0)
-        carried = jnp.exp(peak - new_peak)
-        total = total * carried + jnp.sum(weights, axis=-1)
-        acc = acc * carried[..., None] + jnp.einsum(
-            "bkgts,bskd->bkgtd", weights.astype(q.dtype), _seen_values(v, mask),
-            preferred_element_type=jnp.float32)
-        return new_peak, total, acc
+        return _fold(carry, q, k, v, mask)
 
     blocks = (view.live + block - 1) // block
     init = (jnp.full((B, K, G, T), _NEG, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, D), jnp.float32))
-    _, total, acc = jax.lax.fori_loop(0, blocks, body, init)
+    carry = jax.lax.fori_loop(0, blocks, body, init)
+    if chunk is not None:
+        carry = _fold(carry, q, *chunk, view.chunk_visible())
+    _, total, acc = carry
     # a query sees at least its own slot, unless it is padding written past the capacity (a
     # prefill's last chunk) under a sliding window: its output is never read, but keep it finite
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
@@ -152,15 +180,22 @@ def uses_dense(capacity: int, T: int, block: int) -> bool:
 
 
 def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
-           block: int) -> Array:
+           block: int, chunk: tuple[Array, Array] | None = None) -> Array:
     """q [B, T, K, G, D] over layer ``layer`` of the cache k_all, v_all [L, B, S, K, D] (the
-    chunk already written), by ``view``; dense when ``uses_dense``."""
+    chunk already written, or passed as ``chunk`` = its keys and values [B, T, K, D] when
+    ``view.chunk_in_cache`` is False), by ``view``; dense when ``uses_dense``."""
     S, T = k_all.shape[2], q.shape[1]
+    if (chunk is None) != view.chunk_in_cache:
+        raise ValueError("pass the chunk's keys and values exactly when the view says they are "
+                         "not in the cache")
     if uses_dense(S, T, block):
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
         mask = view.dense_mask
         if mask is None:
             mask = view.mask(jnp.arange(S, dtype=jnp.int32))
+        if chunk is not None:
+            k, v = (jnp.concatenate([x, c.astype(x.dtype)], axis=1) for x, c in zip((k, v), chunk))
+            mask = jnp.concatenate([mask, view.chunk_visible()], axis=2)
         return dense(q, k, v, mask)
-    return blocked(q, k_all, v_all, layer, view, block)
+    return blocked(q, k_all, v_all, layer, view, block, chunk)

@@ -54,6 +54,15 @@ def write_layer(buffer: Array, layer: Array, new: Array, start: Array) -> Array:
     return _write_rows(buffer, new, start, layer)
 
 
+def write_chunk(cache: KVCache, k: Array, v: Array) -> KVCache:
+    """Write a chunk's keys and values k, v [L, B, T, K, D] (``model.forward(write=False)``) at
+    each row's length, every layer; the returned cache has length + T."""
+    for layer in range(k.shape[0]):
+        cache = dataclasses.replace(cache, k=write_layer(cache.k, layer, k[layer], cache.length),
+                                    v=write_layer(cache.v, layer, v[layer], cache.length))
+    return cache.rollback(cache.length + k.shape[2])
+
+
 def _write_rows(buffer: Array, new: Array, start: Array, layer: Array | None) -> Array:
     """buffer [(L,) B, S, ...] with row b's slots start[b] .. start[b] + T - 1 (of layer
     ``layer`` when given) set to new [B, T, ...]; slots past S dropped.

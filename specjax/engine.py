@@ -182,19 +182,25 @@ def _propose(plan: Plan, target_params, draft_params, request: Request, state: L
 
 
 def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
-                  chunk: Array, draft: draft_base.Draft, keys: Array, T: int):
+                  chunk: Array, draft: draft_base.Draft, keys: Array, T: int,
+                  write: bool = True):
     """Feed [last, d_1 .. d_{T-1}] (T static) and verify those drafts.
 
     Returns the verdict (tokens padded to γ + 1), the cache, and the target's hidden states
-    padded to [B, γ + 1, E] (None unless the proposer rides on the target)."""
+    padded to [B, γ + 1, E] (None unless the proposer rides on the target). ``write=False``:
+    in place of the cache, the chunk's keys and values padded to [L, B, γ + 1, K, D], unwritten
+    (``model.forward``)."""
     G = plan.gamma
     positions = state.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     logits, hidden, cache = forward(target, chunk[:, :T], positions,
-                                    state.cache.rollback(state.length))
+                                    state.cache.rollback(state.length), write=write)
+    if not write:  # padded: every branch of a switch returns the same shapes
+        cache = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, G + 1 - T), (0, 0), (0, 0)))
+                      for x in cache)
     drafts = draft.tokens[:, :T - 1]
     valid = None if draft.valid is None else draft.valid[:, :T - 1]
     if plan.filters.greedy:  # one-hot p: the same verdict from argmaxes alone
-        verdict = verify.greedy_verdict(drafts, jnp.argmax(logits, axis=-1), valid)
+        verdict = verify.greedy_verdict(drafts, sampling_lib.argmax(logits), valid)
     else:
         target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
         verdict = verify.rejection_sample(
@@ -209,11 +215,17 @@ def _verify_chain_any_length(plan: Plan, target: Model, request: Request, state:
                              chunk: Array, draft: draft_base.Draft, keys: Array):
     """Per-row draft lengths (``Draft.valid``, e.g. n-gram lookup): feed only as many drafts as
     the longest row proposed, so rounds without a match cost one decode step, not a γ + 1 verify.
-    One branch per length, all with static shapes; the choice is made on the device."""
+    One branch per length, all with static shapes; the choice is made on the device.
+
+    The branches only read the cache; the chunk's keys and values are written after the switch
+    (γ + 1 slots, those past the chunk garbage past the length). Written inside, XLA copied the
+    whole cache two to four times a round (experiments/round_profile.py)."""
     proposed = jnp.where(state.done, 0, jnp.sum(draft.valid, axis=1, dtype=jnp.int32))
-    branches = [lambda T=T: _verify_chain(plan, target, request, state, chunk, draft, keys, T)
+    branches = [lambda T=T: _verify_chain(plan, target, request, state, chunk, draft, keys, T,
+                                          write=False)
                 for T in range(1, plan.gamma + 2)]
-    return jax.lax.switch(jnp.max(proposed), branches)
+    verdict, (k, v), hidden = jax.lax.switch(jnp.max(proposed), branches)
+    return verdict, kv.write_chunk(state.cache.rollback(state.length), k, v), hidden
 
 
 def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, chunk: Array,
@@ -260,19 +272,24 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
     """One speculative round (γ = 0: one autoregressive step) for every row."""
     B = state.length.shape[0]
     draft_keys, verify_keys = round_keys(request.keys, state.step)
-    draft, draft_state = _propose(plan, target_params, draft_params, request, state, draft_keys)
+    # The named scopes label each part's operations in profiles (experiments/round_profile.py).
+    with jax.named_scope("propose"):
+        draft, draft_state = _propose(plan, target_params, draft_params, request, state,
+                                      draft_keys)
     last = state.history[jnp.arange(B), state.length]
     chunk = jnp.concatenate([last[:, None], draft.tokens], axis=1)  # [B, G+1] (tree: [B, N])
     target = Model(plan.target, target_params)
     args = (plan, target, request, state, chunk, draft, verify_keys)
-    if plan.tree is not None:
-        verdict, cache, hidden, draft_state = _verify_tree(*args, draft_state)
-    elif draft.valid is None:
-        verdict, cache, hidden = _verify_chain(*args, plan.gamma + 1)
-    else:
-        verdict, cache, hidden = _verify_chain_any_length(*args)
+    with jax.named_scope("verify"):
+        if plan.tree is not None:
+            verdict, cache, hidden, draft_state = _verify_tree(*args, draft_state)
+        elif draft.valid is None:
+            verdict, cache, hidden = _verify_chain(*args, plan.gamma + 1)
+        else:
+            verdict, cache, hidden = _verify_chain_any_length(*args)
     if plan.rides:
-        draft_state = plan.proposer.observe(draft_state, state.length, hidden)
+        with jax.named_scope("observe"):
+            draft_state = plan.proposer.observe(draft_state, state.length, hidden)
     num_proposed = (jnp.full((B,), plan.gamma, jnp.int32) if draft.valid is None
                     else jnp.sum(draft.valid, axis=1, dtype=jnp.int32))
     n_emit, hit_eos, history = _emit(state, verdict.tokens, verdict.num_accepted, request)

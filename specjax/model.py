@@ -125,15 +125,20 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Written in place into the whole cache [L, B, S, K, D]: carried through the layers, the
-        # cache is never copied, so a step costs nothing per unused slot.
-        k_all = kv.write_layer(k_all, layer, k, view.length)
-        v_all = kv.write_layer(v_all, layer, v, view.length)
+        chunk = None
+        if view.chunk_in_cache:
+            # Written in place into the whole cache [L, B, S, K, D]: carried through the layers,
+            # the cache is never copied, so a step costs nothing per unused slot.
+            k_all = kv.write_layer(k_all, layer, k, view.length)
+            v_all = kv.write_layer(v_all, layer, v, view.length)
+        else:  # the caller writes them (cache.write_chunk)
+            chunk = (k.astype(k_all.dtype), v.astype(v_all.dtype))
         # Query heads grouped by the kv head they share: g indexes the H/K heads of a group.
-        out = attention.attend(q.reshape(B, T, K, H // K, D), k_all, v_all, layer, view, block)
+        out = attention.attend(q.reshape(B, T, K, H // K, D), k_all, v_all, layer, view, block,
+                               chunk)
         out = _dense(cfg, self.init_std, cfg.hidden_size, "o_proj", bias=cfg.o_proj_bias)(
             out.reshape(B, T, H * D))
-        return out, k_all, v_all
+        return out, k_all, v_all, chunk
 
 
 class MLP(nn.Module):
@@ -150,7 +155,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One layer: carry (x [B, T, E], k_all, v_all [L, B, S, K, D]), ``layer`` its index."""
+    """One layer: carry (x [B, T, E], k_all, v_all [L, B, S, K, D]), ``layer`` its index.
+    Also returns the chunk's keys and values [B, T, K, D] when the view leaves them out of the
+    cache (else None)."""
 
     config: ModelConfig
     init_std: float
@@ -162,12 +169,12 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        a, k_all, v_all = Attention(cfg, self.init_std, name="self_attn")(
+        a, k_all, v_all, chunk = Attention(cfg, self.init_std, name="self_attn")(
             h, cos, sin, view, k_all, v_all, layer, self.block)
         x = x + a
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
         x = x + MLP(cfg, self.init_std, name="mlp")(h)
-        return (x, k_all, v_all), None
+        return (x, k_all, v_all), chunk
 
 
 class Layers(nn.Module):
@@ -179,16 +186,20 @@ class Layers(nn.Module):
 
     @nn.compact
     def __call__(self, carry, cos, sin, view):
+        chunks = []
         for i in range(self.config.num_hidden_layers):
-            carry, _ = DecoderLayer(self.config, self.init_std, self.block, name=str(i))(
+            carry, chunk = DecoderLayer(self.config, self.init_std, self.block, name=str(i))(
                 carry, i, cos, sin, view)
-        return carry
+            chunks.append(chunk)
+        return carry, (None if chunks[0] is None else jax.tree.map(lambda *c: jnp.stack(c),
+                                                                   *chunks))
 
 
 class Decoder(nn.Module):
     """tokens [B, T] -> logits [B, T, V] (float32), hidden [B, T, E], updated k, v [L, B, S, K,
-    D]. ``stacked``: the layers as one ``nn.scan`` over weights stacked on a leading [L] axis,
-    used only by ``init_model`` (so a seed draws the same weights as in specjax 0.1)."""
+    D] (a view with ``chunk_in_cache=False``: the chunk's own k, v [L, B, T, K, D]).
+    ``stacked``: the layers as one ``nn.scan`` over weights stacked on a leading [L] axis, used
+    only by ``init_model`` (so a seed draws the same weights as in specjax 0.1)."""
 
     config: ModelConfig
     init_std: float = 0.02
@@ -208,10 +219,13 @@ class Decoder(nn.Module):
                 DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_hidden_layers)(cfg, self.init_std, self.block, name="layers")
-            (x, k, v), _ = layers((x, k, v), jnp.arange(cfg.num_hidden_layers), cos, sin, view)
+            (x, k, v), chunks = layers((x, k, v), jnp.arange(cfg.num_hidden_layers), cos, sin,
+                                       view)
         else:
-            x, k, v = Layers(cfg, self.init_std, self.block, name="layers")(
+            (x, k, v), chunks = Layers(cfg, self.init_std, self.block, name="layers")(
                 (x, k, v), cos, sin, view)
+        if chunks is not None:  # the chunk's keys and values, [L, B, T, K, D], for the caller
+            k, v = chunks
         hidden = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = embed.attend(hidden)
@@ -237,14 +251,18 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
 
 
 def view(cache: KVCache, positions: Array, chunk_mask: Array | None, window: int | None,
-         block: int = attention.BLOCK) -> attention.View:
+         block: int = attention.BLOCK, write: bool = True) -> attention.View:
     """What a chunk of T tokens at ``positions`` [B, T], written at cache.length, may see (with
-    the whole mask computed once, outside the layers, when attention is dense)."""
+    the whole mask computed once, outside the layers, when attention is dense). ``write=False``:
+    the chunk is not written (``attention.View.chunk_in_cache``); chunk_mask must be [T, T]."""
     B, T = positions.shape
     if chunk_mask is None:
         chunk_mask = kv.causal_mask(T)
+    if not write and chunk_mask.shape[-1] != T:
+        raise ValueError(f"a chunk kept out of the cache sees only itself: its mask must be "
+                         f"[T, T], got {chunk_mask.shape} for T = {T}")
     chunk_mask = jnp.broadcast_to(chunk_mask, (B,) + chunk_mask.shape[-2:])
-    out = attention.View(cache.length, chunk_mask, positions, window)
+    out = attention.View(cache.length, chunk_mask, positions, window, chunk_in_cache=write)
     if attention.uses_dense(cache.capacity, T, block):
         out = dataclasses.replace(out, dense_mask=out.mask(jnp.arange(cache.capacity)))
     return out
@@ -265,7 +283,7 @@ def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model
 
 
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
-            chunk_mask: Array | None = None, *, block: int | None = None
+            chunk_mask: Array | None = None, *, block: int | None = None, write: bool = True
             ) -> tuple[Array, Array, KVCache]:
     """Run a chunk of T tokens through the model, reading and extending the cache.
 
@@ -279,19 +297,26 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
     the live length, not the capacity (None: ``attention.current_block()``).
 
     Returns logits [B, T, V] float32, final-norm hidden states [B, T, E], and the new cache.
+
+    ``write=False`` leaves the cache untouched and returns, in its place, the chunk's keys and
+    values (k, v) [L, B, T, K, D] for ``cache.write_chunk``: attention reads the history from the
+    cache and the chunk from them (chunk_mask then [T, T] or [B, T, T]). Inside a ``lax.switch``
+    branch, writing the cache made XLA copy all of it, in every round.
     """
     block = attention.current_block() if block is None else block
-    return _forward(model, tokens, positions, cache, chunk_mask, block=block)
+    return _forward(model, tokens, positions, cache, chunk_mask, block=block, write=write)
 
 
-@functools.partial(jax.jit, static_argnames="block")
+@functools.partial(jax.jit, static_argnames=("block", "write"))
 def _forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
-             chunk_mask: Array | None, *, block: int) -> tuple[Array, Array, KVCache]:
+             chunk_mask: Array | None, *, block: int, write: bool = True
+             ) -> tuple[Array, Array, KVCache | tuple[Array, Array]]:
     T = tokens.shape[1]
     logits, hidden, k, v = Decoder(model.config, block=block).apply(
         {"params": model.params}, tokens,
-        view(cache, positions, chunk_mask, model.config.sliding_window, block), cache.k, cache.v)
-    return logits, hidden, KVCache(k, v, cache.length + T)
+        view(cache, positions, chunk_mask, model.config.sliding_window, block, write),
+        cache.k, cache.v)
+    return logits, hidden, (KVCache(k, v, cache.length + T) if write else (k, v))
 
 
 def prefill(model: Model, tokens: Array, cache: KVCache | None = None

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from . import sampling
 from .cache import KVCache
 
 INNER = 16  # forwards per timed call: one dispatch is amortised, as inside the decode loop
@@ -27,7 +28,7 @@ def _chunks(draft, tokens, cache: KVCache):
     def body(_, carry):  # the cache is carried, so its writes happen in place as in generate
         tokens, c = carry
         logits, c = draft.logits(tokens, positions, c)  # a draft's own vocabulary
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), c.rollback(cache.length)
+        return sampling.argmax(logits), c.rollback(cache.length)
     return jax.lax.fori_loop(0, INNER, body, (tokens, cache))[0]
 
 

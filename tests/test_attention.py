@@ -160,3 +160,56 @@ def test_chunked_prefill_equals_one_forward(window, block):
                                        atol=2e-5)
             np.testing.assert_allclose(np.asarray(hidden[b, :len(r)]),
                                        np.asarray(want_hidden[0]), atol=2e-5)
+
+
+def _chunk_apart_mismatch(window, block) -> float:
+    """The largest difference between a chunk's forward written into the cache and the same
+    chunk kept out of it (``write=False``, written after by ``cache.write_chunk``): logits,
+    and every cache slot up to the chunk's end. Rows of different lengths; 0 when equal."""
+    model = tiny_model(seed=7, sliding_window=window)
+    B, S, T = 2, 24, 4
+    rows = [list(range(3, 16)), [5, 9, 2]]  # lengths 13 and 3
+    lengths = jnp.array([len(r) for r in rows])
+    prompts = jnp.array([r + [0] * (16 - len(r)) for r in rows])
+    chunk = jax.random.randint(jax.random.key(2), (B, T), 0, model.config.vocab_size)
+    positions = lengths[:, None] + jnp.arange(T)[None, :]
+    with attention.blocks_of(block):
+        _, _, cache = sj.model.prefill_chunked(model, prompts, lengths,
+                                               sj.KVCache.init(model.config, B, S), 5)
+        want, want_hidden, written = sj.forward(model, chunk, positions, cache)
+        got, got_hidden, (k, v) = sj.forward(model, chunk, positions, cache, write=False)
+    after = sj.cache.write_chunk(cache, k, v)
+    worst = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in ((got, want), (got_hidden, want_hidden)))
+    assert list(np.asarray(after.length)) == list(np.asarray(written.length))
+    for b in range(B):
+        end = int(lengths[b]) + T
+        for x, y in ((after.k, written.k), (after.v, written.v)):
+            worst = max(worst, float(np.max(np.abs(np.asarray(x[:, b, :end]) -
+                                                   np.asarray(y[:, b, :end])))))
+    return worst
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("block", [256, 4], ids=["dense", "blocked"])
+def test_a_chunk_kept_out_of_the_cache_gives_the_same_forward(window, block):
+    """What a switch over verify widths runs (engine._verify_chain_any_length): the history
+    read from the cache, the chunk from its own keys and values, written afterwards."""
+    assert _chunk_apart_mismatch(window, block) < 2e-5
+
+
+@pytest.mark.parametrize("block", [256, 4], ids=["dense", "blocked"])
+def test_the_comparison_catches_a_chunk_that_sees_its_future(monkeypatch, fresh_programs,
+                                                             block):
+    """A chunk kept apart whose tokens see the whole chunk (no causal mask among them) fails."""
+    monkeypatch.setattr(attention.View, "chunk_visible",
+                        lambda self: jnp.ones_like(self.chunk_mask))
+    assert _chunk_apart_mismatch(None, block) > 1e-3
+
+
+def test_a_chunk_kept_apart_must_see_only_itself():
+    model = tiny_model(seed=7)
+    cache = sj.KVCache.init(model.config, 1, 16)
+    with pytest.raises(ValueError, match=r"\[T, T\]"):
+        sj.forward(model, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), cache,
+                   jnp.ones((2, 3), bool), write=False)

@@ -86,3 +86,39 @@ def test_sample_draws_from_the_distribution_with_per_row_keys():
     np.testing.assert_allclose(freq, probs, atol=0.015)
     again = np.asarray(sampling.sample(keys[:5], jnp.broadcast_to(probs, (5, 4))))
     np.testing.assert_array_equal(again, draws[:5])  # a row's draw depends only on its key
+
+
+def _argmax_mismatches(argmax) -> list[str]:
+    """Where ``argmax`` disagrees with numpy's first-maximum argmax: random logits, many ties
+    (small integers), rows that are all -inf, NaN anywhere, bfloat16, leading batch axes."""
+    rng = np.random.default_rng(0)
+    cases = {
+        "normal": rng.normal(size=(3, 5, 8192)).astype(np.float32),
+        "ties": rng.integers(0, 3, size=(64, 17)).astype(np.float32),
+        "all -inf": np.full((2, 9), -np.inf, np.float32),
+        "-inf and one finite": np.where(np.arange(9) == 6, 0.5, -np.inf)[None].astype(np.float32),
+    }
+    nan = rng.normal(size=(6, 11)).astype(np.float32)
+    nan[1, 4] = nan[1, 7] = nan[3, 0] = np.nan
+    cases["nan"] = nan
+    bad = []
+    for name, x in cases.items():
+        if not np.array_equal(np.asarray(argmax(jnp.asarray(x))), np.argmax(x, axis=-1)):
+            bad.append(name)
+    x = rng.integers(0, 4, size=(8, 33)).astype(np.float32)
+    got = argmax(jnp.asarray(x, jnp.bfloat16))
+    if got.dtype != jnp.int32 or not np.array_equal(np.asarray(got), np.argmax(x, axis=-1)):
+        bad.append("bfloat16")
+    return bad
+
+
+def test_argmax_is_the_first_maximum_as_numpy_gives_it():
+    assert _argmax_mismatches(sampling.argmax) == []
+
+
+@pytest.mark.parametrize("broken", [
+    lambda x: x.shape[-1] - 1 - jnp.argmax(x[..., ::-1], axis=-1),  # the last maximum
+    lambda x: jnp.argmax(jnp.nan_to_num(x, nan=-jnp.inf), axis=-1),  # NaN never wins
+])
+def test_the_argmax_check_catches_broken_variants(broken):
+    assert _argmax_mismatches(broken)

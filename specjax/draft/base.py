@@ -139,7 +139,7 @@ def draw(logits: Array, key: Array, sampling_params: SamplingArrays, filters: Fi
     was drawn from, with the request's own temperature, top-k and top-p. Greedy calls propose the
     argmax as a point mass (q would be one-hot anyway), skipping the softmax and the draw."""
     if filters.greedy:
-        index = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        index = sampling.argmax(logits)
         q = None
     else:
         q = sampling.process_logits(logits, sampling_params, filters)  # [B, M]

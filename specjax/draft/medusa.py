@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax import Array
 
 from .. import sampling
@@ -47,7 +46,7 @@ class MedusaProposer(RiderProposer):
         vocab = p["vocab"]
         logits = vocab.logits(heads)  # [B, d, M]
         if self.tree is None:
-            return Draft(vocab.token_ids(jnp.argmax(logits, axis=-1)), None), state
+            return Draft(vocab.token_ids(sampling.argmax(logits)), None), state
         tree = self.tree
         width = int(tree.children.shape[1])
         ranked = jax.lax.top_k(logits, width)[1]  # [B, d, width]
