@@ -4,17 +4,21 @@ the machine hits both alike.
 
     python experiments/ab_commits.py d3de7ca                 # that commit against the work tree
     python experiments/ab_commits.py d3de7ca --methods ar,ngram --prompts 6 --repeats 7
+    python experiments/ab_commits.py 4ec6d03 --methods ar,draft_model,eagle --temperature 0.8 \
+        --tree '[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]'
 
 The older package is extracted with ``git archive`` into a temporary folder and imported as
 ``specjax_old`` (specjax imports itself relatively, so the copy runs its own code). Prints each
 method's decode time (the sum over the prompts, median of the repeats), new ÷ old, whether the
-last repeat gave the same tokens, and both commits' speed-ups over their own autoregressive run.
+last repeat gave the same tokens, tokens accepted per round, and both commits' speed-ups over
+their own autoregressive run (prompt i uses key i, in both).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import pathlib
 import statistics
 import subprocess
@@ -36,19 +40,22 @@ def setup(sj, num_prompts: int):
     return target, drafts, prompts
 
 
-def runner(sj, target, drafts, prompts, method: str, gamma: int, max_new_tokens: int):
-    spec = None if method == "ar" else sj.SpecConfig(method=method,
-                                                      num_speculative_tokens=gamma)
-    sampling = sj.SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+def runner(sj, target, drafts, prompts, method: str, gamma: int, max_new_tokens: int,
+           temperature: float, tree):
+    spec = None if method == "ar" else sj.SpecConfig(
+        method=method, **(dict(tree=tree) if tree else dict(num_speculative_tokens=gamma)))
+    sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
 
     def run():
-        seconds, tokens = 0.0, []
-        for p in prompts:
+        seconds, tokens, accepted, rounds = 0.0, [], 0, 0
+        for i, p in enumerate(prompts):
             out = sj.generate(target, [p], sampling=sampling, spec=spec,
-                              draft=drafts.get(method))
+                              draft=drafts.get(method), key=i)
             seconds += out.stats.decode_seconds
             tokens.append(out.tokens.tolist())
-        return seconds, tokens
+            accepted += out.stats.accepted_tokens
+            rounds += out.stats.num_rounds
+        return seconds, tokens, accepted / max(rounds, 1)
     return run
 
 
@@ -60,7 +67,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="the first N bench prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--tree", type=json.loads, default=None,
+                    help="a static tree for every method, e.g. '[[0],[1],[0,0]]'")
     args = ap.parse_args()
+    tree = None if args.tree is None else tuple(tuple(p) for p in args.tree)
     methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.old, "specjax"],
@@ -76,22 +87,24 @@ def main() -> None:
             target, drafts, prompts = setup(sj, args.prompts)
             for m in methods:
                 runs[(name, m)] = runner(sj, target, drafts, prompts, m, args.gamma,
-                                         args.max_new_tokens)
+                                         args.max_new_tokens, args.temperature, tree)
                 runs[(name, m)]()  # compile
         times = {k: [] for k in runs}
-        tokens = {}
+        tokens, accepted = {}, {}
         for _ in range(args.repeats):
             for k, run in runs.items():
-                seconds, tokens[k] = run()
+                seconds, tokens[k], accepted[k] = run()
                 times[k].append(seconds)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.prompts} bench prompts x {args.max_new_tokens} greedy tokens, gamma "
-          f"{args.gamma}, median of {args.repeats} interleaved repeats; old = {args.old}")
+    print(f"{args.prompts} bench prompts x {args.max_new_tokens} tokens at T = "
+          f"{args.temperature}, {f'tree {args.tree}' if tree else f'gamma {args.gamma}'}, "
+          f"median of {args.repeats} interleaved repeats; old = {args.old}")
     for m in methods:
         o, n = med[("old", m)], med[("new", m)]
         same = tokens[("old", m)] == tokens[("new", m)]
         print(f"  {m:12s} old {1e3 * o:8.1f} ms  new {1e3 * n:8.1f} ms  new/old {n / o:.3f}"
-              f"  same tokens: {same}")
+              f"  same tokens: {same}  accepted per round old {accepted[('old', m)]:.2f} "
+              f"new {accepted[('new', m)]:.2f}")
     if "ar" in methods:
         for name in ("old", "new"):
             ups = {m: round(med[(name, "ar")] / med[(name, m)], 2) for m in methods if m != "ar"}

@@ -238,7 +238,7 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
     logits, hidden, cache = forward(target, chunk, positions, state.cache.rollback(state.length),
                                     chunk_mask=jnp.asarray(tree.ancestors))
     target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
-    verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid)
+    verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid, draft.probs)
     cache = kv.compact(cache, state.length, verdict.path, verdict.num_accepted)
     if hasattr(plan.proposer, "commit"):  # a proposer with a cache of its own compacts it too
         draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,

@@ -123,3 +123,15 @@ def sample(keys: Array, probs: Array) -> Array:
     index = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
     # u * total can round up to total in float32 (probability ~1e-8): take the likeliest token.
     return jnp.where(index < V, index, argmax(probs)).astype(jnp.int32)
+
+
+def sample_many(keys: Array, probs: Array, count: int) -> Array:
+    """``count`` independent draws from each distribution: keys [B] (one per row), probs
+    [B, n, V] -> tokens [B, n, count] int32. Inverse-CDF as ``sample``, one uniform per draw;
+    a zero-probability token is never drawn."""
+    B, n, V = probs.shape
+    u = jax.vmap(lambda k: jax.random.uniform(k, (n, count)))(keys)  # [B, n, count]
+    cdf = jnp.cumsum(probs, axis=-1)  # [B, n, V]
+    index = jnp.sum(cdf[:, :, None, :] <= (u * cdf[:, :, -1:])[..., None], axis=-1)
+    fallback = argmax(probs)[:, :, None]  # u * total rounded up to total (see ``sample``)
+    return jnp.where(index < V, index, fallback).astype(jnp.int32)

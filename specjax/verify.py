@@ -161,18 +161,48 @@ def sibling_probs(p: Array, child_tokens: Array, child_valid: Array) -> tuple[Ar
     return jnp.stack(accept, axis=1), p
 
 
+def sampled_sibling_probs(p: Array, q: Array, child_tokens: Array, child_valid: Array
+                          ) -> tuple[Array, Array]:
+    """The multi-draft rule at one node (SpecInfer): children drawn independently from the
+    draft's q [B, V], tried in order against the target's p [B, V].
+
+    Child c (reached only if children 0..c-1 were rejected) is accepted with probability
+    min(1, p_c(x_c) / q(x_c)), where p_0 = p and each rejection leaves p_{c+1} = norm(max(p_c -
+    q, 0)). Returns (accept [B, C], residual [B, V]) as ``sibling_probs`` does. Each step is the
+    chain's rule with target p_c: the token it passes on is p_c-distributed given that it was
+    reached, so the node's output is distributed as p. Invalid children are skipped (accept 0,
+    residual unchanged)."""
+    accept = []
+    for c in range(child_tokens.shape[1]):
+        tok, ok = child_tokens[:, c], child_valid[:, c]
+        p_x = jnp.take_along_axis(p, tok[:, None], axis=1)[:, 0]
+        q_x = jnp.take_along_axis(q, tok[:, None], axis=1)[:, 0]
+        ratio = jnp.where(q_x > 0, p_x / jnp.where(q_x > 0, q_x, 1.0), 1.0)
+        accept.append(jnp.where(ok, jnp.minimum(1.0, ratio), 0.0))
+        rest = jnp.maximum(p - q, 0.0)
+        mass = jnp.sum(rest, axis=-1, keepdims=True)
+        # mass 0: p <= q everywhere, so p == q and the child was accepted for sure
+        p = jnp.where(ok[:, None] & (mass > 0), rest / jnp.where(mass > 0, mass, 1.0), p)
+    if not accept:  # a leaf
+        return jnp.zeros(child_tokens.shape, p.dtype), p
+    return jnp.stack(accept, axis=1), p
+
+
 def tree_sample(keys: Array, tree, draft_tokens: Array, target_probs: Array,
-                valid: Array | None = None) -> Verdict:
-    """One verification round for a batch of trees (point-mass drafts: deterministic candidates).
+                valid: Array | None = None, draft_probs: Array | None = None) -> Verdict:
+    """One verification round for a batch of trees.
 
     tree: a specjax.tree.Tree with N nodes (static); draft_tokens [B, N-1], the tokens of nodes
     1 .. N-1; target_probs [B, N, V], the processed target distribution after each node (node 0 is
     the root, the row's last token); valid [B, N-1] or None: nodes a proposer did not fill are
-    never accepted. From the root, each depth tries the current node's children (``sibling_probs``)
-    and moves to the accepted one; the round stops at the first node whose children are all
-    rejected, drawing the row's last token from that node's residual, or at a leaf, drawing the
-    bonus token from its p. Greedy rows (one-hot p) follow the longest path that matches the
-    target's argmax. Returns tokens [B, D+1], num_accepted [B] and the accepted nodes path [B, D].
+    never accepted; draft_probs [B, N, V] or None: row i the distribution node i's children were
+    drawn from independently (multi-draft, ``sampled_sibling_probs``), None for point masses
+    (deterministic candidates, ``sibling_probs``). From the root, each depth tries the current
+    node's children and moves to the accepted one; the round stops at the first node whose
+    children are all rejected, drawing the row's last token from that node's residual, or at a
+    leaf, drawing the bonus token from its p. Greedy rows (one-hot p) follow the longest path
+    that matches the target's argmax. Returns tokens [B, D+1], num_accepted [B] and the accepted
+    nodes path [B, D].
     """
     B = draft_tokens.shape[0]
     D = tree.depth
@@ -194,8 +224,12 @@ def tree_sample(keys: Array, tree, draft_tokens: Array, target_probs: Array,
         kids = children[node]  # [B, C]
         safe = jnp.maximum(kids, 0)
         kid_ok = (kids >= 0) & ok[rows[:, None], safe]
-        accept, residual = sibling_probs(target_probs[rows, node], tokens[rows[:, None], safe],
-                                         kid_ok)
+        kid_tokens = tokens[rows[:, None], safe]
+        if draft_probs is None:
+            accept, residual = sibling_probs(target_probs[rows, node], kid_tokens, kid_ok)
+        else:
+            accept, residual = sampled_sibling_probs(target_probs[rows, node],
+                                                     draft_probs[rows, node], kid_tokens, kid_ok)
         hit = u[:, d] < accept  # [B, C]; accept is 0 for invalid children
         first = jnp.argmax(hit, axis=1)
         moved = alive & jnp.any(hit, axis=1)

@@ -122,3 +122,18 @@ def test_argmax_is_the_first_maximum_as_numpy_gives_it():
 ])
 def test_the_argmax_check_catches_broken_variants(broken):
     assert _argmax_mismatches(broken)
+
+
+def test_sample_many_draws_independently_from_each_distribution():
+    probs = jnp.array([[[0.1, 0.6, 0.0, 0.3], [0.5, 0.0, 0.5, 0.0]]])  # [1, 2, 4]
+    N = 8000
+    keys = jax.random.split(jax.random.key(9), N)
+    draws = np.asarray(sampling.sample_many(keys, jnp.broadcast_to(probs, (N, 2, 4)), 3))
+    assert draws.shape == (N, 2, 3) and draws.dtype == np.int32
+    for node in range(2):
+        freq = np.bincount(draws[:, node].ravel(), minlength=4) / (3 * N)
+        np.testing.assert_allclose(freq, probs[0, node], atol=0.015)
+        assert (freq[np.asarray(probs[0, node]) == 0] == 0).all()  # zeros never drawn
+    # the three draws of a node are independent: pairs follow the product distribution
+    pairs = np.bincount(draws[:, 0, 0] * 4 + draws[:, 0, 1], minlength=16) / N
+    np.testing.assert_allclose(pairs, np.outer(probs[0, 0], probs[0, 0]).ravel(), atol=0.015)

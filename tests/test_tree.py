@@ -224,6 +224,83 @@ def test_keeping_rejected_siblings_breaks_the_enumeration(monkeypatch):
     assert max(abs(joint.get(s, 0.0) - prob) for s, prob in want.items()) > 1e-2
 
 
+def draft_conditional(prefix, V):
+    """A drafter's distribution after each prefix: near the target's but not equal, and zero on
+    one token (a draft vocabulary's gap) where the prefix is long enough."""
+    rng = np.random.default_rng(zlib.crc32(repr(("draft",) + tuple(prefix)).encode()))
+    q = conditional(prefix, V) * np.exp(rng.normal(size=V) * 0.7)
+    if len(prefix) >= 1:
+        q[(sum(prefix) + 1) % V] = 0.0
+    return q / q.sum()
+
+
+def exact_outcomes_sampled(tree, V, rule):
+    """P(emitted sequence) for one round of the multi-draft rule: every node's children are
+    independent draws from the drafter's q after the node, enumerated with their probabilities."""
+    rule = jax.jit(rule)
+    out = {}
+
+    def walk(node, prefix, prob):
+        kids = [k for k in tree.children[node] if k >= 0]
+        p, q = conditional(prefix, V), draft_conditional(prefix, V)
+        if not kids:
+            for x in range(V):
+                out[prefix + (x,)] = out.get(prefix + (x,), 0.0) + prob * p[x]
+            return
+        for combo in itertools.product(range(V), repeat=len(kids)):
+            reach = prob * np.prod([q[x] for x in combo])
+            if reach == 0:
+                continue
+            accept, residual = rule(jnp.asarray(p[None], jnp.float32),
+                                    jnp.asarray(q[None], jnp.float32),
+                                    jnp.asarray([combo], jnp.int32),
+                                    jnp.ones((1, len(kids)), bool))
+            accept, residual = np.asarray(accept[0], np.float64), np.asarray(residual[0],
+                                                                              np.float64)
+            for c, k in enumerate(kids):
+                walk(k, prefix + (combo[c],), reach * accept[c])
+                reach *= 1 - accept[c]
+            for x in range(V):
+                out[prefix + (x,)] = out.get(prefix + (x,), 0.0) + reach * residual[x]
+
+    walk(0, (), 1.0)
+    return out
+
+
+def _without_residual_update(p, q, child_tokens, child_valid):
+    """The control: every sibling tried against p itself (rejections leave p unchanged)."""
+    accept = []
+    for c in range(child_tokens.shape[1]):
+        tok = child_tokens[:, c]
+        p_x = jnp.take_along_axis(p, tok[:, None], axis=1)[:, 0]
+        q_x = jnp.take_along_axis(q, tok[:, None], axis=1)[:, 0]
+        accept.append(jnp.where(child_valid[:, c], jnp.minimum(1.0, p_x / q_x), 0.0))
+    rest = jnp.maximum(p - q, 0.0)
+    return jnp.stack(accept, axis=1), rest / jnp.sum(rest, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("paths", [SEED_EXAMPLE, ((0,), (1,), (2,), (0, 0), (2, 0)),
+                                   ((0,), (0, 0), (0, 0, 0))], ids=["seed", "wide", "chain"])
+def test_the_multi_draft_rule_is_lossless_by_enumeration(paths):
+    """Children sampled independently from q (repeats included) and tried with min(1, p_c/q),
+    p_{c+1} = norm(max(p_c - q, 0)): one round, completed autoregressively, equals
+    autoregressive sampling exactly (4-token vocabulary; q has zeros the target does not)."""
+    V, tree = 4, Tree(paths)
+    joint = completed(exact_outcomes_sampled(tree, V, verify.sampled_sibling_probs), V,
+                      tree.depth)
+    want = autoregressive(V, tree.depth)
+    assert sum(joint.values()) == pytest.approx(1.0, abs=1e-5)
+    for seq, prob in want.items():
+        assert joint.get(seq, 0.0) == pytest.approx(prob, abs=2e-6), seq
+
+
+def test_the_multi_draft_enumeration_catches_a_rule_without_residual_update():
+    V, tree = 4, Tree(SEED_EXAMPLE)
+    joint = completed(exact_outcomes_sampled(tree, V, _without_residual_update), V, tree.depth)
+    want = autoregressive(V, tree.depth)
+    assert max(abs(joint.get(seq, 0.0) - prob) for seq, prob in want.items()) > 1e-2
+
+
 def test_tree_sample_draws_from_the_rule():
     """tree_sample's outcomes (emitted tokens and accepted nodes) occur with the probabilities
     that the enumeration gives, and the path it reports leads to the tokens it emits."""
@@ -388,9 +465,11 @@ def test_later_tokens_follow_the_target_with_a_tree(models, tail_joints, monkeyp
     assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
 
 
-def test_tree_without_sibling_removal_fails_end_to_end(models, monkeypatch, fresh_programs):
+def test_tree_without_residual_update_fails_end_to_end(models, monkeypatch, fresh_programs):
+    """At T > 0 a draft-model tree's children are sampled, and verified with the multi-draft
+    rule; the same rule without its residual update fails the test the real one passes."""
     target, drafts = models
-    monkeypatch.setattr(verify, "_remove", lambda p, token, where: p)
+    monkeypatch.setattr(verify, "sampled_sibling_probs", _without_residual_update)
     t, k = 0.8, 5
     sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
     samples = generate_samples(target, drafts["close"], sampling,

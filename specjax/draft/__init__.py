@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from . import draft_model, ngram, rider
-from .base import Draft, Proposer, Rider, TreeProposer, draw, expand_tree
+from .base import Draft, Proposer, Rider, TreeProposer, draw, expand_tree, tree_candidates
 from .draft_model import (
     DraftModel,
     DraftModelProposer,
@@ -46,7 +46,7 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
     return load_draft_model(path, dtype, full_vocab=full_vocab)
 
 
-__all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree",
+__all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
            "restrict_vocab", "NgramProposer", "MedusaProposer", "EagleProposer", "Features",
            "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",

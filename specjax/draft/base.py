@@ -37,7 +37,10 @@ class Draft:
     """One round's drafts for every row."""
 
     tokens: Array  # [B, G] int32 (a tree: nodes 1 .. N-1 in the tree's order)
-    probs: Array | None  # [B, G, V] float32: what each token was drawn from; None = point masses
+    # [B, G, V] float32: what each token was drawn from; None = point masses. A tree's [B, N, V]:
+    # node i's row is the distribution its children were drawn from, independently (a leaf's is
+    # never read).
+    probs: Array | None
     valid: Array | None = None  # [B, G] bool, a prefix per row: drafts really proposed; None = all
 
 
@@ -158,20 +161,56 @@ def stack_chain(tokens: list[Array], probs: list[Array | None], vocab: DraftVoca
     return Draft(tokens, q if vocab is None else vocab.widen(q, vocab_size), valid)
 
 
-def expand_tree(tree, ranked: Array, expand: Callable[[int, Array, np.ndarray], Array]) -> Array:
-    """Fill a static tree level by level from ranked candidates.
+def tree_candidates(logits: Array, width: int, key: Array, sampling_params: SamplingArrays,
+                    filters: Filters, vocab: DraftVocab | None = None
+                    ) -> tuple[Array, Array | None]:
+    """The children of each of n tree nodes from the drafter's logits [B, n, M] after them:
+    token ids [B, n, width] and what they were drawn from, q [B, n, M] or None.
 
-    ranked [B, 1, C]: token ids after the root, best first. For each depth d a node takes its
-    parent's candidate at the node's rank; ``expand(d, level [B, n], parent [n])`` then returns
-    the ranked candidates [B, n, C] after each node of level d (``parent`` indexes the previous
-    level; never called for the deepest level). Returns the nodes' tokens [B, N-1] in the
-    tree's order."""
-    tokens = []
+    Greedy calls: the ``width`` top-ranked tokens, point masses (distinct, so a rejected child is
+    never tried again). Sampled calls: ``width`` independent draws from the processed q, as
+    SpecInfer's multi-draft rule needs (``verify.sampled_sibling_probs``); repeats are possible
+    and harmless. A sampled child passes with min(1, p'/q), where a top-ranked point mass
+    passes only with p'(token): against a drafter close to the target, far more often."""
+    if filters.greedy:
+        ids, q = jax.lax.top_k(logits, width)[1], None
+    else:
+        q = sampling.process_logits(logits, sampling_params, filters)
+        ids = sampling.sample_many(key, q, width)
+    return (ids if vocab is None else vocab.token_ids(ids)), q
+
+
+def expand_tree(tree, first: tuple[Array, Array | None],
+                expand: Callable[[int, Array, np.ndarray], tuple[Array, Array | None]],
+                vocab: DraftVocab | None = None, vocab_size: int | None = None
+                ) -> tuple[Array, Array | None]:
+    """Fill a static tree level by level from each node's candidates (``tree_candidates``).
+
+    first: the candidates after the root, ids [B, 1, C] (best first when ranked) and q [B, 1, M]
+    or None. For each depth d a node takes its parent's candidate at the node's rank;
+    ``expand(d, level [B, n], parent [n])`` then returns the candidates after each node of level
+    d (``parent`` indexes the previous level; never called for the deepest level). Returns the
+    nodes' tokens [B, N-1] in the tree's order and, with q's, the tree's [B, N, V] draft
+    distributions (``Draft.probs``; q's over a draft vocabulary widened to the ``vocab_size``
+    ids), else None. (The older form, ranked ids alone with ``expand`` returning ids alone,
+    returns the tokens alone.)"""
+    ids_only = not isinstance(first, tuple)
+    ranked, q = (first, None) if ids_only else first
+    tokens, qs = [], [q]
     for d, (start, stop) in enumerate(tree.levels):
         first_parent = 0 if d == 0 else tree.levels[d - 1][0]
         parent = tree.parents[start:stop] - first_parent  # index inside the previous level
         level = ranked[:, parent, tree.ranks[start:stop]].astype(jnp.int32)  # [B, n]
         tokens.append(level)
         if d + 1 < tree.depth:  # the deepest level's children are never needed
-            ranked = expand(d, level, parent)
-    return jnp.concatenate(tokens, axis=1)
+            ranked, q = (expand(d, level, parent), None) if ids_only else expand(d, level, parent)
+            qs.append(q)
+    tokens = jnp.concatenate(tokens, axis=1)
+    if ids_only:
+        return tokens
+    if qs[0] is None:
+        return tokens, None
+    B, M = qs[0].shape[0], qs[0].shape[-1]
+    leaves = tree.num_nodes - sum(x.shape[1] for x in qs)
+    q = jnp.concatenate(qs + [jnp.zeros((B, leaves, M), qs[0].dtype)], axis=1)  # [B, N, M]
+    return tokens, (q if vocab is None else vocab.widen(q, vocab_size))

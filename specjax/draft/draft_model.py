@@ -31,7 +31,7 @@ from ..cache import KVCache, compact
 from ..config import ModelConfig, SpecConfig
 from ..model import Model, forward, prefill_chunked
 from ..tree import Tree
-from .base import Draft, draw, expand_tree, stack_chain
+from .base import Draft, draw, expand_tree, stack_chain, tree_candidates
 from .vocab import DraftVocab
 
 
@@ -167,10 +167,10 @@ class DraftTreeProposer:
     ranks the root's children. Then for each depth d < D, the nodes at depth d are fed in one
     forward at positions length + d, written at their tree slots (node i at slot length + i)
     under the tree's ancestor mask (``cache.attention_mask`` with a window covering the tree
-    so far), and their logits rank their own children. A node's children are the draft's
-    top-ranked tokens after it: rank r = the r-th largest logit (the order of its processed
-    distribution wherever that is non-zero; greedy rows still get distinct runner-up children).
-    Drafts are point masses, verified with the tree rule (``verify.tree_sample``).
+    so far), and their logits give their own children. Greedy: a node's children are the
+    draft's top-ranked tokens after it (rank r = the r-th largest logit), point masses. Sampled:
+    independent draws from the draft's processed q after it, verified with SpecInfer's
+    multi-draft rule (``base.tree_candidates``, ``verify.tree_sample``).
 
     After verification the engine calls ``commit``, which moves the accepted path's entries to
     consecutive slots, so the next round's catch-up sees the cache a chain would have left.
@@ -198,8 +198,10 @@ class DraftTreeProposer:
         B = history.shape[0]
         width = int(tree.children.shape[1])
 
-        def top(logits):  # the draft's `width` best token ids after each node
-            return draft.token_ids(jax.lax.top_k(logits, width)[1])
+        def children(logits, d):  # each node's `width` candidates: top-ranked or sampled
+            level_keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(keys)
+            return tree_candidates(logits, width, level_keys, sampling_params, filters,
+                                   draft.vocab)
 
         logits, cache = _catch_up(draft, cache, history, length)
 
@@ -209,10 +211,11 @@ class DraftTreeProposer:
             positions = jnp.broadcast_to((length + d + 1)[:, None], (B, stop - start))
             logits, cache = draft.logits(level, positions, cache.rollback(length + start),
                                          chunk_mask=jnp.asarray(tree.ancestors[start:stop, :stop]))
-            return top(logits)
+            return children(logits, d + 1)
 
-        tokens = expand_tree(tree, top(logits[:, -1:]), expand)
-        return Draft(tokens, None), cache
+        tokens, q = expand_tree(tree, children(logits[:, -1:], 0), expand, draft.vocab,
+                                self.config.vocab_size)
+        return Draft(tokens, q), cache
 
     def commit(self, cache: KVCache, start: Array, path: Array, num_accepted: Array) -> KVCache:
         """Move the accepted path's draft entries next to each other (the length is reset by the

@@ -17,8 +17,8 @@ catch-up writes just the pair (f_{L-1}, x_L).
 * tree: the tree's levels are expanded one forward each, as the draft-model tree does: node i's
   pair (its parent's predicted feature, its token) goes at slot length - 1 + i, at its parent's
   position length + depth - 1, under the ancestor mask; a node's children are the head's
-  top-ranked tokens
-  after it (point masses).
+  top-ranked tokens after it (point masses) when greedy, independent draws from its q when
+  sampled (``base.tree_candidates``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from jax import Array
 from .. import sampling
 from ..cache import KVCache
 from ..model import PREFILL_CHUNK, over_chunks
-from .base import Draft, draw, expand_tree, stack_chain
+from .base import Draft, draw, expand_tree, stack_chain, tree_candidates
 from .heads import eagle_forward, embed
 from .rider import Features, RiderProposer
 
@@ -94,7 +94,7 @@ class EagleProposer(RiderProposer):
         p, cfg = params["heads"], self.config
         g, cache = self._catch_up(params, state, history, length)
         if self.tree is not None:
-            return self._tree(params, state, g, cache, length)
+            return self._tree(params, state, g, cache, length, keys, sampling_params, filters)
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.chain))(keys)  # [B, G]
         vocab = p["vocab"]
         # Processed and sampled over the M draft-vocabulary columns: the same distribution as
@@ -114,8 +114,9 @@ class EagleProposer(RiderProposer):
         return (stack_chain(tokens, probs, vocab, cfg.vocab_size),
                 EagleState(cache, state.features))
 
-    def _tree(self, params, state: EagleState, g: Array, cache: KVCache, length: Array
-              ) -> tuple[Draft, EagleState]:
+    def _tree(self, params, state: EagleState, g: Array, cache: KVCache, length: Array,
+              keys: Array, sampling_params: sampling.SamplingArrays,
+              filters: sampling.Filters) -> tuple[Draft, EagleState]:
         p, tree = params["heads"], self.tree
         vocab = p["vocab"]
         B = g.shape[0]
@@ -123,8 +124,10 @@ class EagleProposer(RiderProposer):
         base = length - 1  # the slot of the root's pair (f_{L-1}, x_L), written by the catch-up
         feats = g[:, None]  # the predicted features of the level being expanded [B, n, E]
 
-        def top(g):  # the head's `width` best token ids after each feature
-            return vocab.token_ids(jax.lax.top_k(vocab.logits(g), width)[1])
+        def top(g, d=0):  # each feature's `width` candidates: top-ranked or sampled
+            level_keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(keys)
+            return tree_candidates(vocab.logits(g), width, level_keys, sampling_params, filters,
+                                   vocab)
 
         def expand(d, level, parent):
             nonlocal cache, feats
@@ -134,7 +137,7 @@ class EagleProposer(RiderProposer):
                 self.config, p["weights"], feats[:, parent], embed(params["target"], level),
                 positions, cache.rollback(base + start),
                 chunk_mask=jnp.asarray(tree.ancestors[start:stop, :stop]))
-            return top(feats)
+            return top(feats, d + 1)
 
-        tokens = expand_tree(tree, top(g[:, None]), expand)
-        return Draft(tokens, None), EagleState(cache, state.features)
+        tokens, q = expand_tree(tree, top(g[:, None]), expand, vocab, self.config.vocab_size)
+        return Draft(tokens, q), EagleState(cache, state.features)
