@@ -125,13 +125,14 @@ def sample(keys: Array, probs: Array) -> Array:
     return jnp.where(index < V, index, argmax(probs)).astype(jnp.int32)
 
 
-def sample_many(keys: Array, probs: Array, count: int) -> Array:
-    """``count`` independent draws from each distribution: keys [B] (one per row), probs
-    [B, n, V] -> tokens [B, n, count] int32. Inverse-CDF as ``sample``, one uniform per draw;
-    a zero-probability token is never drawn."""
+def sample_without_replacement(keys: Array, probs: Array, count: int) -> Array:
+    """``count`` draws without replacement from each distribution, in the order drawn: keys [B]
+    (one per row), probs [B, n, V] -> tokens [B, n, count] int32. Draw c is distributed as probs
+    with draws 0..c-1 removed and renormalised (the Gumbel-top-k trick: the ``count`` largest
+    log p + Gumbel noise). Where fewer than ``count`` tokens have probability > 0, the draws past
+    them are zero-probability tokens; callers treat those as not drawn."""
     B, n, V = probs.shape
-    u = jax.vmap(lambda k: jax.random.uniform(k, (n, count)))(keys)  # [B, n, count]
-    cdf = jnp.cumsum(probs, axis=-1)  # [B, n, V]
-    index = jnp.sum(cdf[:, :, None, :] <= (u * cdf[:, :, -1:])[..., None], axis=-1)
-    fallback = argmax(probs)[:, :, None]  # u * total rounded up to total (see ``sample``)
-    return jnp.where(index < V, index, fallback).astype(jnp.int32)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (n, V), minval=1e-20))(keys)
+    noisy = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)) - jnp.log(-jnp.log(u)),
+                      -jnp.inf)
+    return jax.lax.top_k(noisy, count)[1].astype(jnp.int32)

@@ -163,26 +163,30 @@ def sibling_probs(p: Array, child_tokens: Array, child_valid: Array) -> tuple[Ar
 
 def sampled_sibling_probs(p: Array, q: Array, child_tokens: Array, child_valid: Array
                           ) -> tuple[Array, Array]:
-    """The multi-draft rule at one node (SpecInfer): children drawn independently from the
-    draft's q [B, V], tried in order against the target's p [B, V].
+    """Recursive rejection sampling at one node (Jeon et al., 2024): children drawn from the
+    draft's q [B, V] without replacement, in order, tried in that order against the target's p
+    [B, V].
 
-    Child c (reached only if children 0..c-1 were rejected) is accepted with probability
-    min(1, p_c(x_c) / q(x_c)), where p_0 = p and each rejection leaves p_{c+1} = norm(max(p_c -
-    q, 0)). Returns (accept [B, C], residual [B, V]) as ``sibling_probs`` does. Each step is the
-    chain's rule with target p_c: the token it passes on is p_c-distributed given that it was
-    reached, so the node's output is distributed as p. Invalid children are skipped (accept 0,
-    residual unchanged)."""
+    Child c was drawn from q_c, q with children 0..c-1 removed and renormalised. Reached only if
+    children 0..c-1 were rejected, it is accepted with probability min(1, p_c(x_c) / q_c(x_c)),
+    where p_0 = p and each rejection leaves p_{c+1} = norm(max(p_c - q_c, 0)). Returns (accept
+    [B, C], residual [B, V]) as ``sibling_probs`` does. Each step is the chain's rule with
+    target p_c and draft q_c, and given the earlier draws x_c is q_c-distributed, so the token
+    a step passes on is p_c-distributed and the node's output is distributed as p. A child that
+    is invalid, or that q_c gives probability 0 (fewer tokens had mass than the node has
+    children), is skipped: accept 0, nothing updated."""
     accept = []
     for c in range(child_tokens.shape[1]):
-        tok, ok = child_tokens[:, c], child_valid[:, c]
+        tok = child_tokens[:, c]
         p_x = jnp.take_along_axis(p, tok[:, None], axis=1)[:, 0]
         q_x = jnp.take_along_axis(q, tok[:, None], axis=1)[:, 0]
-        ratio = jnp.where(q_x > 0, p_x / jnp.where(q_x > 0, q_x, 1.0), 1.0)
-        accept.append(jnp.where(ok, jnp.minimum(1.0, ratio), 0.0))
+        ok = child_valid[:, c] & (q_x > 0)
+        accept.append(jnp.where(ok, jnp.minimum(1.0, p_x / jnp.where(ok, q_x, 1.0)), 0.0))
         rest = jnp.maximum(p - q, 0.0)
         mass = jnp.sum(rest, axis=-1, keepdims=True)
         # mass 0: p <= q everywhere, so p == q and the child was accepted for sure
         p = jnp.where(ok[:, None] & (mass > 0), rest / jnp.where(mass > 0, mass, 1.0), p)
+        q = _remove(q, tok, ok)
     if not accept:  # a leaf
         return jnp.zeros(child_tokens.shape, p.dtype), p
     return jnp.stack(accept, axis=1), p
@@ -196,13 +200,13 @@ def tree_sample(keys: Array, tree, draft_tokens: Array, target_probs: Array,
     1 .. N-1; target_probs [B, N, V], the processed target distribution after each node (node 0 is
     the root, the row's last token); valid [B, N-1] or None: nodes a proposer did not fill are
     never accepted; draft_probs [B, N, V] or None: row i the distribution node i's children were
-    drawn from independently (multi-draft, ``sampled_sibling_probs``), None for point masses
-    (deterministic candidates, ``sibling_probs``). From the root, each depth tries the current
-    node's children and moves to the accepted one; the round stops at the first node whose
-    children are all rejected, drawing the row's last token from that node's residual, or at a
-    leaf, drawing the bonus token from its p. Greedy rows (one-hot p) follow the longest path
-    that matches the target's argmax. Returns tokens [B, D+1], num_accepted [B] and the accepted
-    nodes path [B, D].
+    drawn from without replacement (recursive rejection sampling, ``sampled_sibling_probs``),
+    None for point masses (deterministic candidates, ``sibling_probs``). From the root, each
+    depth tries the current node's children and moves to the accepted one; the round stops at
+    the first node whose children are all rejected, drawing the row's last token from that
+    node's residual, or at a leaf, drawing the bonus token from its p. Greedy rows (one-hot p)
+    follow the longest path that matches the target's argmax. Returns tokens [B, D+1],
+    num_accepted [B] and the accepted nodes path [B, D].
     """
     B = draft_tokens.shape[0]
     D = tree.depth

@@ -124,16 +124,23 @@ def test_the_argmax_check_catches_broken_variants(broken):
     assert _argmax_mismatches(broken)
 
 
-def test_sample_many_draws_independently_from_each_distribution():
-    probs = jnp.array([[[0.1, 0.6, 0.0, 0.3], [0.5, 0.0, 0.5, 0.0]]])  # [1, 2, 4]
-    N = 8000
+def test_sample_without_replacement_draws_in_order():
+    """Draw 0 follows q; draw 1, given draw 0, follows q without it, renormalised; no token
+    twice; zero-probability tokens only once the mass is used up."""
+    q = np.array([0.1, 0.6, 0.0, 0.3])
+    N = 20000
     keys = jax.random.split(jax.random.key(9), N)
-    draws = np.asarray(sampling.sample_many(keys, jnp.broadcast_to(probs, (N, 2, 4)), 3))
-    assert draws.shape == (N, 2, 3) and draws.dtype == np.int32
-    for node in range(2):
-        freq = np.bincount(draws[:, node].ravel(), minlength=4) / (3 * N)
-        np.testing.assert_allclose(freq, probs[0, node], atol=0.015)
-        assert (freq[np.asarray(probs[0, node]) == 0] == 0).all()  # zeros never drawn
-    # the three draws of a node are independent: pairs follow the product distribution
-    pairs = np.bincount(draws[:, 0, 0] * 4 + draws[:, 0, 1], minlength=16) / N
-    np.testing.assert_allclose(pairs, np.outer(probs[0, 0], probs[0, 0]).ravel(), atol=0.015)
+    draws = np.asarray(sampling.sample_without_replacement(
+        keys, jnp.broadcast_to(jnp.asarray(q, jnp.float32), (N, 1, 4)), 3))[:, 0]
+    assert draws.shape == (N, 3) and draws.dtype == np.int32
+    assert (draws[:, 0] != draws[:, 1]).all() and (draws[:, 1] != draws[:, 2]).all()
+    assert (draws[:, 0] != draws[:, 2]).all() and (draws[:, :3] != 2).all()
+    np.testing.assert_allclose(np.bincount(draws[:, 0], minlength=4) / N, q, atol=0.012)
+    first = draws[:, 0] == 1
+    rest = q.copy()
+    rest[1] = 0
+    np.testing.assert_allclose(np.bincount(draws[first, 1], minlength=4) / first.sum(),
+                               rest / rest.sum(), atol=0.02)
+    short = np.asarray(sampling.sample_without_replacement(
+        keys[:50], jnp.broadcast_to(jnp.array([0.0, 1.0, 0.0, 0.0]), (50, 1, 4)), 2))[:, 0]
+    assert (short[:, 0] == 1).all() and (short[:, 1] != 1).all()  # then a zero-probability one

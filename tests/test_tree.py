@@ -234,9 +234,31 @@ def draft_conditional(prefix, V):
     return q / q.sum()
 
 
+def draws_without_replacement(q, count):
+    """Every ordered draw of ``count`` tokens without replacement from q, with its probability;
+    once q's mass is used up, the remaining draws are zero-probability tokens (the sampler's
+    top-k of -inf), represented by the smallest unused ones."""
+    def rec(q, drawn, prob):
+        if len(drawn) == count:
+            yield tuple(drawn), prob
+            return
+        if q.sum() <= 0:
+            rest = [x for x in range(len(q)) if x not in drawn][:count - len(drawn)]
+            yield tuple(drawn) + tuple(rest), prob
+            return
+        for x in range(len(q)):
+            if q[x] > 0:
+                left = q.copy()
+                left[x] = 0
+                yield from rec(left / left.sum() if left.sum() > 0 else left, drawn + [x],
+                               prob * q[x])
+    yield from rec(np.asarray(q, np.float64), [], 1.0)
+
+
 def exact_outcomes_sampled(tree, V, rule):
-    """P(emitted sequence) for one round of the multi-draft rule: every node's children are
-    independent draws from the drafter's q after the node, enumerated with their probabilities."""
+    """P(emitted sequence) for one round of recursive rejection sampling: every node's children
+    are drawn without replacement from the drafter's q after the node, every ordered draw
+    enumerated with its probability."""
     rule = jax.jit(rule)
     out = {}
 
@@ -247,10 +269,8 @@ def exact_outcomes_sampled(tree, V, rule):
             for x in range(V):
                 out[prefix + (x,)] = out.get(prefix + (x,), 0.0) + prob * p[x]
             return
-        for combo in itertools.product(range(V), repeat=len(kids)):
-            reach = prob * np.prod([q[x] for x in combo])
-            if reach == 0:
-                continue
+        for combo, weight in draws_without_replacement(q, len(kids)):
+            reach = prob * weight
             accept, residual = rule(jnp.asarray(p[None], jnp.float32),
                                     jnp.asarray(q[None], jnp.float32),
                                     jnp.asarray([combo], jnp.int32),
@@ -268,23 +288,41 @@ def exact_outcomes_sampled(tree, V, rule):
 
 
 def _without_residual_update(p, q, child_tokens, child_valid):
-    """The control: every sibling tried against p itself (rejections leave p unchanged)."""
+    """A control: every sibling tried against p itself (rejections leave p unchanged)."""
     accept = []
     for c in range(child_tokens.shape[1]):
         tok = child_tokens[:, c]
         p_x = jnp.take_along_axis(p, tok[:, None], axis=1)[:, 0]
         q_x = jnp.take_along_axis(q, tok[:, None], axis=1)[:, 0]
         accept.append(jnp.where(child_valid[:, c], jnp.minimum(1.0, p_x / q_x), 0.0))
+        q = verify._remove(q, tok, child_valid[:, c])
     rest = jnp.maximum(p - q, 0.0)
     return jnp.stack(accept, axis=1), rest / jnp.sum(rest, axis=-1, keepdims=True)
+
+
+def _as_if_drawn_with_replacement(p, q, child_tokens, child_valid):
+    """A control: SpecInfer's rule for independent draws (q never loses a drawn token) applied
+    to draws made without replacement."""
+    accept = []
+    for c in range(child_tokens.shape[1]):
+        tok, ok = child_tokens[:, c], child_valid[:, c]
+        p_x = jnp.take_along_axis(p, tok[:, None], axis=1)[:, 0]
+        q_x = jnp.take_along_axis(q, tok[:, None], axis=1)[:, 0]
+        accept.append(jnp.where(ok & (q_x > 0), jnp.minimum(1.0, p_x / jnp.maximum(q_x, 1e-30)),
+                                0.0))
+        rest = jnp.maximum(p - q, 0.0)
+        mass = jnp.sum(rest, axis=-1, keepdims=True)
+        p = jnp.where(mass > 0, rest / jnp.where(mass > 0, mass, 1.0), p)
+    return jnp.stack(accept, axis=1), p
 
 
 @pytest.mark.parametrize("paths", [SEED_EXAMPLE, ((0,), (1,), (2,), (0, 0), (2, 0)),
                                    ((0,), (0, 0), (0, 0, 0))], ids=["seed", "wide", "chain"])
 def test_the_multi_draft_rule_is_lossless_by_enumeration(paths):
-    """Children sampled independently from q (repeats included) and tried with min(1, p_c/q),
-    p_{c+1} = norm(max(p_c - q, 0)): one round, completed autoregressively, equals
-    autoregressive sampling exactly (4-token vocabulary; q has zeros the target does not)."""
+    """Children drawn from q without replacement and tried with min(1, p_c/q_c), p_{c+1} =
+    norm(max(p_c - q_c, 0)), q_{c+1} = q_c without x_c: one round, completed
+    autoregressively, equals autoregressive sampling exactly (4-token vocabulary; q has zeros
+    the target does not)."""
     V, tree = 4, Tree(paths)
     joint = completed(exact_outcomes_sampled(tree, V, verify.sampled_sibling_probs), V,
                       tree.depth)
@@ -294,9 +332,11 @@ def test_the_multi_draft_rule_is_lossless_by_enumeration(paths):
         assert joint.get(seq, 0.0) == pytest.approx(prob, abs=2e-6), seq
 
 
-def test_the_multi_draft_enumeration_catches_a_rule_without_residual_update():
+@pytest.mark.parametrize("broken", [_without_residual_update, _as_if_drawn_with_replacement],
+                         ids=["no-residual-update", "as-if-independent"])
+def test_the_multi_draft_enumeration_catches_broken_rules(broken):
     V, tree = 4, Tree(SEED_EXAMPLE)
-    joint = completed(exact_outcomes_sampled(tree, V, _without_residual_update), V, tree.depth)
+    joint = completed(exact_outcomes_sampled(tree, V, broken), V, tree.depth)
     want = autoregressive(V, tree.depth)
     assert max(abs(joint.get(seq, 0.0) - prob) for seq, prob in want.items()) > 1e-2
 
@@ -466,8 +506,9 @@ def test_later_tokens_follow_the_target_with_a_tree(models, tail_joints, monkeyp
 
 
 def test_tree_without_residual_update_fails_end_to_end(models, monkeypatch, fresh_programs):
-    """At T > 0 a draft-model tree's children are sampled, and verified with the multi-draft
-    rule; the same rule without its residual update fails the test the real one passes."""
+    """At T > 0 a draft-model tree's children are sampled without replacement and verified by
+    recursive rejection sampling; the same rule without its residual update fails the test the
+    real one passes."""
     target, drafts = models
     monkeypatch.setattr(verify, "sampled_sibling_probs", _without_residual_update)
     t, k = 0.8, 5

@@ -38,7 +38,7 @@ class Draft:
 
     tokens: Array  # [B, G] int32 (a tree: nodes 1 .. N-1 in the tree's order)
     # [B, G, V] float32: what each token was drawn from; None = point masses. A tree's [B, N, V]:
-    # node i's row is the distribution its children were drawn from, independently (a leaf's is
+    # node i's row is the distribution its children were drawn from without replacement (a leaf's is
     # never read).
     probs: Array | None
     valid: Array | None = None  # [B, G] bool, a prefix per row: drafts really proposed; None = all
@@ -168,15 +168,15 @@ def tree_candidates(logits: Array, width: int, key: Array, sampling_params: Samp
     token ids [B, n, width] and what they were drawn from, q [B, n, M] or None.
 
     Greedy calls: the ``width`` top-ranked tokens, point masses (distinct, so a rejected child is
-    never tried again). Sampled calls: ``width`` independent draws from the processed q, as
-    SpecInfer's multi-draft rule needs (``verify.sampled_sibling_probs``); repeats are possible
-    and harmless. A sampled child passes with min(1, p'/q), where a top-ranked point mass
-    passes only with p'(token): against a drafter close to the target, far more often."""
+    never tried again). Sampled calls: ``width`` draws without replacement from the processed q,
+    verified with recursive rejection sampling (``verify.sampled_sibling_probs``). A sampled
+    child passes with min(1, p'/q'), where a top-ranked point mass passes only with p'(token):
+    against a drafter close to the target, far more often."""
     if filters.greedy:
         ids, q = jax.lax.top_k(logits, width)[1], None
     else:
         q = sampling.process_logits(logits, sampling_params, filters)
-        ids = sampling.sample_many(key, q, width)
+        ids = sampling.sample_without_replacement(key, q, width)
     return (ids if vocab is None else vocab.token_ids(ids)), q
 
 

@@ -169,8 +169,8 @@ class DraftTreeProposer:
     under the tree's ancestor mask (``cache.attention_mask`` with a window covering the tree
     so far), and their logits give their own children. Greedy: a node's children are the
     draft's top-ranked tokens after it (rank r = the r-th largest logit), point masses. Sampled:
-    independent draws from the draft's processed q after it, verified with SpecInfer's
-    multi-draft rule (``base.tree_candidates``, ``verify.tree_sample``).
+    draws without replacement from the draft's processed q after it, verified by recursive
+    rejection sampling (``base.tree_candidates``, ``verify.tree_sample``).
 
     After verification the engine calls ``commit``, which moves the accepted path's entries to
     consecutive slots, so the next round's catch-up sees the cache a chain would have left.

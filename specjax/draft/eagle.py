@@ -17,7 +17,7 @@ catch-up writes just the pair (f_{L-1}, x_L).
 * tree: the tree's levels are expanded one forward each, as the draft-model tree does: node i's
   pair (its parent's predicted feature, its token) goes at slot length - 1 + i, at its parent's
   position length + depth - 1, under the ancestor mask; a node's children are the head's
-  top-ranked tokens after it (point masses) when greedy, independent draws from its q when
+  top-ranked tokens after it (point masses) when greedy, draws without replacement from its q when
   sampled (``base.tree_candidates``).
 """
 
