@@ -234,6 +234,10 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
     path is compacted in the target's cache and (``commit``) the proposer's. Returns the verdict,
     cache, hidden states along the accepted path [B, D+1, E] (root first), and draft state."""
     tree, B = plan.tree, chunk.shape[0]
+    if draft.probs is not None and draft.probs.shape[:2] != (B, tree.num_nodes):
+        raise ValueError(f"a tree proposer's Draft.probs must be [B, N, V] = [{B}, "
+                         f"{tree.num_nodes}, V] (row i: what node i's children were drawn from), "
+                         f"got {tuple(draft.probs.shape)}")
     positions = state.length[:, None] + jnp.asarray(tree.depths)[None, :]
     logits, hidden, cache = forward(target, chunk, positions, state.cache.rollback(state.length),
                                     chunk_mask=jnp.asarray(tree.ancestors))

@@ -128,11 +128,18 @@ def sample(keys: Array, probs: Array) -> Array:
 def sample_without_replacement(keys: Array, probs: Array, count: int) -> Array:
     """``count`` draws without replacement from each distribution, in the order drawn: keys [B]
     (one per row), probs [B, n, V] -> tokens [B, n, count] int32. Draw c is distributed as probs
-    with draws 0..c-1 removed and renormalised (the Gumbel-top-k trick: the ``count`` largest
-    log p + Gumbel noise). Where fewer than ``count`` tokens have probability > 0, the draws past
-    them are zero-probability tokens; callers treat those as not drawn."""
+    with draws 0..c-1 removed and renormalised: inverse-CDF draws as ``sample``, each drawn
+    token's probability zeroed before the next. (Gumbel top-k would take one product, but
+    float32 uniforms cap the noise near 16, so tokens below ~1e-7 of the maximum were almost
+    never drawn.) Once a distribution's mass is used up, further draws are meaningless (token 0
+    or another spent one); callers treat a draw whose probability is zero as not drawn."""
     B, n, V = probs.shape
-    u = jax.vmap(lambda k: jax.random.uniform(k, (n, V), minval=1e-20))(keys)
-    noisy = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)) - jnp.log(-jnp.log(u)),
-                      -jnp.inf)
-    return jax.lax.top_k(noisy, count)[1].astype(jnp.int32)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (count, n)))(keys)  # [B, count, n]
+    left, draws = probs, []
+    for c in range(count):
+        cdf = jnp.cumsum(left, axis=-1)
+        index = jnp.sum(cdf <= (u[:, c, :, None] * cdf[..., -1:]), axis=-1)  # [B, n]
+        index = jnp.where(index < V, index, argmax(left)).astype(jnp.int32)
+        draws.append(index)
+        left = jnp.where(jax.nn.one_hot(index, V, dtype=bool), 0.0, left)
+    return jnp.stack(draws, axis=-1)

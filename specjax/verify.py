@@ -173,8 +173,8 @@ def sampled_sibling_probs(p: Array, q: Array, child_tokens: Array, child_valid: 
     [B, C], residual [B, V]) as ``sibling_probs`` does. Each step is the chain's rule with
     target p_c and draft q_c, and given the earlier draws x_c is q_c-distributed, so the token
     a step passes on is p_c-distributed and the node's output is distributed as p. A child that
-    is invalid, or that q_c gives probability 0 (fewer tokens had mass than the node has
-    children), is skipped: accept 0, nothing updated."""
+    is invalid (never drawn), or that q_c gives probability 0 (q had fewer tokens than the node
+    has children), is skipped: accept 0, nothing updated."""
     accept = []
     for c in range(child_tokens.shape[1]):
         tok = child_tokens[:, c]
@@ -186,7 +186,11 @@ def sampled_sibling_probs(p: Array, q: Array, child_tokens: Array, child_valid: 
         mass = jnp.sum(rest, axis=-1, keepdims=True)
         # mass 0: p <= q everywhere, so p == q and the child was accepted for sure
         p = jnp.where(ok[:, None] & (mass > 0), rest / jnp.where(mass > 0, mass, 1.0), p)
-        q = _remove(q, tok, ok)
+        # q_{c+1}: x_c removed; no mass left (every token q had was drawn) leaves all zeros,
+        # so any later child counts as not drawn
+        cut = jnp.where(jax.nn.one_hot(tok, q.shape[-1], dtype=bool), 0.0, q)
+        left = jnp.sum(cut, axis=-1, keepdims=True)
+        q = jnp.where(ok[:, None], cut / jnp.where(left > 0, left, 1.0), q)
     if not accept:  # a leaf
         return jnp.zeros(child_tokens.shape, p.dtype), p
     return jnp.stack(accept, axis=1), p

@@ -144,3 +144,17 @@ def test_sample_without_replacement_draws_in_order():
     short = np.asarray(sampling.sample_without_replacement(
         keys[:50], jnp.broadcast_to(jnp.array([0.0, 1.0, 0.0, 0.0]), (50, 1, 4)), 2))[:, 0]
     assert (short[:, 0] == 1).all() and (short[:, 1] != 1).all()  # then a zero-probability one
+
+
+def test_sample_without_replacement_keeps_the_far_tail():
+    """Tokens far below the likeliest (5e-8 each, 2e-4 together) are drawn as often as their
+    mass says. (Gumbel top-k with float32 uniforms never drew them: its noise stops near 16,
+    and they sit 16.8 below in log-probability.)"""
+    V, tiny = 4097, 5e-8
+    q = np.full(V, tiny)
+    q[0] = 1 - tiny * (V - 1)
+    probs = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (20000, 1, V))
+    draw = jax.jit(lambda k: sampling.sample_without_replacement(k, probs, 1))
+    tail = sum(int(np.sum(np.asarray(draw(jax.random.split(jax.random.key(c), 20000))) != 0))
+               for c in range(10))
+    assert 20 <= tail <= 70  # 200,000 draws x 2.05e-4 = 41 expected

@@ -236,15 +236,14 @@ def draft_conditional(prefix, V):
 
 def draws_without_replacement(q, count):
     """Every ordered draw of ``count`` tokens without replacement from q, with its probability;
-    once q's mass is used up, the remaining draws are zero-probability tokens (the sampler's
-    top-k of -inf), represented by the smallest unused ones."""
+    once q's mass is used up, the remaining draws are token 0, as
+    ``sampling.sample_without_replacement`` gives them."""
     def rec(q, drawn, prob):
         if len(drawn) == count:
             yield tuple(drawn), prob
             return
-        if q.sum() <= 0:
-            rest = [x for x in range(len(q)) if x not in drawn][:count - len(drawn)]
-            yield tuple(drawn) + tuple(rest), prob
+        if q.sum() <= 0:  # what the sampler gives then: token 0, spent or not
+            yield tuple(drawn) + (0,) * (count - len(drawn)), prob
             return
         for x in range(len(q)):
             if q[x] > 0:
@@ -255,7 +254,7 @@ def draws_without_replacement(q, count):
     yield from rec(np.asarray(q, np.float64), [], 1.0)
 
 
-def exact_outcomes_sampled(tree, V, rule):
+def exact_outcomes_sampled(tree, V, rule, draft=None):
     """P(emitted sequence) for one round of recursive rejection sampling: every node's children
     are drawn without replacement from the drafter's q after the node, every ordered draw
     enumerated with its probability."""
@@ -264,7 +263,7 @@ def exact_outcomes_sampled(tree, V, rule):
 
     def walk(node, prefix, prob):
         kids = [k for k in tree.children[node] if k >= 0]
-        p, q = conditional(prefix, V), draft_conditional(prefix, V)
+        p, q = conditional(prefix, V), (draft or draft_conditional)(prefix, V)
         if not kids:
             for x in range(V):
                 out[prefix + (x,)] = out.get(prefix + (x,), 0.0) + prob * p[x]
@@ -330,6 +329,43 @@ def test_the_multi_draft_rule_is_lossless_by_enumeration(paths):
     assert sum(joint.values()) == pytest.approx(1.0, abs=1e-5)
     for seq, prob in want.items():
         assert joint.get(seq, 0.0) == pytest.approx(prob, abs=2e-6), seq
+
+
+def _two_token_draft(prefix, V):
+    """A drafter with only two tokens of mass (a tight top-k): a node with three children has a
+    third draw that is not a draw at all."""
+    q = draft_conditional(prefix, V)
+    q[np.argsort(q)[:V - 2]] = 0.0
+    return q / q.sum()
+
+
+def _trusting_spent_draws(p, q, child_tokens, child_valid):
+    """A control: the rule without its check that q_c still gives the child mass."""
+    accept = []
+    for c in range(child_tokens.shape[1]):
+        tok = child_tokens[:, c]
+        p_x = jnp.take_along_axis(p, tok[:, None], axis=1)[:, 0]
+        q_x = jnp.take_along_axis(q, tok[:, None], axis=1)[:, 0]
+        accept.append(jnp.minimum(1.0, jnp.nan_to_num(p_x / q_x, nan=1.0, posinf=1.0)))
+        rest = jnp.maximum(p - q, 0.0)
+        mass = jnp.sum(rest, axis=-1, keepdims=True)
+        p = jnp.where(mass > 0, rest / jnp.where(mass > 0, mass, 1.0), p)
+        cut = jnp.where(jax.nn.one_hot(tok, q.shape[-1], dtype=bool), 0.0, q)
+        q = cut / jnp.maximum(jnp.sum(cut, axis=-1, keepdims=True), 1e-30)
+    return jnp.stack(accept, axis=1), p
+
+
+@pytest.mark.parametrize("rule,exact", [(verify.sampled_sibling_probs, True),
+                                        (_trusting_spent_draws, False)],
+                         ids=["rule", "control-trusting-spent-draws"])
+def test_the_multi_draft_rule_skips_draws_past_the_drafts_mass(rule, exact):
+    """Three children, two tokens with mass: the third draw is token 0 whatever it is, and must
+    never be accepted; the real rule stays exact, a rule that trusts it does not."""
+    V, tree = 4, Tree(((0,), (1,), (2,), (0, 0), (2, 0)))
+    joint = completed(exact_outcomes_sampled(tree, V, rule, _two_token_draft), V, tree.depth)
+    want = autoregressive(V, tree.depth)
+    worst = max(abs(joint.get(seq, 0.0) - prob) for seq, prob in want.items())
+    assert (worst < 2e-6) if exact else (worst > 1e-2)
 
 
 @pytest.mark.parametrize("broken", [_without_residual_update, _as_if_drawn_with_replacement],
