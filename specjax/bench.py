@@ -25,6 +25,10 @@ Figures per (temperature, γ):
   the round costs beyond its parts (1 = nothing)
 * ``draft_cost_per_draft`` (JSON): a round's time in the generate loop less its verify forward,
   in target steps per draft (the drafter plus the loop's overhead)
+* ``--synthetic-acceptance A``: benchmark only, not lossless: each chain accepts draft position i
+  with probability A (or the i-th of several A's) whatever the drafts, so random weights, or a
+  device without trained models, run rounds of a known length; such rows are labelled
+  "synthetic" and "NOT LOSSLESS" and never compared with autoregressive output
 * several methods can run in one bench (``--method draft_model,medusa,eagle``): one AR baseline,
   every variant interleaved with it
 * predicted: the formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` (specjax/theory.py) from the
@@ -148,6 +152,11 @@ def _lookup(spec: SpecConfig) -> dict | None:
 
 
 def _label(spec: SpecConfig) -> str:
+    if spec.synthetic_acceptance is not None:
+        alphas = sorted(set(spec.synthetic_acceptance))
+        profile = f"{alphas[0]:g}" if len(alphas) == 1 else "/".join(
+            f"{a:g}" for a in spec.synthetic_acceptance)
+        return f"chain {spec.num_speculative_tokens} synthetic α={profile}"
     if spec.tree is None:
         lookup = _lookup(spec)
         if lookup is None:
@@ -216,7 +225,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         variants.update({i: (s, drafts.get(s.method)) for i, s in enumerate(specs)})
 
         def run_all(spec, d, sampling=sampling):
-            return [generate(target, [p], sampling=sampling, spec=spec, draft=d, key=seed + i)
+            return [generate(target, [p], sampling=sampling, spec=spec, draft=d, key=seed + i,
+                             allow_synthetic=True)  # labelled so in every row it touches
                     for i, p in enumerate(prompts)]
 
         t0 = time.perf_counter()
@@ -227,7 +237,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             parts = round_timers(target, prompt, sampling=sampling, spec=spec,
                                  draft=drafts.get(spec.method), decoded=decoded, key=seed,
                                  max_cache_len=cache_capacity(target.config, g, slots_needed(
-                                     len(prompt), max_new_tokens, g)))
+                                     len(prompt), max_new_tokens, g)), allow_synthetic=True)
             timers.update({(temperature, i, k): f for k, f in parts.items()})
         log(f"T={temperature}: compiled and warmed up in {time.perf_counter() - t0:.0f} s")
         runs = {name: _Runs() for name in variants}
@@ -246,6 +256,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 depth=spec.num_speculative_tokens if tree is None else tree.depth,
                 verify_tokens=spec.num_speculative_tokens + 1,
                 tree=None if tree is None else tree.to_json(), lookup=_lookup(spec),
+                synthetic_acceptance=spec.synthetic_acceptance,
                 ar_tokens_per_second=ar.median("tokens_per_second"),
                 spec_tokens_per_second=sp.median("tokens_per_second"),
                 speedup=sp.median("tokens_per_second") / ar.median("tokens_per_second"),
@@ -255,7 +266,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
                 **_pooled(sp.outputs))
             row["spec_round_ms"] = 1e3 * sp.median("round_seconds")  # in the generate loop
-            if temperature == 0:
+            if temperature == 0 and spec.synthetic_acceptance is None:
                 row["identical_to_autoregressive"] = all(
                     np.array_equal(a.tokens, s.tokens) for a, s in zip(ar.outputs, sp.outputs))
             rows.append(row)
@@ -339,6 +350,8 @@ def format_table(result: dict) -> str:
                 + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
         if r.get("identical_to_autoregressive") is False:
             line += "  OUTPUT DIFFERS FROM AUTOREGRESSIVE"
+        if r.get("synthetic_acceptance") is not None:
+            line += "  NOT LOSSLESS, benchmark only"
         lines.append(line)
     roof = result.get("roofline")
     if roof:
@@ -350,6 +363,10 @@ def format_table(result: dict) -> str:
     if any("identical_to_autoregressive" in r for r in result["rows"]):
         same = all(r.get("identical_to_autoregressive", True) for r in result["rows"])
         lines.append(f"\ngreedy output identical to autoregressive on every prompt: {same}")
+    if any(r.get("synthetic_acceptance") is not None for r in result["rows"]):
+        lines.append("\nrows marked synthetic accept each draft position with a fixed probability "
+                     "α whatever the drafts are: their output is NOT the target's distribution "
+                     "(benchmark only)")
     return "\n".join(lines)
 
 
@@ -384,8 +401,11 @@ def main(args) -> int:
     drafters = {m: load_heads(getattr(args, m, None) or CHECKPOINTS / f"code-{m}", target)
                 for m, k in kinds.items() if k.draft == "heads"}
     specs = []
+    synthetic = getattr(args, "synthetic_acceptance", None)
     for m in methods:
         lookup = lookup_options(args) if m == "ngram" else {}
+        if synthetic is not None:
+            lookup["synthetic_acceptance"] = synthetic if len(synthetic) > 1 else synthetic[0]
         for spec in chain_specs(m, args.gammas, **lookup) if args.gammas else ():
             limit = drafters[m].config.max_depth if m in drafters else None
             if limit is not None and spec.num_speculative_tokens > limit:

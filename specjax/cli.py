@@ -282,6 +282,11 @@ def _add_bench(sub) -> None:
     b.add_argument("--tree", action="append", metavar="JSON",
                    help="also a static draft tree, vLLM's speculative_token_tree format, e.g. "
                         "'[[0],[1],[0,0]]' (repeatable; for every method but ngram)")
+    b.add_argument("--synthetic-acceptance", type=_numbers(float), default=None,
+                   metavar="A[,A,...]",
+                   help="BENCHMARK ONLY, NOT LOSSLESS: every chain accepts draft position i with "
+                        "probability A (or the i-th A, one per position), whatever the drafts; "
+                        "for measuring at a known acceptance (random weights, accelerators)")
     b.add_argument("--temperatures", type=_numbers(float), default=[0.0, 0.8], metavar="T,T,...",
                    help="sampling temperatures, 0 = greedy (default 0,0.8)")
     b.add_argument("--top-k", type=int, default=0)

@@ -205,6 +205,11 @@ class SpecConfig:
     # A static draft tree in vLLM's speculative_token_tree format: one path of child ranks per
     # node, e.g. ((0,), (1,), (0, 0)); see specjax/tree.py. None = a chain of γ drafts.
     tree: tuple[tuple[int, ...], ...] | None = None
+    # BENCHMARK ONLY, NOT LOSSLESS (as vLLM's synthetic rejection mode): draft position i is
+    # accepted with probability α_i whatever the draft and the target say, so random weights
+    # run rounds of a realistic length. A float: the same α at every position; a tuple: one per
+    # position (γ of them). Chains only. ``generate`` refuses it unless allow_synthetic=True.
+    synthetic_acceptance: float | tuple[float, ...] | None = None
 
     def __post_init__(self):
         method = _method(self.method)
@@ -236,6 +241,22 @@ class SpecConfig:
         if factor is not None and self.method != "ngram":
             raise ValueError(f"SpecConfig.prompt_lookup_length_factor is for method 'ngram', not "
                              f"{self.method!r}")
+        if self.synthetic_acceptance is not None:
+            object.__setattr__(self, "synthetic_acceptance", self._synthetic_profile())
+
+    def _synthetic_profile(self) -> tuple[float, ...]:
+        """synthetic_acceptance as one α per draft position, checked."""
+        alpha, gamma = self.synthetic_acceptance, self.num_speculative_tokens
+        if self.tree is not None:
+            raise ValueError("SpecConfig.synthetic_acceptance is for chains, not trees")
+        single = isinstance(alpha, numbers.Real) and not isinstance(alpha, bool)
+        profile = (alpha,) * gamma if single else alpha
+        if (not isinstance(profile, (tuple, list)) or len(profile) != gamma
+                or not all(isinstance(a, numbers.Real) and not isinstance(a, bool)
+                           and 0 <= a <= 1 for a in profile)):
+            raise ValueError(f"SpecConfig.synthetic_acceptance must be a probability in [0, 1] "
+                             f"or {gamma} of them (one per draft position), got {alpha!r}")
+        return tuple(float(a) for a in profile)
 
     @property
     def needs_draft_model(self) -> bool:

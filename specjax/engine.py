@@ -68,6 +68,8 @@ class Plan:
     mesh: Any = None  # a ("data", "model") jax.sharding.Mesh for sharded runs, or None
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per prefill forward
     attention_block: int = attention.BLOCK  # cache slots per attention block
+    # SpecConfig.synthetic_acceptance (one α per draft position): benchmark only, not lossless
+    synthetic: tuple[float, ...] | None = None
 
     @property
     def gamma(self) -> int:
@@ -199,7 +201,9 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
                       for x in cache)
     drafts = draft.tokens[:, :T - 1]
     valid = None if draft.valid is None else draft.valid[:, :T - 1]
-    if plan.filters.greedy:  # one-hot p: the same verdict from argmaxes alone
+    if plan.synthetic is not None:  # benchmark only: acceptance by a coin, not by p and q
+        verdict = _synthetic_verdict(plan, request, logits, drafts, valid, keys)
+    elif plan.filters.greedy:  # one-hot p: the same verdict from argmaxes alone
         verdict = verify.greedy_verdict(drafts, sampling_lib.argmax(logits), valid)
     else:
         target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
@@ -209,6 +213,33 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
     tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
     hidden = jnp.pad(hidden, ((0, 0), (0, G + 1 - T), (0, 0))) if plan.rides else None
     return verify.Verdict(tokens, verdict.num_accepted), cache, hidden
+
+
+def _synthetic_verdict(plan: Plan, request: Request, logits: Array, drafts: Array,
+                       valid: Array | None, keys: Array) -> verify.Verdict:
+    """NOT LOSSLESS, benchmark only: draft i is accepted with probability plan.synthetic[i]
+    (in a row, until the first rejection), whatever it is; the token after the accepted ones is
+    the target's own (its argmax, or a draw from its processed distribution), as a real round
+    would emit. Costs what a real verification costs, or a little less."""
+    B, G = drafts.shape
+    coin, draw = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(coin)  # [B, G]
+    hit = u < jnp.asarray(plan.synthetic[:G], jnp.float32)[None, :]
+    if valid is not None:
+        hit &= valid
+    num_accepted = jnp.sum(jnp.cumprod(hit, axis=1), axis=1).astype(jnp.int32)
+    rows = jnp.arange(B)
+    at = logits[rows, num_accepted]  # [B, V]: the target after the last accepted draft
+    if plan.filters.greedy:
+        last = sampling_lib.argmax(at)
+    else:
+        last = sampling_lib.sample(draw, sampling_lib.process_logits(at, request.sampling,
+                                                                     plan.filters))
+    index = jnp.arange(G + 1)[None, :]
+    padded = jnp.pad(drafts, ((0, 0), (0, 1)))
+    tokens = jnp.where(index < num_accepted[:, None], padded,
+                       jnp.where(index == num_accepted[:, None], last[:, None], -1))
+    return verify.Verdict(tokens.astype(jnp.int32), num_accepted)
 
 
 def _verify_chain_any_length(plan: Plan, target: Model, request: Request, state: LoopState,
@@ -743,6 +774,8 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
         prefill_seconds=timing.prefill_seconds, decode_seconds=timing.decode_seconds,
         compile_seconds=timing.compile_seconds,
         cache_bytes_per_row=cache_bytes // state.length.shape[0], capacity=plan.capacity)
+    if plan.synthetic is not None:
+        stats = dataclasses.replace(stats, synthetic_acceptance=plan.synthetic)
     return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats)
 
 
@@ -751,16 +784,23 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
 
 
 def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, tokenizer,
-             return_text, mesh, max_cache_len):
+             return_text, mesh, max_cache_len, allow_synthetic=False):
     """Every host step before running: checks, proposer, plan, placement, inputs."""
-    rows, sampling = check_request(target, prompts, sampling, tokenizer, return_text)
     spec = SpecConfig.parse(spec)
+    synthetic = None if spec is None else spec.synthetic_acceptance
+    if synthetic is not None and not allow_synthetic:
+        raise ValueError(f"SpecConfig.synthetic_acceptance={synthetic!r} accepts drafts by a "
+                         f"coin, so the output does NOT follow the target's distribution: it "
+                         f"is for benchmarks only. Pass allow_synthetic=True to run it.")
+    rows, sampling = check_request(target, prompts, sampling, tokenizer, return_text)
     draft_config = getattr(draft, "config", None)
     if isinstance(draft_config, ModelConfig):  # a draft model's own context limit
         _check_context("draft", draft_config, rows, sampling.max_new_tokens)
     proposer, draft_params = build_proposer(spec, proposer, draft, target.config)
     _check_tree_window(proposer, target.config, draft)
     plan, shapes = plan_program(target.config, proposer, rows, sampling, mesh, max_cache_len)
+    if synthetic is not None:
+        plan = dataclasses.replace(plan, synthetic=synthetic)
     target, draft_params = place(target, draft_params, mesh)
     inputs = build_inputs(rows, sampling, key, shapes, mesh)
     return rows, sampling, plan, target, draft_params, inputs
@@ -773,7 +813,7 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
              proposer: Any = None,
              key: Array | int | None = None,
              tokenizer=None, return_text: bool = False, mesh=None,
-             max_cache_len: int | None = None) -> Generation:
+             max_cache_len: int | None = None, allow_synthetic: bool = False) -> Generation:
     """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` or
     ``proposer`` is given.
 
@@ -802,10 +842,13 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     "data" size; padding rows are dropped from the result). In a multi-process run
     (``jax.distributed``) every process makes the same call with the same prompts and gets the
     whole result.
+
+    allow_synthetic: run a spec with ``synthetic_acceptance`` (benchmarks only: the output is
+    not the target's distribution; ``out.stats.synthetic_acceptance`` says so).
     """
     rows, sampling, plan, target, draft_params, inputs = _prepare(
         target, prompts, sampling, spec, draft, proposer, key, tokenizer, return_text, mesh,
-        max_cache_len)
+        max_cache_len, allow_synthetic)
     state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
     out = collect(plan, state, rows, sampling.max_new_tokens, timing)
     if return_text:
@@ -827,7 +870,8 @@ class Warmup:
 def warmup(target: Model, *, batch_size: int = 1, prompt_tokens: int = 1,
            sampling: SamplingParams | None = None,
            spec: SpecConfig | dict | str | None = None, draft: Any = None, proposer: Any = None,
-           mesh=None, max_cache_len: int | None = None) -> Warmup:
+           mesh=None, max_cache_len: int | None = None, allow_synthetic: bool = False
+           ) -> Warmup:
     """Compile ahead (a notebook's first cell, a server's start-up) the program that
     ``generate`` with the same target, spec, draft, proposer, mesh and max_cache_len will use
     for ``batch_size`` prompts of up to ``prompt_tokens`` tokens and ``sampling`` (its
@@ -839,7 +883,8 @@ def warmup(target: Model, *, batch_size: int = 1, prompt_tokens: int = 1,
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     prompts = [[0] * int(prompt_tokens)] * int(batch_size)
     _, _, plan, target, draft_params, inputs = _prepare(
-        target, prompts, sampling, spec, draft, proposer, None, None, False, mesh, max_cache_len)
+        target, prompts, sampling, spec, draft, proposer, None, None, False, mesh, max_cache_len,
+        allow_synthetic)
     program = PROGRAMS.get(plan)
     before = program.compiled
     state, prefill_compile = program.call("prefill", target.params, draft_params, inputs.prompts,

@@ -74,6 +74,9 @@ class Stats:
     compile_seconds: float  # time spent compiling in this call (0 when programs were cached)
     capacity: int = 0  # cache slots per row the program was compiled for (its tier)
     cache_bytes_per_row: int = 0  # target and draft caches (and proposer state), bytes per row
+    # Set only when SpecConfig.synthetic_acceptance was used: the α per draft position. Such a
+    # run is NOT lossless (benchmark only).
+    synthetic_acceptance: tuple[float, ...] | None = None
 
     @classmethod
     def summarise(cls, counters: Counters, *, gamma: int, draft_calls_per_round: int,

@@ -137,8 +137,8 @@ _REPEATED = {stage: _repeated(stage) for stage in ("round", "propose")}
 
 
 def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=None,
-                 decoded: int = 64, key=0, max_cache_len: int | None = None
-                 ) -> dict[str, Callable[[], float]]:
+                 decoded: int = 64, key=0, max_cache_len: int | None = None,
+                 allow_synthetic: bool = False) -> dict[str, Callable[[], float]]:
     """Functions timing (seconds per call) one round of ``sj.generate``'s own program for the
     single row ``prompt`` after ``decoded`` tokens of it have been generated (so the caches hold
     prompt + decoded tokens): "round" is the whole round (propose, the target's verify forward,
@@ -148,7 +148,8 @@ def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=No
     from . import engine
 
     rows, sampling, plan, target, draft_params, inputs = engine._prepare(
-        target, [prompt], sampling, spec, draft, proposer, key, None, False, None, max_cache_len)
+        target, [prompt], sampling, spec, draft, proposer, key, None, False, None, max_cache_len,
+        allow_synthetic)
     params = target.params
     state = engine._STAGES["prefill"](plan, params, draft_params, inputs.prompts, inputs.lengths,
                                       inputs.request)

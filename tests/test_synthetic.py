@@ -1,0 +1,71 @@
+"""Synthetic acceptance (SpecConfig.synthetic_acceptance): benchmark only and not lossless, so it
+is refused unless asked for, labelled wherever it shows, and its accepted lengths follow the
+given per-position α."""
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import specjax as sj
+from specjax import bench
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 3]] * 16
+
+
+def test_refused_unless_asked_for(target, draft):
+    spec = sj.SpecConfig(num_speculative_tokens=3, synthetic_acceptance=0.8)
+    with pytest.raises(ValueError, match=r"synthetic_acceptance=\(0.8, 0.8, 0.8\).*benchmarks"):
+        sj.generate(target, [[1, 2, 3]], spec=spec, draft=draft)
+    with pytest.raises(ValueError, match="allow_synthetic"):
+        sj.warmup(target, spec=spec, draft=draft)
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, (0.5, 0.5), "0.5", True, (0.5, 0.5, float("nan"))])
+def test_bad_profiles_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match="synthetic_acceptance must be"):
+        sj.SpecConfig(num_speculative_tokens=3, synthetic_acceptance=bad)
+
+
+def test_trees_are_refused():
+    with pytest.raises(ValueError, match="chains, not trees"):
+        sj.SpecConfig(tree=((0,), (1,)), synthetic_acceptance=0.5)
+
+
+def _g_pvalue(counts, probs):
+    expected = np.asarray(probs) * counts.sum()
+    return scipy_stats.power_divergence(counts, expected, lambda_="log-likelihood").pvalue
+
+
+def _length_counts(target, draft, method, alphas, temperature):
+    out = sj.generate(target, PROMPTS, draft=draft if method == "draft_model" else None,
+                      sampling=sj.SamplingParams(temperature=temperature, max_new_tokens=40),
+                      spec=sj.SpecConfig(method=method, num_speculative_tokens=len(alphas),
+                                         synthetic_acceptance=alphas),
+                      key=3, allow_synthetic=True)
+    assert out.stats.synthetic_acceptance == alphas
+    row_rounds = out.stats.proposed_tokens / len(alphas)  # every row proposes γ a round
+    return np.rint(out.stats.accepted_length_distribution * row_rounds)
+
+
+def profile_probs(alphas):
+    """P(k drafts accepted), k = 0 .. γ, when position i passes with alphas[i] until one fails."""
+    alive = np.cumprod((1.0,) + tuple(alphas))
+    return alive * np.append(1 - np.asarray(alphas), 1.0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_accepted_lengths_follow_the_profile(target, draft, temperature):
+    """Random tiny models accept almost nothing on their own; with α = (0.9, 0.6, 0.5) the
+    counts of 0..3 accepted drafts per round follow the profile (G-test), and are far from
+    another profile with the same values in a different order (the test has power)."""
+    alphas = (0.9, 0.6, 0.5)
+    counts = _length_counts(target, draft, "draft_model", alphas, temperature)
+    assert counts.sum() > 500
+    assert _g_pvalue(counts, profile_probs(alphas)) > 1e-3
+    assert _g_pvalue(counts, profile_probs((0.6, 0.9, 0.5))) < 1e-6
+
+
+def test_a_single_alpha_is_every_position():
+    spec = sj.SpecConfig(num_speculative_tokens=4, synthetic_acceptance=0.7)
+    assert spec.synthetic_acceptance == (0.7,) * 4
+    assert "synthetic" in bench._label(spec)
