@@ -68,8 +68,9 @@ class Plan:
     mesh: Any = None  # a ("data", "model") jax.sharding.Mesh for sharded runs, or None
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per prefill forward
     attention_block: int = attention.BLOCK  # cache slots per attention block
-    # SpecConfig.synthetic_acceptance (one α per draft position): benchmark only, not lossless
-    synthetic: tuple[float, ...] | None = None
+    # SpecConfig.synthetic_acceptance is on (benchmark only, not lossless); its α's are in the
+    # Request, so other values reuse the program
+    synthetic: bool = False
 
     @property
     def gamma(self) -> int:
@@ -113,6 +114,7 @@ class Request:
     sampling: SamplingArrays  # [B] each
     max_new_tokens: Array  # [B] int32
     eos: Array  # [MAX_EOS_IDS] int32, padded with -1
+    synthetic: Array | None = None  # [γ] float32: SpecConfig.synthetic_acceptance, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +203,7 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
                       for x in cache)
     drafts = draft.tokens[:, :T - 1]
     valid = None if draft.valid is None else draft.valid[:, :T - 1]
-    if plan.synthetic is not None:  # benchmark only: acceptance by a coin, not by p and q
+    if plan.synthetic:  # benchmark only: acceptance by a coin, not by p and q
         verdict = _synthetic_verdict(plan, request, logits, drafts, valid, keys)
     elif plan.filters.greedy:  # one-hot p: the same verdict from argmaxes alone
         verdict = verify.greedy_verdict(drafts, sampling_lib.argmax(logits), valid)
@@ -217,14 +219,14 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
 
 def _synthetic_verdict(plan: Plan, request: Request, logits: Array, drafts: Array,
                        valid: Array | None, keys: Array) -> verify.Verdict:
-    """NOT LOSSLESS, benchmark only: draft i is accepted with probability plan.synthetic[i]
+    """NOT LOSSLESS, benchmark only: draft i is accepted with probability request.synthetic[i]
     (in a row, until the first rejection), whatever it is; the token after the accepted ones is
     the target's own (its argmax, or a draw from its processed distribution), as a real round
     would emit. Costs what a real verification costs, or a little less."""
     B, G = drafts.shape
     coin, draw = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(coin)  # [B, G]
-    hit = u < jnp.asarray(plan.synthetic[:G], jnp.float32)[None, :]
+    hit = u < request.synthetic[None, :G]
     if valid is not None:
         hit &= valid
     num_accepted = jnp.sum(jnp.cumprod(hit, axis=1), axis=1).astype(jnp.int32)
@@ -714,7 +716,7 @@ def _as_key(key) -> Array:
 
 
 def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: Shapes,
-                 mesh) -> Inputs:
+                 mesh, synthetic: tuple[float, ...] | None = None) -> Inputs:
     """The call's arrays, built in numpy and placed on the devices once (split over "data" on a
     mesh, the same in every process)."""
     B, B_pad, P = shapes.batch, shapes.padded_batch, shapes.prompt
@@ -743,7 +745,9 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
         keys = jax.jit(wrap, out_shardings=sharding.rows(mesh, 1))(
             put(np.asarray(jax.random.key_data(keys))))
     request = Request(keys=keys, sampling=SamplingArrays(**{k: put(v) for k, v in per_row.items()}),
-                      max_new_tokens=put(max_new), eos=everywhere(eos))
+                      max_new_tokens=put(max_new), eos=everywhere(eos),
+                      synthetic=None if synthetic is None else everywhere(
+                          np.asarray(synthetic, np.float32)))
     return Inputs(put(prompts), put(lengths), request)
 
 
@@ -774,8 +778,6 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
         prefill_seconds=timing.prefill_seconds, decode_seconds=timing.decode_seconds,
         compile_seconds=timing.compile_seconds,
         cache_bytes_per_row=cache_bytes // state.length.shape[0], capacity=plan.capacity)
-    if plan.synthetic is not None:
-        stats = dataclasses.replace(stats, synthetic_acceptance=plan.synthetic)
     return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats)
 
 
@@ -800,9 +802,9 @@ def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, token
     _check_tree_window(proposer, target.config, draft)
     plan, shapes = plan_program(target.config, proposer, rows, sampling, mesh, max_cache_len)
     if synthetic is not None:
-        plan = dataclasses.replace(plan, synthetic=synthetic)
+        plan = dataclasses.replace(plan, synthetic=True)
     target, draft_params = place(target, draft_params, mesh)
-    inputs = build_inputs(rows, sampling, key, shapes, mesh)
+    inputs = build_inputs(rows, sampling, key, shapes, mesh, synthetic)
     return rows, sampling, plan, target, draft_params, inputs
 
 
@@ -851,6 +853,9 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         max_cache_len, allow_synthetic)
     state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
     out = collect(plan, state, rows, sampling.max_new_tokens, timing)
+    if plan.synthetic:  # said wherever the result goes
+        out = dataclasses.replace(out, stats=dataclasses.replace(
+            out.stats, synthetic_acceptance=SpecConfig.parse(spec).synthetic_acceptance))
     if return_text:
         text = [tokenizer.decode(out.tokens[b, :out.lengths[b]]) for b in range(len(rows))]
         out = dataclasses.replace(out, text=text)

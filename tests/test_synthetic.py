@@ -69,3 +69,36 @@ def test_a_single_alpha_is_every_position():
     spec = sj.SpecConfig(num_speculative_tokens=4, synthetic_acceptance=0.7)
     assert spec.synthetic_acceptance == (0.7,) * 4
     assert "synthetic" in bench._label(spec)
+
+
+def test_other_alphas_reuse_the_program(target, draft):
+    """The α's travel with the request, not in the compiled program."""
+    run = lambda a: sj.generate(  # noqa: E731
+        target, [[1, 2, 3]], draft=draft, allow_synthetic=True,
+        sampling=sj.SamplingParams(temperature=0, max_new_tokens=8),
+        spec=sj.SpecConfig(num_speculative_tokens=3, synthetic_acceptance=a))
+    run(0.8)
+    out = run((0.5, 0.4, 0.3))
+    assert out.stats.compile_seconds == 0 and out.stats.synthetic_acceptance == (0.5, 0.4, 0.3)
+
+
+def test_the_accelerator_check_runs_tiny_on_cpu(tmp_path):
+    """experiments/accelerator_check.py, prepared here for a GPU or TPU host, at its CPU size."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "accelerator_check.py"
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, str(script), "--size", "tiny", "--out", str(out),
+                          "--prompt-tokens", "16", "--new-tokens", "16", "--gammas", "2,4",
+                          "--alphas", "0.8,0.9"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "NOT LOSSLESS" in run.stdout and "roofline" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["device"]["backend"] == "cpu" and result["size"] == "tiny"
+    assert [(r["batch"], r["alpha"], r["gamma"]) for r in result["speculative"]] == [
+        (1, 0.8, 2), (1, 0.8, 4), (1, 0.9, 2), (1, 0.9, 4), (8, 0.8, 2), (8, 0.8, 4)]
+    assert all(r["speedup"] > 0 and r["predicted"] > 0 for r in result["speculative"])
+    roof = result["roofline"]
+    assert roof["fraction"] > 0 and roof["verify_cost_by_width"]["1"] == 1

@@ -1,0 +1,183 @@
+"""How fast is speculative decoding here? One script for a GPU or TPU host (or, tiny, a CPU).
+
+Random weights in the shape of a 1B-class Llama target (Llama-3.2-1B: 16 layers, width 2048,
+GQA 32/8, tied 128,256-token embeddings) and a small draft (2 layers, width 512, the same
+vocabulary), in the backend's default dtype (bfloat16 on GPU and TPU, float32 on CPU). Random
+weights accept nothing, so the speculative runs use synthetic acceptance (benchmark only, not
+lossless: each draft position passes with probability α). It measures and writes to one JSON
+file, and prints:
+
+* the device (kind, count), jax version, dtype;
+* the roofline: the target's weight bytes per decode step against the measured memory
+  bandwidth (one jitted sum over 512 MiB), and the target's forward over 1 to 16 positions in
+  decode steps at batch 1: the first width costing over 1.25 steps, where verifying stops being
+  nearly free;
+* the draft's step in target steps (c);
+* speculative decoding against autoregressive decoding at α ∈ {0.6, 0.8, 0.9} × γ ∈ {2, 4, 8},
+  batch 1 (and α = 0.8 at batch 8), each beside the formula's prediction from α, the measured c
+  and verify cost: (1 − α^(γ+1)) / ((1 − α)(γc + v));
+* with more than one device, α = 0.8, γ = 4 again on a tensor-parallel mesh over all of them.
+
+    python experiments/accelerator_check.py                    # 1B-class on GPU/TPU, tiny on CPU
+    python experiments/accelerator_check.py --size tiny --out /tmp/check.json
+
+On a GPU or TPU it should finish in under 8 minutes (most of it compiling); ``--size tiny`` runs
+in about a minute on a 2-core CPU (a test runs it that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+import specjax as sj
+from specjax import theory, timing
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SHAPES = {
+    # name: (target, draft) ModelConfig fields; vocab and context shared
+    "1b": (dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+           dict(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=64)),
+    "tiny": (dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+             dict(vocab_size=512, hidden_size=32, intermediate_size=96, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)),
+}
+
+
+def models(size: str, dtype: str):
+    target_shape, draft_shape = SHAPES[size]
+    common = dict(max_position_embeddings=4096, tie_word_embeddings=True, dtype=dtype)
+    target = sj.init_model(sj.ModelConfig(**target_shape, **common), jax.random.key(0))
+    draft = sj.init_model(sj.ModelConfig(**draft_shape, **common), jax.random.key(1))
+    return target, draft
+
+
+def decode_seconds(target, draft, prompts, new_tokens, spec, mesh=None, repeats=3) -> float:
+    """Median decode seconds of one greedy generate call (compiled first)."""
+    def run():
+        out = sj.generate(target, prompts, draft=draft if spec else None, spec=spec, mesh=mesh,
+                          sampling=sj.SamplingParams(temperature=0, max_new_tokens=new_tokens),
+                          allow_synthetic=True, key=0)
+        return out.stats.decode_seconds
+    run()
+    return statistics.median(run() for _ in range(repeats))
+
+
+def main() -> None:
+    backend = jax.default_backend()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SHAPES), default="tiny" if backend == "cpu" else "1b")
+    ap.add_argument("--out", default=None, help="the JSON file (default: experiments/results/"
+                                                "<date>-accelerator-<device>.json)")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--alphas", default="0.6,0.8,0.9")
+    ap.add_argument("--gammas", default="2,4,8")
+    args = ap.parse_args()
+    alphas = [float(a) for a in args.alphas.split(",")]
+    gammas = [int(g) for g in args.gammas.split(",")]
+    t_start = time.perf_counter()
+    devices = jax.devices()
+    kind = devices[0].device_kind
+    dtype = "float32" if backend == "cpu" else "bfloat16"
+    target, draft = models(args.size, dtype)
+    rng = np.random.default_rng(0)
+    V = target.config.vocab_size
+
+    def prompts(batch):
+        return rng.integers(1, V, size=(batch, args.prompt_tokens)).tolist()
+
+    capacity = sj.engine.cache_capacity(target.config, max(gammas), args.prompt_tokens
+                                        + args.new_tokens + max(gammas) + 1)
+    context = args.prompt_tokens + args.new_tokens // 2
+    widths = [1, 2, 3, 4, 5, 6, 8, 9, 12, 16]  # every γ + 1 below, and the curve
+    timers = {w: timing.forward_timer(target, w, capacity, context) for w in widths}
+    timers["draft"] = timing.forward_timer(draft, 1, capacity, context)
+    samples = timing.interleaved(timers, 7)
+    seconds = {k: statistics.median(v) for k, v in samples.items()}
+    step = seconds[1]
+    weight_bytes = timing.step_weight_bytes(target)
+    bandwidth = timing.memory_bandwidth()
+    verify = {w: seconds[w] / step for w in widths}
+    knee = next((w for w in widths if verify[w] > 1.25), None)
+    c = seconds["draft"] / step
+
+    rows = []
+    for batch, alist in ((1, alphas), (8, [0.8])):  # α's share a program; each γ compiles one
+        batch_prompts = prompts(batch)
+        ar = decode_seconds(target, draft, batch_prompts, args.new_tokens, None)
+        for alpha in alist:
+            for gamma in gammas:
+                spec = sj.SpecConfig(num_speculative_tokens=gamma, synthetic_acceptance=alpha)
+                sp = decode_seconds(target, draft, batch_prompts, args.new_tokens, spec)
+                v = verify.get(gamma + 1, float("nan"))
+                predicted = theory.expected_tokens_per_round(alpha, gamma) / (gamma * c + v)
+                rows.append(dict(batch=batch, alpha=alpha, gamma=gamma, ar_seconds=ar,
+                                 spec_seconds=sp, speedup=ar / sp, predicted=predicted,
+                                 measured_over_predicted=ar / sp / predicted))
+    mesh_row = None
+    if len(devices) > 1:
+        mesh = sj.make_mesh(data=1)
+        batch_prompts = prompts(1)
+        spec = sj.SpecConfig(num_speculative_tokens=4, synthetic_acceptance=0.8)
+        ar = decode_seconds(target, draft, batch_prompts, args.new_tokens, None, mesh=mesh)
+        sp = decode_seconds(target, draft, batch_prompts, args.new_tokens, spec, mesh=mesh)
+        mesh_row = dict(devices=len(devices), alpha=0.8, gamma=4, ar_seconds=ar,
+                        spec_seconds=sp, speedup=ar / sp)
+
+    result = dict(
+        note="synthetic acceptance: benchmark only, not lossless; random weights",
+        device=dict(backend=backend, kind=kind, count=len(devices)), jax=jax.__version__,
+        platform=platform.platform(), size=args.size, dtype=dtype,
+        target_parameters=sum(x.size for x in jax.tree.leaves(target.params)),
+        draft_parameters=sum(x.size for x in jax.tree.leaves(draft.params)),
+        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, capacity=capacity,
+        roofline=dict(step_ms=1e3 * step, weight_bytes=weight_bytes,
+                      bandwidth_bytes_per_second=bandwidth,
+                      fraction=weight_bytes / step / bandwidth,
+                      verify_cost_by_width={str(w): verify[w] for w in widths},
+                      knee_width=knee),
+        draft_step_c=c, speculative=rows, mesh=mesh_row,
+        seconds=time.perf_counter() - t_start)
+    out = pathlib.Path(args.out) if args.out else (
+        ROOT / "experiments" / "results" /
+        f"{datetime.date.today()}-accelerator-{kind.replace(' ', '-').lower()}.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+    print(f"{kind} x {len(devices)} ({backend}), jax {jax.__version__}, {args.size} target "
+          f"({result['target_parameters'] / 1e6:.1f}M parameters, {dtype}), draft "
+          f"{result['draft_parameters'] / 1e6:.1f}M; synthetic acceptance: NOT LOSSLESS, "
+          f"benchmark only")
+    print(f"roofline: {weight_bytes / 2**20:.0f} MiB of weights per {1e3 * step:.2f} ms step = "
+          f"{weight_bytes / step / 1e9:.1f} GB/s against {bandwidth / 1e9:.1f} GB/s measured "
+          f"({result['roofline']['fraction']:.0%})")
+    print("verify cost (target steps) by width: " + ", ".join(
+        f"{w}: {verify[w]:.2f}" for w in widths)
+        + f"; first width above 1.25 steps: {knee}")
+    print(f"draft step c = {c:.3f} target steps")
+    print(f"{'batch':>5} {'alpha':>5} {'gamma':>5} {'speed-up':>9} {'predicted':>9} "
+          f"{'meas/pred':>9}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['alpha']:5.2f} {r['gamma']:5d} {r['speedup']:8.2f}x "
+              f"{r['predicted']:8.2f}x {r['measured_over_predicted']:9.2f}")
+    if mesh_row:
+        print(f"mesh over {mesh_row['devices']} devices, alpha 0.8, gamma 4: "
+              f"{mesh_row['speedup']:.2f}x")
+    print(f"wrote {out} in {result['seconds']:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
