@@ -1,11 +1,11 @@
 """How fast is speculative decoding here? One script for a GPU or TPU host (or, tiny, a CPU).
 
 Random weights in the shape of a 1B-class Llama target (Llama-3.2-1B: 16 layers, width 2048,
-GQA 32/8, tied 128,256-token embeddings) and a small draft (2 layers, width 512, the same
-vocabulary), in the backend's default dtype (bfloat16 on GPU and TPU, float32 on CPU). Random
-weights accept nothing, so the speculative runs use synthetic acceptance (benchmark only, not
-lossless: each draft position passes with probability α). It measures and writes to one JSON
-file, and prints:
+GQA 32/8, tied 128,256-token embeddings; other shapes in specjax/shapes.py) and a small draft
+(one layer, width 512, the same vocabulary), in the backend's default dtype (bfloat16 on GPU
+and TPU, float32 on CPU). Random weights accept nothing, so the speculative runs use synthetic
+acceptance (benchmark only, not lossless: each draft position passes with probability α). It
+measures and writes to one JSON file, and prints:
 
 * the device (kind, count), jax version, dtype;
 * the roofline: the target's weight bytes per decode step against the measured memory
@@ -20,6 +20,7 @@ file, and prints:
 
     python experiments/accelerator_check.py                    # 1B-class on GPU/TPU, tiny on CPU
     python experiments/accelerator_check.py --size tiny --out /tmp/check.json
+    python experiments/accelerator_check.py --size qwen3-0.6b
 
 On a GPU or TPU it should finish in under 8 minutes (most of it compiling); ``--size tiny`` runs
 in about a minute on a 2-core CPU (a test runs it that way).
@@ -40,28 +41,13 @@ import jax
 import numpy as np
 
 import specjax as sj
-from specjax import theory, timing
+from specjax import shapes, theory, timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-SHAPES = {
-    # name: (target, draft) ModelConfig fields; vocab and context shared
-    "1b": (dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-           dict(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
-                num_attention_heads=8, num_key_value_heads=2, head_dim=64)),
-    "tiny": (dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-             dict(vocab_size=512, hidden_size=32, intermediate_size=96, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)),
-}
-
-
 def models(size: str, dtype: str):
-    target_shape, draft_shape = SHAPES[size]
-    common = dict(max_position_embeddings=4096, tie_word_embeddings=True, dtype=dtype)
-    target = sj.init_model(sj.ModelConfig(**target_shape, **common), jax.random.key(0))
-    draft = sj.init_model(sj.ModelConfig(**draft_shape, **common), jax.random.key(1))
+    target = sj.init_model(shapes.target_config(size, dtype=dtype), jax.random.key(0))
+    draft = sj.init_model(shapes.draft_config(size, dtype=dtype), jax.random.key(1))
     return target, draft
 
 
@@ -79,7 +65,10 @@ def decode_seconds(target, draft, prompts, new_tokens, spec, mesh=None, repeats=
 def main() -> None:
     backend = jax.default_backend()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(SHAPES), default="tiny" if backend == "cpu" else "1b")
+    ap.add_argument("--size", choices=shapes.names(),
+                    default="tiny" if backend == "cpu" else "llama-3.2-1b",
+                    help="the target's shape (specjax/shapes.py); its draft is one layer a "
+                         "quarter as wide")
     ap.add_argument("--out", default=None, help="the JSON file (default: experiments/results/"
                                                 "<date>-accelerator-<device>.json)")
     ap.add_argument("--prompt-tokens", type=int, default=64)

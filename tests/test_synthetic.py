@@ -102,3 +102,16 @@ def test_the_accelerator_check_runs_tiny_on_cpu(tmp_path):
     assert all(r["speedup"] > 0 and r["predicted"] > 0 for r in result["speculative"])
     roof = result["roofline"]
     assert roof["fraction"] > 0 and roof["verify_cost_by_width"]["1"] == 1
+
+
+@pytest.mark.parametrize("name,published", [("llama-3.2-1b", 1.236e9), ("llama-3.1-8b", 8.030e9),
+                                            ("qwen3-0.6b", 0.596e9), ("qwen3-4b", 4.022e9)])
+def test_field_shapes_have_their_published_sizes(name, published):
+    """sj.shapes: each target shape's parameter count is its model's published one (within 1%),
+    and its draft is a valid, much smaller model with the same vocabulary."""
+    target = sj.shapes.target_config(name, dtype="bfloat16")
+    draft = sj.shapes.draft_config(name)
+    assert abs(target.num_params / published - 1) < 0.01, target.num_params
+    assert draft.vocab_size == target.vocab_size and draft.num_params < target.num_params / 4
+    with pytest.raises(ValueError, match="unknown model shape 'gpt-5'"):
+        sj.shapes.target_config("gpt-5")
