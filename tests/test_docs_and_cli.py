@@ -240,7 +240,10 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
                      "--json", str(out)]) == 0
     row, = json.loads(out.read_text())["rows"]
     assert row["method"] == "ngram" and row["identical_to_autoregressive"]
-    assert row["c"] > 0 and 0 < row["propose_ms"] < row["round_ms"]  # the lookup is timed
+    # the lookup and the round are timed (which is larger is a timing, not a test: with one
+    # sample on a busy machine the lookup once took 1.2 ms against a 0.2 ms round; that the
+    # propose program really runs the lookup is tests/test_heads.py's compiled-program check)
+    assert row["c"] > 0 and row["propose_ms"] > 0 and row["round_ms"] > 0
     assert row["lookup"] == {"min": 1, "max": 3, "length_factor": 1.5}
     assert row["label"] == "chain 2 (1..3 x1.5)"
     capsys.readouterr()
