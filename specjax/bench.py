@@ -269,6 +269,9 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             if temperature == 0 and spec.synthetic_acceptance is None:
                 row["identical_to_autoregressive"] = all(
                     np.array_equal(a.tokens, s.tokens) for a, s in zip(ar.outputs, sp.outputs))
+                # tokens where rounding could decide (Stats.greedy_near_ties), AR and spec
+                row["greedy_near_ties"] = [sum(o.stats.greedy_near_ties for o in runs.outputs)
+                                           for runs in (ar, sp)]
             rows.append(row)
 
     seconds = {k: statistics.median(v) for k, v in samples.items()}
@@ -350,6 +353,9 @@ def format_table(result: dict) -> str:
                 + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
         if r.get("identical_to_autoregressive") is False:
             line += "  OUTPUT DIFFERS FROM AUTOREGRESSIVE"
+            if max(r.get("greedy_near_ties", [0])):
+                line += (f" ({max(r['greedy_near_ties'])} greedy near ties: rounding may "
+                         f"decide there)")
         if r.get("synthetic_acceptance") is not None:
             line += "  NOT LOSSLESS, benchmark only"
         lines.append(line)

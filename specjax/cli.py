@@ -184,6 +184,10 @@ def _generate(args) -> int:
         print(f"speed-up {ratio:.2f}x"
               f" (median of {args.repeats} interleaved passes each)"
               + (f"; output identical: {same}" if args.temperature == 0 else ""))
+        ties = max(ar.stats.greedy_near_ties, sp.stats.greedy_near_ties)
+        if args.temperature == 0 and not same and ties:
+            print(f"({ties} greedy tokens were near ties, within {target.config.dtype} rounding: "
+                  f"there a verify forward and a one-token step may choose apart)")
     return 0
 
 

@@ -207,6 +207,8 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
         verdict = _synthetic_verdict(plan, request, logits, drafts, valid, keys)
     elif plan.filters.greedy:  # one-hot p: the same verdict from argmaxes alone
         verdict = verify.greedy_verdict(drafts, sampling_lib.argmax(logits), valid)
+        near = jnp.pad(sampling_lib.near_ties(logits, plan.target.dtype), ((0, 0), (0, G + 1 - T)))
+        verdict = dataclasses.replace(verdict, near_ties=near)
     else:
         target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
         verdict = verify.rejection_sample(
@@ -214,7 +216,7 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
             valid)
     tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
     hidden = jnp.pad(hidden, ((0, 0), (0, G + 1 - T), (0, 0))) if plan.rides else None
-    return verify.Verdict(tokens, verdict.num_accepted), cache, hidden
+    return dataclasses.replace(verdict, tokens=tokens), cache, hidden
 
 
 def _synthetic_verdict(plan: Plan, request: Request, logits: Array, drafts: Array,
@@ -276,6 +278,10 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
                                     chunk_mask=jnp.asarray(tree.ancestors))
     target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
     verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid, draft.probs)
+    if plan.filters.greedy:
+        nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
+        near = sampling_lib.near_ties(logits, plan.target.dtype)  # [B, N]
+        verdict = dataclasses.replace(verdict, near_ties=jnp.take_along_axis(near, nodes, axis=1))
     cache = kv.compact(cache, state.length, verdict.path, verdict.num_accepted)
     if hasattr(plan.proposer, "commit"):  # a proposer with a cache of its own compacts it too
         draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
@@ -302,6 +308,14 @@ def _emit(state: LoopState, tokens: Array, num_accepted: Array, request: Request
     hit_eos = jnp.any(is_eos & (index < n_emit[:, None]), axis=1)
     history = kv.write(state.history, tokens, state.length + 1)
     return n_emit, hit_eos, history
+
+
+def _emitted_near_ties(verdict: verify.Verdict, n_emit: Array) -> Array | int:
+    """How many of the tokens the rows emit this round were greedy near ties."""
+    if verdict.near_ties is None:
+        return 0
+    index = jnp.arange(verdict.near_ties.shape[1])[None, :]
+    return jnp.sum(verdict.near_ties & (index < n_emit[:, None]), dtype=jnp.int32)
 
 
 def round_step(plan: Plan, target_params, draft_params, request: Request,
@@ -336,7 +350,8 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
         history=history, length=length, num_generated=num_generated,
         done=state.done | hit_eos | (num_generated >= request.max_new_tokens),
         cache=cache.rollback(length), draft_state=draft_state,
-        counters=state.counters.update(~state.done, verdict.num_accepted, num_proposed),
+        counters=state.counters.update(~state.done, verdict.num_accepted, num_proposed,
+                                       _emitted_near_ties(verdict, n_emit)),
         step=state.step + 1)
 
 

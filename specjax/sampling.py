@@ -54,6 +54,23 @@ def argmax(x: Array) -> Array:
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
+# How close the runner-up logit may come to the top one, relative to max(1, |top|), for a greedy
+# choice to count as a near tie, by the dtype the model computes in. Forwards of different
+# widths (a one-token step, a γ + 1 verify) round their hidden states differently: on the
+# bundled target the same position's logits differed by up to 1.3e-5 in float32 and 0.05 in
+# bfloat16 (about 8 and 2^-7 relative), so a margin below these can fall either way.
+TIE_TOLERANCE = {"float32": 2.0 ** -16, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+
+
+def near_ties(logits: Array, dtype: str) -> Array:
+    """logits [..., V] (float32) -> [...] bool: whether another logit lies within
+    ``TIE_TOLERANCE[dtype] * max(1, |top|)`` of the top one, where the greedy choice depends on
+    the forward's rounding (exact ties always go to the smaller id, ``argmax``)."""
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    tol = TIE_TOLERANCE[dtype] * jnp.maximum(1.0, jnp.abs(peak))
+    return jnp.sum(logits >= peak - tol, axis=-1) >= 2
+
+
 def _per_row(x: Array, logits: Array) -> Array:
     """[B] -> [B, 1, ..., 1] broadcastable against logits[B, ..., V] without the V axis."""
     return x.reshape(x.shape + (1,) * (logits.ndim - 1 - x.ndim))

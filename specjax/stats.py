@@ -23,16 +23,19 @@ class Counters:
     emitted: Array  # [] int32: sum of num_accepted + 1 (before EOS / max_new_tokens truncation)
     accepted_at: Array  # [G] int32: active row-rounds whose draft at position k was accepted
     accepted_count: Array  # [G+1] int32: active row-rounds that accepted exactly k drafts
+    near_ties: Array  # [] int32: emitted greedy tokens chosen at a near tie (sampling.near_ties)
 
     @classmethod
     def zeros(cls, gamma: int) -> Counters:
         """gamma: the most drafts a round can accept (a tree's depth)."""
         z = jnp.zeros((), jnp.int32)
         return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32),
-                   jnp.zeros((gamma + 1,), jnp.int32))
+                   jnp.zeros((gamma + 1,), jnp.int32), z)
 
-    def update(self, active: Array, num_accepted: Array, num_proposed: Array) -> Counters:
-        """active [B] bool, num_accepted [B] int32, num_proposed [B] int32."""
+    def update(self, active: Array, num_accepted: Array, num_proposed: Array,
+               near_ties: Array | int = 0) -> Counters:
+        """active [B] bool, num_accepted [B] int32, num_proposed [B] int32; near_ties: the
+        round's emitted near-tie tokens, all rows."""
         G = self.accepted_at.shape[0]
         n = jnp.where(active, num_accepted, 0)
         proposed = jnp.where(active, num_proposed, 0)
@@ -48,6 +51,7 @@ class Counters:
             accepted_count=self.accepted_count + jnp.sum(
                 (n[:, None] == jnp.arange(G + 1)[None, :]) & active[:, None], axis=0,
                 dtype=jnp.int32),
+            near_ties=self.near_ties + near_ties,
         )
 
 
@@ -77,6 +81,12 @@ class Stats:
     # Set only when SpecConfig.synthetic_acceptance was used: the α per draft position. Such a
     # run is NOT lossless (benchmark only).
     synthetic_acceptance: tuple[float, ...] | None = None
+    # Greedy calls: decode-loop tokens the target chose where another logit was within its
+    # dtype's rounding of the top one (sampling.near_ties). The verify forward and a one-token
+    # step round differently, so at such a token a speculative run may choose apart from an
+    # autoregressive one, neither being wrong (exact ties always go to the smaller id). 0 when
+    # sampling, or when any row samples.
+    greedy_near_ties: int = 0
 
     @classmethod
     def summarise(cls, counters: Counters, *, gamma: int, draft_calls_per_round: int,
@@ -109,4 +119,5 @@ class Stats:
             compile_seconds=compile_seconds,
             capacity=capacity,
             cache_bytes_per_row=cache_bytes_per_row,
+            greedy_near_ties=int(c.near_ties),
         )

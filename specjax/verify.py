@@ -38,6 +38,9 @@ class Verdict:
     tokens: Array  # [B, G+1] int32: accepted drafts, then the recovered or bonus token, then -1
     num_accepted: Array  # [B] int32 in [0, G]; the row emits num_accepted + 1 tokens
     path: Array | None = None  # trees: [B, D] the accepted node at each depth (0 past the end)
+    # greedy plans: [B, G+1] whether the target's choice at each position was a near tie
+    # (sampling.near_ties), counted for the tokens a row emits (Stats.greedy_near_ties)
+    near_ties: Array | None = None
 
 
 def _draft_token_probs(probs: Array, tokens: Array) -> Array:
