@@ -8,14 +8,15 @@ acceptance (benchmark only, not lossless: each draft position passes with probab
 measures and writes to one JSON file, and prints:
 
 * the device (kind, count), jax version, dtype;
-* the roofline: the target's weight bytes per decode step against the measured memory
-  bandwidth (one jitted sum over 512 MiB), and the target's forward over 1 to 16 positions in
-  decode steps at batch 1: the first width costing over 1.25 steps, where verifying stops being
-  nearly free;
-* the draft's step in target steps (c);
+* the roofline (``sj.roofline``): the target's forward over 1 to 16 positions at batch 1, 8
+  and 32, in that batch's one-token steps, beside the weight and KV bytes it moves against the
+  measured memory bandwidth (one jitted sum over 512 MiB) and its FLOPs against the measured
+  peak (a chain of jitted matrix products); per batch the knee, the first width costing over
+  1.25 steps, where verifying stops being nearly free;
+* the draft's step in target steps (c), at batch 1 and 8;
 * speculative decoding against autoregressive decoding at α ∈ {0.6, 0.8, 0.9} × γ ∈ {2, 4, 8},
   batch 1 (and α = 0.8 at batch 8), each beside the formula's prediction from α, the measured c
-  and verify cost: (1 − α^(γ+1)) / ((1 − α)(γc + v));
+  and verify cost at that batch: (1 − α^(γ+1)) / ((1 − α)(γc + v));
 * with more than one device, α = 0.8, γ = 4 again on a tensor-parallel mesh over all of them.
 
     python experiments/accelerator_check.py                    # 1B-class on GPU/TPU, tiny on CPU
@@ -41,7 +42,7 @@ import jax
 import numpy as np
 
 import specjax as sj
-from specjax import shapes, theory, timing
+from specjax import roofline, shapes, theory, timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -92,17 +93,20 @@ def main() -> None:
     capacity = sj.engine.cache_capacity(target.config, max(gammas), args.prompt_tokens
                                         + args.new_tokens + max(gammas) + 1)
     context = args.prompt_tokens + args.new_tokens // 2
-    widths = [1, 2, 3, 4, 5, 6, 8, 9, 12, 16]  # every γ + 1 below, and the curve
-    timers = {w: timing.forward_timer(target, w, capacity, context) for w in widths}
-    timers["draft"] = timing.forward_timer(draft, 1, capacity, context)
-    samples = timing.interleaved(timers, 7)
-    seconds = {k: statistics.median(v) for k, v in samples.items()}
-    step = seconds[1]
-    weight_bytes = timing.step_weight_bytes(target)
-    bandwidth = timing.memory_bandwidth()
-    verify = {w: seconds[w] / step for w in widths}
-    knee = next((w for w in widths if verify[w] > 1.25), None)
-    c = seconds["draft"] / step
+    batches = (1, 8)  # the speculative runs; the roofline also at 32
+    roof = roofline.report(target, batches=(1, 8, 32), widths=roofline.WIDTHS, context=context,
+                           capacity=capacity, log=lambda m: print(m, file=sys.stderr))
+    cell = {(c["batch"], c["width"]): c for c in roof["cells"]}
+    # c per batch: the draft's step over the target's, timed interleaved at that batch
+    timers = {(kind_, b): timing.forward_timer(model, 1, capacity, context, batch=b)
+              for b in batches for kind_, model in (("target", target), ("draft", draft))}
+    seconds = timing.median_seconds(timers, 7)
+    c_by_batch = {b: seconds[("draft", b)] / seconds[("target", b)] for b in batches}
+    step = cell[1, 1]["ms"] / 1e3
+    weight_bytes = cell[1, 1]["weight_bytes"]
+    bandwidth = roof["bandwidth_bytes_per_second"]
+    verify = {w: cell[1, w]["steps"] for w in roofline.WIDTHS}
+    c = c_by_batch[1]
 
     rows = []
     for batch, alist in ((1, alphas), (8, [0.8])):  # α's share a program; each γ compiles one
@@ -112,8 +116,9 @@ def main() -> None:
             for gamma in gammas:
                 spec = sj.SpecConfig(num_speculative_tokens=gamma, synthetic_acceptance=alpha)
                 sp = decode_seconds(target, draft, batch_prompts, args.new_tokens, spec)
-                v = verify.get(gamma + 1, float("nan"))
-                predicted = theory.expected_tokens_per_round(alpha, gamma) / (gamma * c + v)
+                v = cell[batch, gamma + 1]["steps"] if (batch, gamma + 1) in cell else float("nan")
+                predicted = theory.expected_tokens_per_round(alpha, gamma) / (
+                    gamma * c_by_batch[batch] + v)
                 rows.append(dict(batch=batch, alpha=alpha, gamma=gamma, ar_seconds=ar,
                                  spec_seconds=sp, speedup=ar / sp, predicted=predicted,
                                  measured_over_predicted=ar / sp / predicted))
@@ -137,9 +142,9 @@ def main() -> None:
         roofline=dict(step_ms=1e3 * step, weight_bytes=weight_bytes,
                       bandwidth_bytes_per_second=bandwidth,
                       fraction=weight_bytes / step / bandwidth,
-                      verify_cost_by_width={str(w): verify[w] for w in widths},
-                      knee_width=knee),
-        draft_step_c=c, speculative=rows, mesh=mesh_row,
+                      verify_cost_by_width={str(w): v for w, v in verify.items()}, report=roof),
+        draft_step_c=c, draft_step_c_by_batch={str(b): x for b, x in c_by_batch.items()},
+        speculative=rows, mesh=mesh_row,
         seconds=time.perf_counter() - t_start)
     out = pathlib.Path(args.out) if args.out else (
         ROOT / "experiments" / "results" /
@@ -153,10 +158,9 @@ def main() -> None:
     print(f"roofline: {weight_bytes / 2**20:.0f} MiB of weights per {1e3 * step:.2f} ms step = "
           f"{weight_bytes / step / 1e9:.1f} GB/s against {bandwidth / 1e9:.1f} GB/s measured "
           f"({result['roofline']['fraction']:.0%})")
-    print("verify cost (target steps) by width: " + ", ".join(
-        f"{w}: {verify[w]:.2f}" for w in widths)
-        + f"; first width above 1.25 steps: {knee}")
-    print(f"draft step c = {c:.3f} target steps")
+    print(roofline.format_report(roof))
+    print("draft step c (target steps): " + ", ".join(
+        f"batch {b}: {x:.3f}" for b, x in c_by_batch.items()))
     print(f"{'batch':>5} {'alpha':>5} {'gamma':>5} {'speed-up':>9} {'predicted':>9} "
           f"{'meas/pred':>9}")
     for r in rows:

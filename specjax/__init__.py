@@ -10,7 +10,7 @@
 import warnings as _warnings
 
 # Building blocks (pure functions, usable on their own)
-from . import draft, sampling, shapes, theory, verify
+from . import draft, roofline, sampling, shapes, theory, verify
 from .cache import KVCache
 
 # Checkpoints
@@ -49,7 +49,7 @@ __all__ = [
     "DraftModel", "DraftVocab", "load_draft_model",
     "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
     "generate", "Generation", "warmup", "Warmup", "Stats", "make_mesh", "shard",
-    "sampling", "verify", "theory", "draft", "shapes",
+    "sampling", "verify", "theory", "draft", "shapes", "roofline",
 ]
 
 # Old names, kept for one version: each use warns with the new name.

@@ -41,7 +41,16 @@ Figures per (temperature, γ):
   measured, which can put it on either side of 1.
 * ``--roofline``: the weight bytes a target step reads (every parameter but an untied input
   embedding, of which a step reads one row) over the AR step, against what one jitted sum over
-  512 MiB reads per second on this machine: the fraction of that bandwidth a step reaches.
+  512 MiB reads per second on this machine: the fraction of that bandwidth a step reaches; and
+  ``sj.roofline``'s report: the target's forward over 1 to 16 tokens at each of
+  ``--roofline-batches`` (default 1), in one-token steps, with its bytes and FLOPs against the
+  measured bandwidth and peak, and the knee where verifying stops being nearly free.
+* ``--target-shape NAME``: no checkpoint: a random-weight target in the shape of a common model
+  (``sj.shapes``: llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, qwen3-4b, tiny), a one-layer draft
+  and fresh EAGLE / Medusa heads for it, in the backend's dtype (float32 on CPU, bfloat16 on
+  GPU and TPU; ``--dtype`` overrides), random prompts of ``--max-prompt-tokens`` (64) tokens.
+  Random weights accept nothing, so its chains use synthetic acceptance (``--synthetic-
+  acceptance``, 0.8 unless given): benchmark only, not lossless.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ import time
 import jax
 import numpy as np
 
+from . import roofline as roofline_lib
 from . import theory
 from .config import SamplingParams, SpecConfig
 from .draft import registry
@@ -171,7 +181,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
               drafters: dict | None = None,
               temperatures=(0.0, 0.8), top_k: int = 0, top_p: float = 1.0,
               max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
-              verify_repeats: int = 20, roofline: bool = False, log=None) -> dict:
+              verify_repeats: int = 20, roofline: bool = False, roofline_batches=(1,),
+              log=None) -> dict:
     """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
     per (temperature, spec). specs: SpecConfigs (chains or trees) of any methods; draft: the
     draft model for the methods that draft with one ("draft_model"); drafters: {"medusa": Heads,
@@ -307,7 +318,10 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         bytes_per_second = memory_bandwidth()
         roof = dict(weight_bytes=weight_bytes, bandwidth_bytes_per_second=bytes_per_second,
                     step_ms=1e3 * seconds[1],
-                    fraction=weight_bytes / seconds[1] / bytes_per_second)
+                    fraction=weight_bytes / seconds[1] / bytes_per_second,
+                    report=roofline_lib.report(target, batches=roofline_batches,
+                                               context=context, bandwidth=bytes_per_second,
+                                               log=log))
     return dict(
         roofline=roof,
         machine=dict(platform=platform.platform(), processor=platform.processor(),
@@ -329,7 +343,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
 
 def format_table(result: dict) -> str:
     s = result["settings"]
-    lines = [f"{s['prompts']} held-out prompts, batch 1, {s['max_new_tokens']} new tokens, "
+    kind = s.get("prompt_kind", "held-out prompts")
+    lines = [f"{s['prompts']} {kind}, batch 1, {s['max_new_tokens']} new tokens, "
              f"median of {s['repeats']} interleaved repeats; {result['machine']['cpu_count']} "
              f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
              ""]
@@ -366,6 +381,8 @@ def format_table(result: dict) -> str:
                      f"{roof['weight_bytes'] / roof['step_ms'] / 1e6:.1f} GB/s against "
                      f"{roof['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s measured: "
                      f"{roof['fraction']:.0%} of the roofline")
+        if roof.get("report"):
+            lines.append("\n" + roofline_lib.format_report(roof["report"]))
     if any("identical_to_autoregressive" in r for r in result["rows"]):
         same = all(r.get("identical_to_autoregressive", True) for r in result["rows"])
         lines.append(f"\ngreedy output identical to autoregressive on every prompt: {same}")
@@ -383,31 +400,79 @@ def _tree_json(text: str):
         raise ValueError(f"--tree is not valid JSON: {text!r} ({e})") from None
 
 
+def shaped_target(name: str, args) -> tuple[Model, list[list[int]]]:
+    """``--target-shape``: a random-weight target in shape ``name`` (sj.shapes) in the backend's
+    dtype (or ``--dtype``), and ``--num-prompts`` (4) random prompts of ``--max-prompt-tokens``
+    (64) tokens."""
+    from . import shapes
+    from .checkpoint import compute_dtype
+    from .model import init_model
+    dtype = compute_dtype(args.dtype, jax.default_backend()) or "bfloat16"
+    n = 4 if args.num_prompts is None else args.num_prompts
+    length = 64 if args.max_prompt_tokens is None else args.max_prompt_tokens
+    if n < 1 or length < 1:
+        raise ValueError(f"--num-prompts and --max-prompt-tokens must be >= 1, got {n} and "
+                         f"{length}")
+    target = init_model(shapes.target_config(name, dtype=dtype), jax.random.key(args.seed))
+    rng = np.random.default_rng(args.seed)
+    return target, rng.integers(1, target.config.vocab_size, size=(n, length)).tolist()
+
+
+def shaped_drafters(name: str, target: Model, needs_draft: bool, heads: list[str],
+                    depth: int) -> tuple[Model | None, dict]:
+    """Random-weight drafters for ``--target-shape``: the shape's one-layer draft model and fresh
+    heads (EAGLE, Medusa) over the target, ``depth`` deep."""
+    from . import shapes
+    from .draft import init_heads
+    from .model import init_model
+    dtype = target.config.dtype
+    draft = (init_model(shapes.draft_config(name, dtype=dtype), jax.random.key(1))
+             if needs_draft else None)
+    drafters = {m: init_heads(target, m, jax.random.key(2), num_heads=depth, dtype=dtype)
+                for m in heads}
+    return draft, drafters
+
+
 def main(args) -> int:
     """``specjax bench`` (arguments parsed in specjax.cli)."""
     from .checkpoint import load_model
     from .draft import load_draft_model, load_heads
     from .tokenizer import load_tokenizer
-    texts = load_prompts(args.prompts)
-    if args.num_prompts is not None:
-        if args.num_prompts < 1:
-            raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-        texts = texts[:args.num_prompts]
-    target = load_model(args.target, dtype=args.dtype)
-    tok = load_tokenizer(args.target)
-    prompts = [tok.encode(p["text"]) for p in texts]
-    if args.max_prompt_tokens is not None:
-        if args.max_prompt_tokens < 1:
-            raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
-        prompts = [p[-args.max_prompt_tokens:] for p in prompts]  # keep the end: it is continued
+    shape = getattr(args, "target_shape", None)
+    if shape is not None:
+        target, prompts = shaped_target(shape, args)
+    else:
+        texts = load_prompts(args.prompts)
+        if args.num_prompts is not None:
+            if args.num_prompts < 1:
+                raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+            texts = texts[:args.num_prompts]
+        target = load_model(args.target, dtype=args.dtype)
+        tok = load_tokenizer(args.target)
+        prompts = [tok.encode(p["text"]) for p in texts]
+        if args.max_prompt_tokens is not None:
+            if args.max_prompt_tokens < 1:
+                raise ValueError(f"--max-prompt-tokens must be >= 1, got "
+                                 f"{args.max_prompt_tokens}")
+            prompts = [p[-args.max_prompt_tokens:] for p in prompts]  # keep the end
     methods = args.method
     kinds = {m: registry.get(m) for m in methods}
-    draft = (load_draft_model(args.draft, dtype=args.dtype, full_vocab=args.full_draft_vocab)
-             if any(k.draft == "model" for k in kinds.values()) else None)
-    drafters = {m: load_heads(getattr(args, m, None) or CHECKPOINTS / f"code-{m}", target)
-                for m, k in kinds.items() if k.draft == "heads"}
-    specs = []
+    needs_draft = any(k.draft == "model" for k in kinds.values())
+    heads = [m for m, k in kinds.items() if k.draft == "heads"]
     synthetic = getattr(args, "synthetic_acceptance", None)
+    if shape is not None:
+        draft, drafters = shaped_drafters(shape, target, needs_draft, heads,
+                                          max(args.gammas or [1]))
+        if synthetic is None:
+            synthetic = [0.8]
+            print("--target-shape: random weights accept nothing; using synthetic acceptance "
+                  "0.8 (NOT LOSSLESS, benchmark only)", file=sys.stderr)
+    else:
+        draft = (load_draft_model(args.draft, dtype=args.dtype,
+                                  full_vocab=args.full_draft_vocab) if needs_draft else None)
+        drafters = {m: load_heads(getattr(args, m, None) or CHECKPOINTS / f"code-{m}", target)
+                    for m in heads}
+    specs = []
     for m in methods:
         lookup = lookup_options(args) if m == "ngram" else {}
         if synthetic is not None:
@@ -425,11 +490,19 @@ def main(args) -> int:
                        temperatures=args.temperatures, top_k=args.top_k, top_p=args.top_p,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                        verify_repeats=args.verify_repeats, roofline=args.roofline,
+                       roofline_batches=getattr(args, "roofline_batches", None) or (1,),
                        log=lambda m: print(m, file=sys.stderr, flush=True))
-    result["settings"].update(target=str(args.target),
-                              draft=str(args.draft) if draft is not None else None,
-                              drafters={m: str(getattr(args, m, None) or CHECKPOINTS / f"code-{m}")
-                                        for m in drafters})
+    if shape is not None:
+        result["settings"].update(prompt_kind=f"random prompts of {len(prompts[0])} tokens",
+                                  target=f"random weights, {shape} shape",
+                                  draft=f"random weights, {shape} one-layer draft"
+                                  if draft is not None else None,
+                                  drafters={m: f"random weights, {shape}" for m in drafters})
+    else:
+        result["settings"].update(
+            target=str(args.target), draft=str(args.draft) if draft is not None else None,
+            drafters={m: str(getattr(args, m, None) or CHECKPOINTS / f"code-{m}")
+                      for m in drafters})
     print(format_table(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -19,7 +19,7 @@ import sys
 import jax
 import numpy as np
 
-from . import theory
+from . import shapes, theory
 from .bench import CHECKPOINTS, lookup_options
 from .checkpoint import DTYPES
 from .config import ModelConfig, SamplingParams, SpecConfig
@@ -268,6 +268,11 @@ def _add_bench(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--target", default=str(CHECKPOINTS / "code-target"),
                    help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
+    b.add_argument("--target-shape", choices=shapes.names(), metavar="NAME",
+                   help="instead of --target: random weights in the shape of a common model ("
+                        + ", ".join(shapes.names()) + "), with a one-layer draft and fresh "
+                        "heads, random prompts and synthetic acceptance (0.8 unless "
+                        "--synthetic-acceptance): NOT LOSSLESS, benchmark only")
     b.add_argument("--draft", default=str(CHECKPOINTS / "code-draft"),
                    help="draft model folder for --method draft_model (default: bundled)")
     b.add_argument("--full-draft-vocab", action="store_true",
@@ -309,7 +314,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     b.add_argument("--roofline", action="store_true",
                    help="also print the AR step's weight bytes per second against this "
-                        "machine's measured memory bandwidth")
+                        "machine's measured memory bandwidth, and the target's forward over "
+                        "1..16 tokens against bandwidth and peak FLOPs (sj.roofline)")
+    b.add_argument("--roofline-batches", type=_numbers(int), default=[1], metavar="B,B,...",
+                   help="batches of the --roofline report (default 1; e.g. 1,8,32)")
     b.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
 
 
@@ -363,7 +371,8 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from .bench import main as bench_main
         try:
-            _bundled(args.target)
+            if args.target_shape is None:
+                _bundled(args.target)
             return bench_main(args)
         except (ValueError, FileNotFoundError) as e:
             parser.error(str(e))

@@ -32,14 +32,15 @@ def _chunks(draft, tokens, cache: KVCache):
     return jax.lax.fori_loop(0, INNER, body, (tokens, cache))[0]
 
 
-def forward_timer(model, T: int, capacity: int, context: int) -> Callable[[], float]:
+def forward_timer(model, T: int, capacity: int, context: int,
+                  batch: int = 1) -> Callable[[], float]:
     """A function timing one T-token forward (seconds) of ``model`` (an sj.Model, or an
-    sj.DraftModel, which computes only its draft vocabulary's logits) with the cache filled to
-    ``context`` slots of ``capacity``. Compiles before returning."""
+    sj.DraftModel, which computes only its draft vocabulary's logits) for ``batch`` rows with
+    the cache filled to ``context`` slots of ``capacity``. Compiles before returning."""
     from .draft.draft_model import as_draft_model
     draft = as_draft_model(model)
-    cache = KVCache.init(draft.config, 1, capacity).rollback(jnp.array([context]))
-    tokens = jnp.ones((1, T), jnp.int32)
+    cache = KVCache.init(draft.config, batch, capacity).rollback(jnp.full((batch,), context))
+    tokens = jnp.ones((batch, T), jnp.int32)
     _chunks(draft, tokens, cache).block_until_ready()  # compile
 
     def run() -> float:

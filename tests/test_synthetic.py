@@ -102,6 +102,11 @@ def test_the_accelerator_check_runs_tiny_on_cpu(tmp_path):
     assert all(r["speedup"] > 0 and r["predicted"] > 0 for r in result["speculative"])
     roof = result["roofline"]
     assert roof["fraction"] > 0 and roof["verify_cost_by_width"]["1"] == 1
+    report = roof["report"]
+    assert {(c["batch"], c["width"]) for c in report["cells"]} == {
+        (b, w) for b in (1, 8, 32) for w in sj.roofline.WIDTHS}
+    assert set(report["knee_width"]) == {"1", "8", "32"}
+    assert set(result["draft_step_c_by_batch"]) == {"1", "8"}
 
 
 @pytest.mark.parametrize("name,published", [("llama-3.2-1b", 1.236e9), ("llama-3.1-8b", 8.030e9),
@@ -115,3 +120,33 @@ def test_field_shapes_have_their_published_sizes(name, published):
     assert draft.vocab_size == target.vocab_size and draft.num_params < target.num_params / 4
     with pytest.raises(ValueError, match="unknown model shape 'gpt-5'"):
         sj.shapes.target_config("gpt-5")
+
+
+def test_bench_with_a_target_shape(capsys, tmp_path):
+    """specjax bench --target-shape: random weights in a field shape, a one-layer draft and a
+    fresh EAGLE head, random prompts, synthetic acceptance 0.8 by default, labelled so; the
+    roofline report at two batches."""
+    import json
+
+    from specjax.cli import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target-shape", "tiny", "--method", "draft_model,eagle",
+                 "--gammas", "2", "--temperatures", "0", "--num-prompts", "2",
+                 "--max-prompt-tokens", "12", "--max-new-tokens", "12", "--repeats", "1",
+                 "--verify-repeats", "1", "--roofline", "--roofline-batches", "1,4",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "synthetic acceptance 0.8 (NOT LOSSLESS" in printed.err
+    assert "2 random prompts of 12 tokens" in printed.out and "NOT LOSSLESS" in printed.out
+    result = json.loads(out.read_text())
+    s = result["settings"]
+    assert s["target"] == "random weights, tiny shape" and s["prompt_tokens"] == [12, 12]
+    assert s["target_params"] == sj.shapes.target_config("tiny").num_params
+    assert [(r["method"], r["synthetic_acceptance"]) for r in result["rows"]] == [
+        ("draft_model", [0.8, 0.8]), ("eagle", [0.8, 0.8])]
+    assert all("identical_to_autoregressive" not in r for r in result["rows"])
+    report = result["roofline"]["report"]
+    assert {c["batch"] for c in report["cells"]} == {1, 4}
+    with pytest.raises(SystemExit):  # an unknown shape is refused by the parser, named
+        main(["bench", "--target-shape", "gpt-5"])
+    assert "gpt-5" in capsys.readouterr().err
