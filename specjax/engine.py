@@ -77,6 +77,12 @@ class Plan:
         return 0 if self.proposer is None else self.proposer.gamma
 
     @property
+    def taps(self) -> tuple[int, ...]:
+        """The target layers whose outputs a riding proposer reads in place of the final-norm
+        hidden state (a block drafter's ``taps``); () for the final-norm hidden state."""
+        return tuple(getattr(self.proposer, "taps", ())) if self.rides else ()
+
+    @property
     def tree(self):
         """The proposer's static tree (specjax.tree.Tree), or None for a chain."""
         return getattr(self.proposer, "tree", None)
@@ -147,7 +153,7 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
                                     v=sharding.constrain(cache.v, plan.mesh, spec))
     last_logits, hidden, cache = prefill_chunked(
         Model(plan.target, target_params), prompts, prompt_lengths, cache, plan.prefill_chunk,
-        keep_hidden=plan.rides)
+        keep_hidden=plan.rides, taps=plan.taps)
     rows = jnp.arange(B)
     probs = sampling_lib.process_logits(last_logits, request.sampling, plan.filters)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, 0))(request.keys)
@@ -197,7 +203,8 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
     G = plan.gamma
     positions = state.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     logits, hidden, cache = forward(target, chunk[:, :T], positions,
-                                    state.cache.rollback(state.length), write=write)
+                                    state.cache.rollback(state.length), write=write,
+                                    taps=plan.taps)
     if not write:  # padded: every branch of a switch returns the same shapes
         cache = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, G + 1 - T), (0, 0), (0, 0)))
                       for x in cache)
@@ -275,7 +282,7 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
                          f"got {tuple(draft.probs.shape)}")
     positions = state.length[:, None] + jnp.asarray(tree.depths)[None, :]
     logits, hidden, cache = forward(target, chunk, positions, state.cache.rollback(state.length),
-                                    chunk_mask=jnp.asarray(tree.ancestors))
+                                    chunk_mask=jnp.asarray(tree.ancestors), taps=plan.taps)
     target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
     verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid, draft.probs)
     if plan.filters.greedy:

@@ -185,14 +185,17 @@ class Layers(nn.Module):
     block: int
 
     @nn.compact
-    def __call__(self, carry, cos, sin, view):
-        chunks = []
+    def __call__(self, carry, cos, sin, view, taps=()):
+        """Also returns the residual stream after each layer in ``taps`` (0-based)."""
+        chunks, tapped = [], []
         for i in range(self.config.num_hidden_layers):
             carry, chunk = DecoderLayer(self.config, self.init_std, self.block, name=str(i))(
                 carry, i, cos, sin, view)
             chunks.append(chunk)
+            if i in taps:
+                tapped.append(carry[0])
         return carry, (None if chunks[0] is None else jax.tree.map(lambda *c: jnp.stack(c),
-                                                                   *chunks))
+                                                                   *chunks)), tapped
 
 
 def _float32_dot(*args, **kwargs):
@@ -210,6 +213,10 @@ class Decoder(nn.Module):
     init_std: float = 0.02
     block: int = attention.BLOCK
     stacked: bool = False
+    # Layers whose outputs (the residual stream after them, 0-based) to return, concatenated,
+    # in place of the final-norm hidden state (the block drafter reads several,
+    # specjax/draft/dflash.py); () for the final-norm hidden state
+    taps: tuple[int, ...] = ()
 
     @nn.compact
     def __call__(self, tokens, view, k, v):
@@ -227,8 +234,8 @@ class Decoder(nn.Module):
             (x, k, v), chunks = layers((x, k, v), jnp.arange(cfg.num_hidden_layers), cos, sin,
                                        view)
         else:
-            (x, k, v), chunks = Layers(cfg, self.init_std, self.block, name="layers")(
-                (x, k, v), cos, sin, view)
+            (x, k, v), chunks, tapped = Layers(cfg, self.init_std, self.block, name="layers")(
+                (x, k, v), cos, sin, view, self.taps)
         if chunks is not None:  # the chunk's keys and values, [L, B, T, K, D], for the caller
             k, v = chunks
         hidden = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
@@ -242,6 +249,8 @@ class Decoder(nn.Module):
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
                               kernel_init=nn.initializers.normal(self.init_std),
                               dot_general=_float32_dot, name="lm_head")(hidden)
+        if self.taps:
+            hidden = jnp.concatenate(tapped, axis=-1)
         return logits.astype(jnp.float32), hidden, k, v
 
 
@@ -291,9 +300,19 @@ def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model
                               view(cache, positions, None, None), cache.k, cache.v))
 
 
+def check_taps(config: ModelConfig, taps) -> tuple[int, ...]:
+    """``taps`` as a tuple of distinct layer indices in [0, L), or ValueError naming it."""
+    taps = tuple(taps)
+    L = config.num_hidden_layers
+    if (len(set(taps)) != len(taps) or any(isinstance(t, bool) or not isinstance(t, int)
+                                           or not 0 <= t < L for t in taps)):
+        raise ValueError(f"taps must be distinct layer indices in [0, {L}), got {taps!r}")
+    return taps
+
+
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
-            chunk_mask: Array | None = None, *, block: int | None = None, write: bool = True
-            ) -> tuple[Array, Array, KVCache]:
+            chunk_mask: Array | None = None, *, block: int | None = None, write: bool = True,
+            taps: tuple[int, ...] = ()) -> tuple[Array, Array, KVCache]:
     """Run a chunk of T tokens through the model, reading and extending the cache.
 
     tokens, positions: [B, T] int32 (positions are per token, so a tree's nodes use their depth).
@@ -311,17 +330,21 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
     values (k, v) [L, B, T, K, D] for ``cache.write_chunk``: attention reads the history from the
     cache and the chunk from them (chunk_mask then [T, T] or [B, T, T]). Inside a ``lax.switch``
     branch, writing the cache made XLA copy all of it, in every round.
+
+    ``taps`` (layer indices): return, in place of the final-norm hidden states, the residual
+    stream after each of those layers, concatenated: [B, T, len(taps) * E].
     """
     block = attention.current_block() if block is None else block
-    return _forward(model, tokens, positions, cache, chunk_mask, block=block, write=write)
+    return _forward(model, tokens, positions, cache, chunk_mask, block=block, write=write,
+                    taps=check_taps(model.config, taps))
 
 
-@functools.partial(jax.jit, static_argnames=("block", "write"))
+@functools.partial(jax.jit, static_argnames=("block", "write", "taps"))
 def _forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
-             chunk_mask: Array | None, *, block: int, write: bool = True
+             chunk_mask: Array | None, *, block: int, write: bool = True, taps=()
              ) -> tuple[Array, Array, KVCache | tuple[Array, Array]]:
     T = tokens.shape[1]
-    logits, hidden, k, v = Decoder(model.config, block=block).apply(
+    logits, hidden, k, v = Decoder(model.config, block=block, taps=taps).apply(
         {"params": model.params}, tokens,
         view(cache, positions, chunk_mask, model.config.sliding_window, block, write),
         cache.k, cache.v)
@@ -355,29 +378,31 @@ def over_chunks(fn, init, lengths: Array, chunk: int):
 
 
 def prefill_chunked(model: Model, tokens: Array, lengths: Array, cache: KVCache,
-                    chunk: int = PREFILL_CHUNK, keep_hidden: bool = False
-                    ) -> tuple[Array, Array | None, KVCache]:
+                    chunk: int = PREFILL_CHUNK, keep_hidden: bool = False,
+                    taps: tuple[int, ...] = ()) -> tuple[Array, Array | None, KVCache]:
     """Prefill right-padded prompts tokens [B, N] (lengths [B]) into an empty ``cache``,
     ``chunk`` tokens per forward, only as many chunks as the longest row needs. Chunk slots past
     the cache's capacity (padding only) are dropped.
 
     Returns each row's last logits [B, V] (float32, at position lengths - 1), the final-norm
-    hidden states [B, N, E] when ``keep_hidden`` (entries past a row's length are padding),
-    and the cache rolled back to ``lengths``."""
+    hidden states [B, N, E] when ``keep_hidden`` (entries past a row's length are padding;
+    with ``taps``, the tapped layers' outputs [B, N, len(taps) * E] as in ``forward``), and the
+    cache rolled back to ``lengths``."""
     B, N = tokens.shape
     chunk = min(chunk, N)
     tokens = jnp.pad(tokens, ((0, 0), (0, -N % chunk)))
     rows = jnp.arange(B)
     dtype = jnp.dtype(model.config.dtype)
-    hidden0 = (jnp.zeros((B, tokens.shape[1], model.config.hidden_size), dtype) if keep_hidden
-               else None)
+    width = model.config.hidden_size * max(1, len(taps))
+    hidden0 = jnp.zeros((B, tokens.shape[1], width), dtype) if keep_hidden else None
 
     def step(carry, start):
         last, hidden_all, cache = carry
         piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         logits, hidden, cache = forward(model, piece, positions,
-                                        cache.rollback(jnp.full((B,), start, jnp.int32)))
+                                        cache.rollback(jnp.full((B,), start, jnp.int32)),
+                                        taps=taps)
         index = lengths - 1 - start
         here = (index >= 0) & (index < chunk)
         last = jnp.where(here[:, None], logits[rows, jnp.clip(index, 0, chunk - 1)], last)

@@ -195,13 +195,15 @@ def test_greedy_equals_autoregressive(target, trained, method, spec):
         assert out.stats.per_position_acceptance[1] > 0.02, out.stats
 
 
+def accept_all(draft_tokens, target_tokens, valid=None):
+    """Broken on purpose: a greedy verdict that accepts every draft."""
+    G = draft_tokens.shape[1]
+    tokens = jnp.concatenate([draft_tokens, target_tokens[:, G:]], axis=1)
+    return verify.Verdict(tokens, jnp.full(draft_tokens.shape[:1], G, jnp.int32))
+
+
 def test_greedy_check_fails_when_verification_accepts_everything(target, trained, monkeypatch,
                                                                  fresh_programs):
-    def accept_all(draft_tokens, target_tokens, valid=None):  # greedy calls verify this way
-        G = draft_tokens.shape[1]
-        tokens = jnp.concatenate([draft_tokens, target_tokens[:, G:]], axis=1)
-        return verify.Verdict(tokens, jnp.full(draft_tokens.shape[:1], G, jnp.int32))
-
     monkeypatch.setattr(verify, "greedy_verdict", accept_all)
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
@@ -227,8 +229,9 @@ def test_eagle_cache_check_fails_without_the_true_features(target, trained, monk
         check_eagle_cache(target, trained["eagle"], None)
 
 
-def check_eagle_cache(target, d, tree):
-    proposer = EagleProposer(d.config, 3, None if tree is None else Tree(tree))
+def greedy_rounds(target, d, proposer, rounds=5):
+    """PROMPTS prefilled and decoded greedily with ``proposer`` (drafter ``d``) through the
+    engine's own program; yields (the lengths before the round, the state after it) per round."""
     plan = engine.Plan(target.config, proposer, 96, Filters(greedy=True))
     B, P = len(PROMPTS), 16
     padded = np.zeros((B, P), np.int32)
@@ -242,13 +245,19 @@ def check_eagle_cache(target, d, tree):
     program = engine.Program(plan)
     state = program.prefill(target.params, d.params, jnp.asarray(padded),
                             jnp.asarray([len(p) for p in PROMPTS], jnp.int32), request)
-    multi = 0
-    for _ in range(5):
+    for _ in range(rounds):
         old = np.asarray(state.length)
         state = program.step(target.params, d.params, request, state)
+        yield old, state
+
+
+def check_eagle_cache(target, d, tree):
+    proposer = EagleProposer(d.config, 3, None if tree is None else Tree(tree))
+    multi = 0
+    for old, state in greedy_rounds(target, d, proposer):
         length = np.asarray(state.length)
         multi += int(np.sum(length - old >= 2))
-        for b in range(B):
+        for b in range(len(PROMPTS)):
             # the whole history row (fixed shape: one compile); a causal pass makes the entries
             # before the row's length independent of what lies after it
             seq = jnp.asarray(state.history[b:b + 1])
@@ -299,20 +308,23 @@ def test_first_three_tokens_follow_the_target(tiny_drafters, monkeypatch, method
     assert g_test(samples, exact_joint(target, t, k, 1.0)) > 1e-3
 
 
-def test_eagle_reporting_the_wrong_q_fails_the_same_test(tiny_drafters, monkeypatch,
-                                                          fresh_programs):
-    """A drafter that samples from q but reports another distribution to the verifier (here the
-    untempered one) breaks losslessness; the distribution test must see it."""
-    target, drafters = tiny_drafters
-    propose = EagleProposer.propose
-
+def reporting_uniform_q(propose):
+    """Broken on purpose: ``propose`` whose drafts report a uniform q instead of the
+    distribution they were drawn from."""
     def wrong_q(self, params, state, history, length, keys, sampling_params, filters):
         draft, state = propose(self, params, state, history, length, keys, sampling_params,
                                filters)
         uniform = jnp.full(draft.probs.shape, 1.0 / draft.probs.shape[-1])
         return sj.draft.Draft(draft.tokens, uniform, draft.valid), state
+    return wrong_q
 
-    monkeypatch.setattr(EagleProposer, "propose", wrong_q)
+
+def test_eagle_reporting_the_wrong_q_fails_the_same_test(tiny_drafters, monkeypatch,
+                                                          fresh_programs):
+    """A drafter that samples from q but reports another distribution to the verifier (here a
+    uniform one) breaks losslessness; the distribution test must see it."""
+    target, drafters = tiny_drafters
+    monkeypatch.setattr(EagleProposer, "propose", reporting_uniform_q(EagleProposer.propose))
     t, k = 0.8, 5
     sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
     samples = generate_samples(target, drafters["eagle"], sampling,

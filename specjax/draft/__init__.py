@@ -7,14 +7,16 @@
     heads.py        Medusa and EAGLE networks, their config, saving and loading
     medusa.py       Medusa heads' proposer
     eagle.py        the EAGLE head's proposer
+    dflash.py       the block drafter: its network and proposer (config in heads.py)
     rider.py        what Medusa and EAGLE share (the target's features between rounds)
     vocab.py        draft vocabularies (a cut LM head)
 """
 
 from __future__ import annotations
 
-from . import draft_model, ngram, rider
+from . import dflash, draft_model, ngram, rider
 from .base import Draft, Proposer, Rider, TreeProposer, draw, expand_tree, tree_candidates
+from .dflash import DFlashProposer
 from .draft_model import (
     DraftModel,
     DraftModelProposer,
@@ -36,6 +38,7 @@ register("draft_model", draft_model.build, draft="model", tree=True,
 register("ngram", ngram.build)
 register("medusa", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
 register("eagle", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
+register("dflash", dflash.build, draft="heads", params=lambda heads: heads.params)
 
 
 def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> DraftModel:
@@ -48,6 +51,7 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
 
 __all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
-           "restrict_vocab", "NgramProposer", "MedusaProposer", "EagleProposer", "Features",
+           "restrict_vocab", "NgramProposer", "MedusaProposer", "EagleProposer", "DFlashProposer",
+           "Features",
            "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
            "DraftVocab", "frequent_tokens", "Method", "register", "unregister", "get", "names"]

@@ -1,4 +1,6 @@
-"""Drafters that ride on the target: Medusa heads and an EAGLE feature head.
+"""Drafters that ride on the target: Medusa heads, an EAGLE feature head, and a block drafter
+(``dflash``, specjax/draft/dflash.py; its network lives there, its config, saving and loading
+here).
 
 Neither has its own embedding, final norm or vocabulary projection: both read the target's
 final-norm hidden state (its "feature", the vector the LM head turns into logits) and decode
@@ -54,7 +56,7 @@ from ..model import DecoderLayer, Model, RMSNorm, rope_tables
 from ..model import view as model_view
 from .vocab import DraftVocab, check_vocab
 
-HEADS_METHODS = ("medusa", "eagle")
+HEADS_METHODS = ("medusa", "eagle", "dflash")
 FORMAT_VERSION = 1
 
 
@@ -65,7 +67,10 @@ class HeadsConfig:
     vocab_size: int  # V, the target's
     draft_vocab_size: int  # M <= V: tokens the drafter can propose
     num_heads: int = 0  # medusa: K heads (the deepest draft it can make); eagle: 0
-    layer: ModelConfig | None = None  # eagle: the one-layer config (the target's layer shape)
+    layer: ModelConfig | None = None  # eagle: the one-layer config (the target's layer shape);
+    #   dflash: its layers' config (num_hidden_layers of them)
+    block_size: int = 0  # dflash: the most drafts one block makes (what it was trained for)
+    taps: tuple[int, ...] = ()  # dflash: the target layers whose outputs it reads
 
     def __post_init__(self):
         if self.method not in HEADS_METHODS:
@@ -76,14 +81,18 @@ class HeadsConfig:
                              f"{self.vocab_size}] (the target's vocab_size)")
         if self.method == "medusa" and self.num_heads < 1:
             raise ValueError(f"a Medusa drafter needs num_heads >= 1, got {self.num_heads}")
-        if self.method == "eagle" and self.layer is None:
-            raise ValueError("an EAGLE drafter needs its layer config")
+        if self.method in ("eagle", "dflash") and self.layer is None:
+            raise ValueError(f"an {self.method} drafter needs its layer config")
+        if self.method == "dflash" and (self.block_size < 1 or not self.taps):
+            raise ValueError(f"a dflash drafter needs block_size >= 1 and at least one target "
+                             f"layer to read, got block_size={self.block_size}, "
+                             f"taps={self.taps!r}")
 
     @property
     def max_depth(self) -> int | None:
         """The deepest draft (chain length or tree depth) this drafter can make per round:
-        Medusa's head count; None (no limit of its own) for EAGLE."""
-        return self.num_heads if self.method == "medusa" else None
+        Medusa's head count, the block drafter's block size; None (no limit) for EAGLE."""
+        return {"medusa": self.num_heads, "dflash": self.block_size}.get(self.method)
 
 
 @jax.tree_util.register_dataclass
@@ -161,31 +170,53 @@ def _with_head(config: HeadsConfig, weights, vocab: np.ndarray, target: Model) -
     return Heads(config, {"weights": weights, "vocab": DraftVocab.of(target, vocab)})
 
 
+def default_taps(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """``count`` target layers spread evenly up to the last: (1, 3, 5) of 6."""
+    n = min(count, num_layers)
+    return tuple(round((i + 1) * num_layers / n) - 1 for i in range(n))
+
+
 def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
                vocab: np.ndarray | None = None, dtype: str = "float32",
-               intermediate_size: int | None = None, init_std: float = 0.02) -> Heads:
+               intermediate_size: int | None = None, init_std: float = 0.02,
+               num_layers: int = 2, block_size: int = 16,
+               taps: tuple[int, ...] | None = None) -> Heads:
     """A fresh drafter for ``target``. vocab: the draft vocabulary ids (default: all V).
-    intermediate_size: EAGLE's MLP width (default: the target's); a narrower one makes each
-    draft step cheaper.
+    intermediate_size: EAGLE's or the block drafter's MLP width (default: the target's); a
+    narrower one makes each draft step cheaper. dflash: ``num_layers`` layers drafting up to
+    ``block_size`` tokens a block from the outputs of target layers ``taps`` (default: three
+    spread to the last, ``default_taps``).
 
     Medusa heads start as the identity (W = 0, b = 0), so before training every head predicts
-    what the LM head does; EAGLE's layer starts from N(0, init_std²) weights."""
+    what the LM head does; EAGLE's and the block drafter's layers start from N(0, init_std²)
+    weights."""
     cfg = target.config
     vocab = np.arange(cfg.vocab_size, dtype=np.int32) if vocab is None else check_vocab(
         vocab, cfg.vocab_size)
-    if intermediate_size is not None and (method != "eagle" or int(intermediate_size) < 1):
-        raise ValueError(f"intermediate_size={intermediate_size!r}: only an EAGLE drafter has "
-                         f"an MLP width, and it must be >= 1")
+    if intermediate_size is not None and (method == "medusa" or int(intermediate_size) < 1):
+        raise ValueError(f"intermediate_size={intermediate_size!r}: only an EAGLE or dflash "
+                         f"drafter has an MLP width, and it must be >= 1")
     E = cfg.hidden_size
     layer = None
-    if method == "eagle":
+    if method in ("eagle", "dflash"):
         layer = eagle_layer_config(dataclasses.replace(target.config, dtype=dtype))
         if intermediate_size is not None:
             layer = dataclasses.replace(layer, intermediate_size=int(intermediate_size))
+    if method == "dflash":
+        from ..model import check_taps
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        taps = default_taps(cfg.num_hidden_layers) if taps is None else check_taps(cfg, taps)
+        layer = dataclasses.replace(layer, num_hidden_layers=num_layers)
     config = HeadsConfig(method, E, cfg.vocab_size, int(vocab.size),
-                           num_heads if method == "medusa" else 0, layer)
+                         num_heads if method == "medusa" else 0, layer,
+                         block_size if method == "dflash" else 0,
+                         tuple(taps) if method == "dflash" else ())
     if method == "medusa":
         weights = {"w": jnp.zeros((num_heads, E, E), dtype), "b": jnp.zeros((num_heads, E), dtype)}
+    elif method == "dflash":
+        from .dflash import init_weights
+        weights = init_weights(config, key, init_std)
     else:
         B, T = 1, 1
         cache = KVCache.init(layer, B, T)
@@ -257,6 +288,8 @@ def save_heads(drafter: Heads, path: str | os.PathLike, target: Model, *,
     record = {"format_version": FORMAT_VERSION, "method": c.method,
               "num_heads": c.num_heads, "draft_vocab_size": c.draft_vocab_size,
               "intermediate_size": None if c.layer is None else c.layer.intermediate_size,
+              **({"num_layers": c.layer.num_hidden_layers, "block_size": c.block_size,
+                  "taps": list(c.taps)} if c.method == "dflash" else {}),
               "dtype": str(jax.tree.leaves(weights)[0].dtype), "target": target_record(target),
               **(extra or {})}
     (path / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -283,7 +316,10 @@ def load_heads(path: str | os.PathLike, target: Model) -> Heads:
     dtype = target.config.dtype
     shape = init_heads(target, record["method"], jax.random.key(0),
                        num_heads=max(record["num_heads"], 1), vocab=vocab, dtype=dtype,
-                       intermediate_size=record.get("intermediate_size"))
+                       intermediate_size=record.get("intermediate_size"),
+                       num_layers=record.get("num_layers", 2),
+                       block_size=record.get("block_size", 16),
+                       taps=tuple(record["taps"]) if "taps" in record else None)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, shape.params["weights"])
     with ocp.StandardCheckpointer() as ckpt:
         weights = ckpt.restore(path / "weights", jax.tree.map(

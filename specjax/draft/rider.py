@@ -68,22 +68,29 @@ class RiderProposer:
         return self.depth + 1
 
 
-def build(spec, heads, target):
-    """The registry's builder for "medusa" and "eagle": the proposer for ``heads`` (an sj.Heads
-    trained for this target), after checking it fits the target and the spec."""
-    from .eagle import EagleProposer
+def check_heads(method: str, heads, target) -> HeadsConfig:
+    """``heads``' config, after checking it is an sj.Heads of ``method`` built for a target of
+    this one's width and vocabulary (ValueError naming what is wrong)."""
     from .heads import Heads
-    from .medusa import MedusaProposer
     if not isinstance(heads, Heads):
-        raise ValueError(f"method {spec.method!r} needs draft= an sj.Heads (sj.load_heads("
+        raise ValueError(f"method {method!r} needs draft= an sj.Heads (sj.load_heads("
                          f"path, target)), got {type(heads).__name__}")
     c = heads.config
-    if c.method != spec.method:
-        raise ValueError(f"method {spec.method!r} but the heads are {c.method!r} heads")
+    if c.method != method:
+        raise ValueError(f"method {method!r} but the heads are {c.method!r} heads")
     if (c.hidden_size, c.vocab_size) != (target.hidden_size, target.vocab_size):
         raise ValueError(f"the heads were built for hidden_size={c.hidden_size}, vocab_size="
                          f"{c.vocab_size}; the target has {target.hidden_size}, "
                          f"{target.vocab_size}")
+    return c
+
+
+def build(spec, heads, target):
+    """The registry's builder for "medusa" and "eagle": the proposer for ``heads`` (an sj.Heads
+    trained for this target), after checking it fits the target and the spec."""
+    from .eagle import EagleProposer
+    from .medusa import MedusaProposer
+    c = check_heads(spec.method, heads, target)
     tree = None if spec.tree is None else Tree(spec.tree)
     depth = spec.num_speculative_tokens if tree is None else tree.depth
     if c.max_depth is not None and depth > c.max_depth:

@@ -27,7 +27,7 @@ from ..config import ModelConfig
 from ..draft import heads as heads_lib
 from ..draft.heads import Heads, HeadsConfig
 from ..draft.vocab import DraftVocab, frequent_tokens, lm_head
-from ..model import Model, prefill
+from ..model import Model, forward
 from .data import sample_batch
 from .loop import TrainConfig, fit
 
@@ -36,10 +36,55 @@ log = logging.getLogger(__name__)
 HEAD_DECAY = 0.8  # Medusa: weight of head k is HEAD_DECAY ** (k - 1)
 
 
-def _target_outputs(target: ModelConfig, target_params, inputs):
-    """The frozen target on inputs [B, T]: logits [B, T, V] and hidden [B, T, E] (float32)."""
-    logits, hidden, _ = prefill(Model(target, target_params), inputs)
+def _target_outputs(target: ModelConfig, target_params, inputs, taps=()):
+    """The frozen target on inputs [B, T]: logits [B, T, V] and hidden [B, T, E] (float32; with
+    ``taps``, those layers' outputs [B, T, len(taps) * E])."""
+    B, T = inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    logits, hidden, _ = forward(Model(target, target_params), inputs, positions,
+                                KVCache.init(target, B, T), taps=taps)
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden.astype(jnp.float32))
+
+
+ANCHORS = 8  # dflash: blocks scored per training sequence
+
+
+def _dflash_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: DraftVocab, inputs,
+                 t_logits, feats) -> jax.Array:
+    """The block drafter at ANCHORS random anchors a per sequence: the context (features of
+    positions < a) injected, the block [x_a, mask, ...] at positions a .. a + G, cut at a random
+    length g per anchor (block positions past g are invisible and unscored), each draft position
+    j scored by the cross-entropy against the target's distribution for token a + j, weighted
+    HEAD_DECAY^(j - 1). Anchors and lengths are a function of the batch, so a resumed run sees
+    the same ones."""
+    from ..draft import dflash
+    B, T = inputs.shape
+    G = drafter.block_size
+    if T < G + 2:
+        raise ValueError(f"dflash training needs seq_len >= block_size + 2 = {G + 2}, got {T}")
+    spread = jnp.arange(inputs.size, dtype=jnp.uint32).reshape(inputs.shape)
+    mix = jnp.sum(inputs.astype(jnp.uint32) * (spread * jnp.uint32(2654435761) + 1))
+    key = jax.random.fold_in(jax.random.key(0), mix.astype(jnp.int32))
+    k_anchor, k_length = jax.random.split(key)
+    anchors = jax.random.randint(k_anchor, (B, ANCHORS), 1, T - G + 1).reshape(-1)  # [R]
+    lengths = jax.random.randint(k_length, (B * ANCHORS,), 1, G + 1)  # g per block
+    cache = dflash.inject(drafter, weights, feats, KVCache.init(drafter.layer, B, T + G + 1))
+    rows = jnp.repeat(jnp.arange(B), ANCHORS)
+    cache = KVCache(jnp.repeat(cache.k, ANCHORS, axis=1), jnp.repeat(cache.v, ANCHORS, axis=1),
+                    anchors)  # each block sees the context before its anchor
+    index = jnp.arange(G + 1)
+    visible = index[None, None, :] <= lengths[:, None, None]  # [R, 1, G+1]: keys past g hidden
+    chunk_mask = jnp.broadcast_to(visible, (B * ANCHORS, G + 1, G + 1))
+    positions = anchors[:, None] + index[None, :]
+    out = dflash.run_block(drafter, weights, target_params, inputs[rows, anchors], positions,
+                           cache, chunk_mask)
+    logits = draft_vocab.logits(out[:, 1:].astype(jnp.float32))  # [R, G, M]
+    target = t_logits[rows[:, None], anchors[:, None] + index[None, :G]]  # for tokens a + j
+    p = jax.nn.softmax(target, axis=-1)[..., draft_vocab.ids]
+    ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [R, G]
+    j = jnp.arange(1, G + 1)
+    w = HEAD_DECAY ** (j - 1)[None, :] * (j[None, :] <= lengths[:, None])
+    return jnp.sum(w * ce) / jnp.sum(w)
 
 
 def _soft_ce(target_logits, vocab, draft_logits):
@@ -61,11 +106,15 @@ class HeadsObjective:
     def __call__(self, weights, batch, aux) -> jax.Array:
         target_params, vocab = aux["target"], aux["vocab"]
         inputs = batch[:, :-1]
-        t_logits, hidden = _target_outputs(self.target, target_params, inputs)
+        t_logits, hidden = _target_outputs(self.target, target_params, inputs,
+                                           self.drafter.taps)
         head = jnp.take(lm_head(Model(self.target, target_params)), vocab,
                         axis=1).astype(jnp.float32)
         draft_vocab = DraftVocab(vocab, head)
         T = inputs.shape[1]
+        if self.drafter.method == "dflash":  # hidden: the tapped layers' outputs
+            return _dflash_loss(self.drafter, weights, target_params, draft_vocab, inputs,
+                                t_logits, hidden)
         if self.drafter.method == "medusa":
             feats = heads_lib.medusa_heads(weights, hidden)  # [B, T, K, E]
             logits = draft_vocab.logits(feats)  # [B, T, K, M]
@@ -89,14 +138,17 @@ class HeadsObjective:
 
 def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
                 num_heads: int = 4, draft_vocab_size: int | None = None,
-                intermediate_size: int | None = None,
+                intermediate_size: int | None = None, num_layers: int = 2,
+                block_size: int = 16, taps: tuple[int, ...] | None = None,
                 heldout: np.ndarray | None = None, progress: bool = True,
                 on_eval: Callable[[int, float], None] | None = None,
                 max_seconds: float | None = None) -> tuple[Heads, list[dict]]:
-    """Train a Medusa (``num_heads`` heads) or EAGLE drafter for the frozen ``target`` on a token
-    stream, resuming from workdir. The draft vocabulary is the ``draft_vocab_size`` most frequent
-    tokens of ``tokens`` (default: the whole vocabulary). Weights train in float32.
-    Returns the drafter (with the target's LM head columns) and the held-out evaluations."""
+    """Train a Medusa (``num_heads`` heads), EAGLE or block (dflash: ``num_layers`` layers,
+    blocks of up to ``block_size``, reading target layers ``taps``) drafter for the frozen
+    ``target`` on a token stream, resuming from workdir. The draft vocabulary is the
+    ``draft_vocab_size`` most frequent tokens of ``tokens`` (default: the whole vocabulary).
+    Weights train in float32. Returns the drafter (with the target's LM head columns) and the
+    held-out evaluations."""
     V = target.config.vocab_size
     M = V if draft_vocab_size is None else draft_vocab_size
     if not 1 <= M <= V:
@@ -104,7 +156,8 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     vocab = np.arange(V, dtype=np.int32) if M == V else frequent_tokens(tokens, V, M)
     fresh = heads_lib.init_heads(target, method, jax.random.key(cfg.seed),
                                  num_heads=num_heads, vocab=vocab,
-                                 intermediate_size=intermediate_size)
+                                 intermediate_size=intermediate_size, num_layers=num_layers,
+                                 block_size=block_size, taps=taps)
     objective = HeadsObjective(fresh.config, target.config)
     aux = {"target": target.params, "vocab": jnp.asarray(vocab)}
     run = {"drafter": dataclasses.asdict(fresh.config), "train": dataclasses.asdict(cfg),
@@ -131,8 +184,9 @@ def heads_main(argv=None) -> int:
     from ..checkpoint import load_model
     ap = argparse.ArgumentParser(
         prog="specjax train heads",
-        description="Train Medusa heads or an EAGLE head on a frozen target (self-distillation "
-                    "on the target's own distributions); resumes from --workdir.")
+        description="Train Medusa heads, an EAGLE head or a block drafter (dflash) on a frozen "
+                    "target (self-distillation on the target's own distributions); resumes "
+                    "from --workdir.")
     ap.add_argument("method", choices=list(heads_lib.HEADS_METHODS))
     ap.add_argument("--target", default="checkpoints/code-target", help="the frozen target")
     ap.add_argument("--data", default="~/specjax-work",
@@ -148,7 +202,12 @@ def heads_main(argv=None) -> int:
     ap.add_argument("--draft-vocab-size", type=int,
                     help="draft from the N most frequent training tokens (default: all)")
     ap.add_argument("--intermediate-size", type=int,
-                    help="eagle: the head's MLP width (default: the target's)")
+                    help="eagle, dflash: the MLP width (default: the target's)")
+    ap.add_argument("--num-layers", type=int, default=2, help="dflash: its layers")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="dflash: the most drafts a block makes (seq-len must exceed it by 2)")
+    ap.add_argument("--taps", help="dflash: target layers it reads, e.g. 1,3,5 (default: three "
+                                   "spread to the last)")
     ap.add_argument("--save-dtype", default="bfloat16")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -163,6 +222,8 @@ def heads_main(argv=None) -> int:
     drafter, history = train_heads(
         target, args.method, tokens, cfg, workdir, num_heads=args.num_heads,
         draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
+        num_layers=args.num_layers, block_size=args.block_size,
+        taps=None if args.taps is None else tuple(int(t) for t in args.taps.split(",")),
         heldout=heldout,
         max_seconds=None if args.minutes is None else args.minutes * 60)
     for h in history:
@@ -198,8 +259,11 @@ Command: `{command}`
 def write_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, history, steps: int
                ) -> None:
     c = drafter.config
-    what = (f"{c.num_heads} Medusa heads" if c.method == "medusa"
-            else f"An EAGLE head (one decoder layer, MLP width {c.layer.intermediate_size})")
+    what = {"medusa": f"{c.num_heads} Medusa heads",
+            "eagle": f"An EAGLE head (one decoder layer, MLP width {c.layer.intermediate_size})",
+            "dflash": f"A block drafter ({c.layer.num_hidden_layers} decoder layers, MLP width "
+                      f"{c.layer.intermediate_size}, blocks of up to {c.block_size} drafts, "
+                      f"reading target layers {', '.join(map(str, c.taps))})"}[c.method]
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(drafter.params["weights"]))
     evals = ", ".join(f"{h['heldout_loss']:.3f} at step {h['step']}" for h in history) or "none"
     command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
@@ -207,6 +271,9 @@ def write_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                + (f" --draft-vocab-size {args.draft_vocab_size}" if args.draft_vocab_size else "")
                + (f" --intermediate-size {args.intermediate_size}"
                   if args.intermediate_size else "")
+               + (f" --num-layers {args.num_layers} --block-size {args.block_size}"
+                  + (f" --taps {args.taps}" if args.taps else "") if c.method == "dflash"
+                  else "")
                + f" --out {args.out}")
     (out / "README.md").write_text(CARD.format(
         folder=out.name, what=what, target=args.target, params=params, dtype=args.save_dtype,
