@@ -284,6 +284,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--medusa",
                    help="Medusa heads folder (default: bundled checkpoints/code-medusa)")
     b.add_argument("--eagle", help="EAGLE head folder (default: bundled checkpoints/code-eagle)")
+    b.add_argument("--dflash",
+                   help="block drafter folder (default: bundled checkpoints/code-dflash)")
     b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
                    metavar="G,G,...", help="chains of this many drafts to compare (default "
                                            "2,4,6; '' for none, e.g. with --tree)")

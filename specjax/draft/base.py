@@ -85,14 +85,16 @@ class TreeProposer(Protocol):
 
 @runtime_checkable
 class Rider(Protocol):
-    """A proposer that drafts from the target's own hidden states (Medusa, EAGLE).
+    """A proposer that drafts from the target's own hidden states (Medusa, EAGLE, dflash).
 
     For a rider the engine passes ``params = {"heads": its params, "target": target params}``,
     gives ``init`` the prompt's final-norm hidden states as a fifth argument
     (``init(params, prompts, prompt_lengths, capacity, hidden [B, N, E])``), and after every
     verification calls ``observe(state, start [B], hidden [B, W, E])`` with the target's hidden
     states along the round's accepted path (position start + j at index j; W = depth + 1; entries
-    past the accepted path are stale)."""
+    past the accepted path are stale). A rider with ``taps`` (target layer indices) gets the
+    residual stream after those layers, concatenated [.., len(taps) * E], in place of the
+    final-norm hidden states, in both."""
 
     rides_on_target: ClassVar[bool]
 

@@ -50,7 +50,7 @@ from ..attention import BLOCK, current_block
 from ..cache import KVCache, write_chunk
 from ..model import Layers, RMSNorm, apply_rope, rope_tables
 from ..model import view as model_view
-from .base import Draft, draw, stack_chain
+from .base import Draft, draw
 from .heads import HeadsConfig, embed
 from .rider import Features, RiderProposer, check_heads
 
@@ -137,17 +137,20 @@ def _dense(params, x):
 
 
 def run_block(config: HeadsConfig, weights, target_params, last: Array, positions: Array,
-              cache: KVCache, chunk_mask: Array | None = None) -> Array:
+              cache: KVCache, chunk_mask: Array | None = None, block: int | None = None
+              ) -> Array:
     """The block forward: the last tokens [B] at positions[:, 0], mask vectors after them, at
     positions [B, T]; the cache holds the context (slots < cache.length). chunk_mask [B, T, T]
-    (default: all of the block sees all of it). Returns the block's outputs [B, T, E]."""
+    (default: all of the block sees all of it). block: cache slots per attention block (default
+    ``attention.current_block()``; training passes the capacity: one dense softmax, which can
+    be differentiated). Returns the block's outputs [B, T, E]."""
     B, T = positions.shape
     mask = weights["mask"]
     embeds = jnp.concatenate([embed(target_params, last)[:, None].astype(mask.dtype),
                               jnp.broadcast_to(mask, (B, T - 1, mask.shape[0]))], axis=1)
     if chunk_mask is None:
         chunk_mask = jnp.ones((T, T), bool)
-    block = current_block()
+    block = current_block() if block is None else block
     out, _, _ = DFlashNet(config, block=block).apply(
         {"params": weights}, embeds, model_view(cache, positions, chunk_mask, None, block),
         cache.k, cache.v)
@@ -197,13 +200,12 @@ class DFlashProposer(RiderProposer):
         out = run_block(self.config, p["weights"], params["target"], last, positions, cache)
         logits = p["vocab"].logits(out[:, 1:])  # [B, G, M]
         step_keys = jax.vmap(lambda k: jax.random.split(k, G))(keys)  # [B, G]
-        tokens, probs = [], []
-        for j in range(G):
-            token, q = draw(logits[:, j], step_keys[:, j], sampling_params, filters, p["vocab"])
-            tokens.append(token)
-            probs.append(q)
-        return (stack_chain(tokens, probs, p["vocab"], self.config.vocab_size),
-                DFlashState(cache, f))
+        # All G drafts in one draw over B * G rows, each with its row's sampling settings.
+        per_draft = jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), sampling_params)
+        tokens, q = draw(logits.reshape(B * G, -1), step_keys.reshape(-1), per_draft, filters,
+                         p["vocab"])
+        q = None if q is None else p["vocab"].widen(q.reshape(B, G, -1), self.config.vocab_size)
+        return Draft(tokens.reshape(B, G), q), DFlashState(cache, f)
 
 
 def build(spec, heads, target):

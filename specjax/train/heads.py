@@ -46,17 +46,19 @@ def _target_outputs(target: ModelConfig, target_params, inputs, taps=()):
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden.astype(jnp.float32))
 
 
-ANCHORS = 8  # dflash: blocks scored per training sequence
+def anchors_per_sequence(seq_len: int) -> int:
+    """dflash: blocks scored per training sequence, one per 16 tokens (at least 8)."""
+    return max(8, seq_len // 16)
 
 
 def _dflash_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: DraftVocab, inputs,
                  t_logits, feats) -> jax.Array:
-    """The block drafter at ANCHORS random anchors a per sequence: the context (features of
-    positions < a) injected, the block [x_a, mask, ...] at positions a .. a + G, cut at a random
-    length g per anchor (block positions past g are invisible and unscored), each draft position
-    j scored by the cross-entropy against the target's distribution for token a + j, weighted
-    HEAD_DECAY^(j - 1). Anchors and lengths are a function of the batch, so a resumed run sees
-    the same ones."""
+    """The block drafter at ``anchors_per_sequence`` random anchors a per sequence: the
+    context (features of positions < a) injected, the block [x_a, mask, ...] at positions a ..
+    a + G, cut at a random length g per anchor (block positions past g are invisible and
+    unscored), each draft position j scored by the cross-entropy against the target's
+    distribution for token a + j, weighted HEAD_DECAY^(j - 1). Anchors and lengths are a
+    function of the batch, so a resumed run sees the same ones."""
     from ..draft import dflash
     B, T = inputs.shape
     G = drafter.block_size
@@ -66,6 +68,7 @@ def _dflash_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: Draf
     mix = jnp.sum(inputs.astype(jnp.uint32) * (spread * jnp.uint32(2654435761) + 1))
     key = jax.random.fold_in(jax.random.key(0), mix.astype(jnp.int32))
     k_anchor, k_length = jax.random.split(key)
+    ANCHORS = anchors_per_sequence(T)  # noqa: N806
     anchors = jax.random.randint(k_anchor, (B, ANCHORS), 1, T - G + 1).reshape(-1)  # [R]
     lengths = jax.random.randint(k_length, (B * ANCHORS,), 1, G + 1)  # g per block
     cache = dflash.inject(drafter, weights, feats, KVCache.init(drafter.layer, B, T + G + 1))
@@ -77,7 +80,7 @@ def _dflash_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: Draf
     chunk_mask = jnp.broadcast_to(visible, (B * ANCHORS, G + 1, G + 1))
     positions = anchors[:, None] + index[None, :]
     out = dflash.run_block(drafter, weights, target_params, inputs[rows, anchors], positions,
-                           cache, chunk_mask)
+                           cache, chunk_mask, block=cache.capacity)  # dense: differentiable
     logits = draft_vocab.logits(out[:, 1:].astype(jnp.float32))  # [R, G, M]
     target = t_logits[rows[:, None], anchors[:, None] + index[None, :G]]  # for tokens a + j
     p = jax.nn.softmax(target, axis=-1)[..., draft_vocab.ids]
