@@ -270,7 +270,8 @@ def write_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(drafter.params["weights"]))
     evals = ", ".join(f"{h['heldout_loss']:.3f} at step {h['step']}" for h in history) or "none"
     command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
-               f"--steps {args.steps}" + (f" --minutes {args.minutes:g}" if args.minutes else "")
+               f"--steps {args.steps} --batch-size {cfg.batch_size} --seq-len {cfg.seq_len}"
+               + (f" --minutes {args.minutes:g}" if args.minutes else "")
                + (f" --draft-vocab-size {args.draft_vocab_size}" if args.draft_vocab_size else "")
                + (f" --intermediate-size {args.intermediate_size}"
                   if args.intermediate_size else "")
