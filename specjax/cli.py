@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from . import shapes, theory
-from .bench import CHECKPOINTS, lookup_options
+from .bench import CHECKPOINTS, lookup_options, parted_at_near_tie
 from .checkpoint import DTYPES
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .draft import names as draft_methods
@@ -184,10 +184,13 @@ def _generate(args) -> int:
         print(f"speed-up {ratio:.2f}x"
               f" (median of {args.repeats} interleaved passes each)"
               + (f"; output identical: {same}" if args.temperature == 0 else ""))
-        ties = max(ar.stats.greedy_near_ties, sp.stats.greedy_near_ties)
-        if args.temperature == 0 and not same and ties:
-            print(f"({ties} greedy tokens were near ties, within {target.config.dtype} rounding: "
-                  f"there a verify forward and a one-token step may choose apart)")
+        if args.temperature == 0 and not same:
+            at_tie = parted_at_near_tie(target, tok.encode(args.prompt), ar.tokens[0],
+                                        sp.tokens[0])
+            print("(the texts part at a near tie, within " + target.config.dtype + " rounding: "
+                  "there a verify forward and a one-token step may choose apart)" if at_tie else
+                  "(the texts part where the target's choice is clear: not rounding; please "
+                  "report this)")
     return 0
 
 

@@ -227,6 +227,8 @@ class Decoder(nn.Module):
         x = embed(tokens)  # [B, T, E]
         cos, sin = rope_tables(view.positions, cfg)
         if self.stacked:
+            if self.taps:
+                raise ValueError("taps need the unrolled layers (stacked=False)")
             layers = nn.scan(
                 DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
@@ -301,12 +303,14 @@ def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model
 
 
 def check_taps(config: ModelConfig, taps) -> tuple[int, ...]:
-    """``taps`` as a tuple of distinct layer indices in [0, L), or ValueError naming it."""
+    """``taps`` as a tuple of ascending layer indices in [0, L) (the order their outputs are
+    concatenated in), or ValueError naming it."""
     taps = tuple(taps)
     L = config.num_hidden_layers
-    if (len(set(taps)) != len(taps) or any(isinstance(t, bool) or not isinstance(t, int)
-                                           or not 0 <= t < L for t in taps)):
-        raise ValueError(f"taps must be distinct layer indices in [0, {L}), got {taps!r}")
+    if (list(taps) != sorted(set(taps)) or any(isinstance(t, bool) or not isinstance(t, int)
+                                               or not 0 <= t < L for t in taps)):
+        raise ValueError(f"taps must be ascending distinct layer indices in [0, {L}), got "
+                         f"{taps!r}")
     return taps
 
 

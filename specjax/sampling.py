@@ -57,8 +57,9 @@ def argmax(x: Array) -> Array:
 # How close the runner-up logit may come to the top one, relative to max(1, |top|), for a greedy
 # choice to count as a near tie, by the dtype the model computes in. Forwards of different
 # widths (a one-token step, a γ + 1 verify) round their hidden states differently: on the
-# bundled target the same position's logits differed by up to 1.3e-5 in float32 and 0.05 in
-# bfloat16 (about 8 and 2^-7 relative), so a margin below these can fall either way.
+# bundled target, with logits around 8, the same position's logits differed by up to 1.3e-5 in
+# float32 (2^-19 relative) and 0.05 in bfloat16 (2^-7), so a margin below these can fall either
+# way. The tolerances sit at or above those; they are measured on one model, not bounds.
 TIE_TOLERANCE = {"float32": 2.0 ** -16, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 
 

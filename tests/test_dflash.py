@@ -94,9 +94,11 @@ def test_bad_input_is_refused_by_name(target, trained):
     with pytest.raises(ValueError, match="method 'dflash' but the heads are 'eagle'"):
         sj.generate(target, prompts, spec=dict(method="dflash"),
                     draft=heads_lib.init_heads(target, "eagle", jax.random.key(0)))
-    with pytest.raises(ValueError, match="taps must be distinct layer indices in \\[0, 2\\), "
-                                         "got \\(0, 2\\)"):
+    with pytest.raises(ValueError, match="taps must be ascending distinct layer indices in "
+                                         "\\[0, 2\\), got \\(0, 2\\)"):
         heads_lib.init_heads(target, "dflash", jax.random.key(0), taps=(0, 2))
+    with pytest.raises(ValueError, match="got \\(1, 0\\)"):
+        heads_lib.init_heads(target, "dflash", jax.random.key(0), taps=(1, 0))
     with pytest.raises(ValueError, match="num_layers must be an int >= 1, got 0"):
         heads_lib.init_heads(target, "dflash", jax.random.key(0), num_layers=0)
     with pytest.raises(ValueError, match="block_size >= 1"):

@@ -20,6 +20,14 @@ def test_forward_cost_by_hand():
     # products: 2 per weight per token; attention: 4 x heads x head_dim per slot attended
     # (10 cached, then on average (3 + 1) / 2 of the chunk) per token per layer
     assert cost["flops"] == 2 * cfg.num_params * 12 + 4 * 2 * 2 * 8 * 12 * 12
+    # untied: a step reads one row of the input table, and no product runs over it
+    untied = sj.init_model(tiny_config(vocab_size=32, hidden_size=16, layers=2, heads=2,
+                                       kv_heads=1, tie_word_embeddings=False),
+                           jax.random.key(0))
+    table = 32 * 16
+    cost = roofline.forward_cost(untied, batch=4, width=3, context=10)
+    assert cost["weight_bytes"] == 4 * (untied.config.num_params - table)
+    assert cost["flops"] == 2 * (untied.config.num_params - table) * 12 + 4 * 2 * 2 * 8 * 12 * 12
 
 
 def test_the_knee_is_the_first_width_over_its_batchs_step(monkeypatch):

@@ -104,3 +104,16 @@ def test_near_ties_by_dtype():
     out = sj.generate(planted(), [PROMPT], sampling=sj.SamplingParams(temperature=1.0,
                                                                       max_new_tokens=8))
     assert out.stats.greedy_near_ties == 0
+
+
+def test_a_parting_is_blamed_on_rounding_only_at_a_near_tie():
+    """bench.parted_at_near_tie: the texts' first difference is checked against the target's
+    logits there; a clear choice is not rounding."""
+    from specjax.bench import parted_at_near_tie
+    tie, clear = planted(), planted(margin=2.0 ** -8)
+    a, b = np.array([0, 2, 0, -1]), np.array([0, 2, 1, -1])
+    for model, want in ((tie, True), (clear, False)):
+        head = greedy(model, n=2).tokens[0]  # the target's own first two tokens
+        a[:2], b[:2] = head, head
+        assert parted_at_near_tie(model, PROMPT, a, b) is want
+    assert parted_at_near_tie(tie, PROMPT, a, a) is False  # they do not part

@@ -20,7 +20,7 @@ Cache: slot t holds the injected keys and values of the target's features at pos
 round first injects the features the last verification produced (along the accepted path, from
 ``Features.start``), then rolls back to ``length``: everything at or past it is stale. The block's
 own keys and values are written at slots length .. length + γ during the forward and dropped.
-The drafter's cache has ``block_size`` more slots than the target's, so a block never runs out
+The drafter's cache has ``block_size + 1`` more slots than the target's, so a block never runs out
 of room. After prefill every prompt position's features are injected at once.
 
 Training (``specjax train heads dflash``, specjax/train/heads.py) scores the block at random
