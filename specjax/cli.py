@@ -215,8 +215,8 @@ def _add_generate(sub) -> None:
                    help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
     g.add_argument("--draft",
                    help="draft model folder for --method draft_model, heads folder for medusa / "
-                        "eagle (default: the bundled checkpoints/code-draft, code-medusa, "
-                        "code-eagle)")
+                        "eagle / dflash / mtp (default: the bundled checkpoints/code-draft, "
+                        "code-medusa, code-eagle, code-dflash, code-mtp)")
     g.add_argument("--full-draft-vocab", action="store_true",
                    help="draft over the whole vocabulary even when the draft folder ships a "
                         "draft vocabulary (draft_vocab.npy; the bundled draft does)")
@@ -289,6 +289,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--eagle", help="EAGLE head folder (default: bundled checkpoints/code-eagle)")
     b.add_argument("--dflash",
                    help="block drafter folder (default: bundled checkpoints/code-dflash)")
+    b.add_argument("--mtp", help="MTP modules folder (default: bundled checkpoints/code-mtp)")
     b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
                    metavar="G,G,...", help="chains of this many drafts to compare (default "
                                            "2,4,6; '' for none, e.g. with --tree)")
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         parser.error("usage: specjax train pair {data,target,draft,export} --workdir DIR, or "
-                     "specjax train heads {medusa,eagle} --workdir DIR")
+                     "specjax train heads {medusa,eagle,dflash,mtp} --workdir DIR")
     if args.command == "generate":
         try:
             return _generate(args)

@@ -8,16 +8,16 @@ import pytest
 from conftest import tiny_model
 from test_heads import (
     PROMPTS,
-    accept_all,
+    TREE,
+    differs_when_verification_accepts_everything,
     greedy_rounds,
     quick,
     reporting_uniform_q,
     samples_of,
 )
 from test_lossless import (  # noqa: F401
-    exact_joint,
-    g_test,
-    generate_samples,
+    SETTINGS,
+    first_three_pvalue,
     later_samples,
     models,
     tail_joints,
@@ -25,7 +25,7 @@ from test_lossless import (  # noqa: F401
 )
 
 import specjax as sj
-from specjax import attention, verify
+from specjax import attention
 from specjax.draft import dflash
 from specjax.draft import heads as heads_lib
 from specjax.draft.dflash import DFlashProposer
@@ -89,8 +89,13 @@ def test_bad_input_is_refused_by_name(target, trained):
     with pytest.raises(ValueError, match="blocks of up to 6 drafts; got num_speculative_tokens=7"):
         sj.generate(target, prompts, spec=dict(method="dflash", num_speculative_tokens=7),
                     draft=d)
-    with pytest.raises(ValueError, match="tree is not supported with method 'dflash'"):
-        sj.generate(target, prompts, spec=dict(method="dflash", tree=[[0], [1]]), draft=d)
+    with pytest.raises(ValueError, match="blocks of up to 6 drafts; got a tree of depth 7"):
+        sj.generate(target, prompts, spec=dict(method="dflash", tree=[[0] * i for i in
+                                                                       range(1, 8)]), draft=d)
+    with pytest.raises(ValueError, match="29 children per node, more than the drafter's "
+                                         "28-token draft vocabulary"):
+        sj.generate(target, prompts, spec=dict(method="dflash", tree=[[i] for i in range(29)]),
+                    draft=d)
     with pytest.raises(ValueError, match="method 'dflash' but the heads are 'eagle'"):
         sj.generate(target, prompts, spec=dict(method="dflash"),
                     draft=heads_lib.init_heads(target, "eagle", jax.random.key(0)))
@@ -121,15 +126,20 @@ def test_greedy_equals_autoregressive(target, trained, gamma):
     assert out.stats.accepted_tokens > 0 and out.stats.draft_calls == 1 + out.stats.num_rounds
 
 
-def test_greedy_check_fails_when_verification_accepts_everything(target, trained, monkeypatch,
-                                                                 fresh_programs):
-    monkeypatch.setattr(verify, "greedy_verdict", accept_all)
+def test_greedy_tree_equals_autoregressive(target, trained):
+    """A tree: every node at depth d takes position d + 1's top-ranked tokens as children."""
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
-    out = sj.generate(target, PROMPTS, sampling=sampling,
-                      spec=dict(method="dflash", num_speculative_tokens=3),
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=dict(method="dflash", tree=TREE),
                       draft=trained["dflash"])
-    assert not np.array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    assert out.stats.mean_accepted_length > 1.1, out.stats
+
+
+def test_greedy_check_fails_when_verification_accepts_everything(target, trained, monkeypatch,
+                                                                 fresh_programs):
+    assert differs_when_verification_accepts_everything(
+        target, trained["dflash"], dict(method="dflash", num_speculative_tokens=3), monkeypatch)
 
 
 # -- the drafter's cache ------------------------------------------------------------------------
@@ -184,9 +194,6 @@ def tiny_dflash(models, tmp_path_factory):
                                progress=False)[0]
 
 
-SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 0.9)]
-
-
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
 @pytest.mark.parametrize("gamma,block", [(2, None), (4, 4)], ids=["gamma2", "gamma4-in-blocks"])
 def test_first_three_tokens_follow_the_target(tiny_dflash, monkeypatch, t, k, p, gamma, block):
@@ -194,23 +201,33 @@ def test_first_three_tokens_follow_the_target(tiny_dflash, monkeypatch, t, k, p,
     if block is not None:
         monkeypatch.setattr(attention, "BLOCK", block)
     target, d = tiny_dflash
-    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
-    samples = generate_samples(target, d, sampling,
-                               sj.SpecConfig(method="dflash", num_speculative_tokens=gamma))
-    assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+    spec = sj.SpecConfig(method="dflash", num_speculative_tokens=gamma)
+    assert first_three_pvalue(target, d, spec, t, k, p) > 1e-3
+
+
+SMALL_TREE = ((0,), (1,), (0, 0), (1, 0), (0, 1))
 
 
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
+def test_tree_first_three_tokens_follow_the_target(tiny_dflash, t, k, p):
+    """Sampled trees: each depth's children drawn without replacement from that position's q,
+    shared by the nodes of the level, verified by recursive rejection sampling."""
+    target, d = tiny_dflash
+    spec = sj.SpecConfig(method="dflash", tree=SMALL_TREE)
+    assert first_three_pvalue(target, d, spec, t, k, p) > 1e-3
+
+
+@pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
+@pytest.mark.parametrize("spec", [dict(num_speculative_tokens=2), dict(tree=SMALL_TREE)],
+                         ids=["chain", "tree"])
 def test_reporting_the_wrong_q_fails_the_same_test(tiny_dflash, monkeypatch, fresh_programs,
-                                                   t, k, p):
+                                                   t, k, p, spec):
     """A block drafter that samples from q but reports a uniform q to the verifier is not
     lossless; the distribution test must see it."""
     target, d = tiny_dflash
     monkeypatch.setattr(DFlashProposer, "propose", reporting_uniform_q(DFlashProposer.propose))
-    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
-    samples = generate_samples(target, d, sampling,
-                               sj.SpecConfig(method="dflash", num_speculative_tokens=2))
-    assert g_test(samples, exact_joint(target, t, k, p)) < 1e-6
+    spec = sj.SpecConfig(method="dflash", **spec)
+    assert first_three_pvalue(target, d, spec, t, k, p) < 1e-6
 
 
 def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_dflash, tail_joints):

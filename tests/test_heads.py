@@ -202,14 +202,20 @@ def accept_all(draft_tokens, target_tokens, valid=None):
     return verify.Verdict(tokens, jnp.full(draft_tokens.shape[:1], G, jnp.int32))
 
 
-def test_greedy_check_fails_when_verification_accepts_everything(target, trained, monkeypatch,
-                                                                 fresh_programs):
+def differs_when_verification_accepts_everything(target, drafter, spec, monkeypatch) -> bool:
+    """Whether greedy output with ``spec`` parts from autoregressive decoding once the greedy
+    verdict is broken to accept every draft (the greedy-equality tests' control)."""
     monkeypatch.setattr(verify, "greedy_verdict", accept_all)
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
-    out = sj.generate(target, PROMPTS, sampling=sampling,
-                      spec=dict(method="eagle", num_speculative_tokens=3), draft=trained["eagle"])
-    assert not np.array_equal(out.tokens, ref.tokens)
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=drafter)
+    return not np.array_equal(out.tokens, ref.tokens)
+
+
+def test_greedy_check_fails_when_verification_accepts_everything(target, trained, monkeypatch,
+                                                                 fresh_programs):
+    assert differs_when_verification_accepts_everything(
+        target, trained["eagle"], dict(method="eagle", num_speculative_tokens=3), monkeypatch)
 
 
 # -- EAGLE's own cache --------------------------------------------------------------------------

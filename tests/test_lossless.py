@@ -80,6 +80,13 @@ def generate_samples(target, draft, sampling, spec, seed=0, prompt=PROMPT):
 SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 0.9)]
 
 
+def first_three_pvalue(target, draft, spec, t, k, p):
+    """The G-test p-value of the first three tokens sampled with ``spec`` at temperature t,
+    top-k k, top-p p against their exact joint distribution under the target."""
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    return g_test(generate_samples(target, draft, sampling, spec), exact_joint(target, t, k, p))
+
+
 NGRAM = dict(method="ngram", prompt_lookup_min=1, prompt_lookup_max=2)
 
 

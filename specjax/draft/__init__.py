@@ -8,13 +8,14 @@
     medusa.py       Medusa heads' proposer
     eagle.py        the EAGLE head's proposer
     dflash.py       the block drafter: its network and proposer (config in heads.py)
+    mtp.py          multi-token prediction modules' proposer (network in heads.py)
     rider.py        what Medusa and EAGLE share (the target's features between rounds)
     vocab.py        draft vocabularies (a cut LM head)
 """
 
 from __future__ import annotations
 
-from . import dflash, draft_model, ngram, rider
+from . import dflash, draft_model, mtp, ngram, rider
 from .base import Draft, Proposer, Rider, TreeProposer, draw, expand_tree, tree_candidates
 from .dflash import DFlashProposer
 from .draft_model import (
@@ -27,6 +28,7 @@ from .draft_model import (
 from .eagle import EagleProposer
 from .heads import Heads, HeadsConfig, init_heads, load_heads, save_heads
 from .medusa import MedusaProposer
+from .mtp import MTPProposer
 from .ngram import NgramProposer
 from .registry import Method, get, names, register, unregister
 from .rider import Features
@@ -38,7 +40,8 @@ register("draft_model", draft_model.build, draft="model", tree=True,
 register("ngram", ngram.build)
 register("medusa", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
 register("eagle", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
-register("dflash", dflash.build, draft="heads", params=lambda heads: heads.params)
+register("dflash", dflash.build, draft="heads", tree=True, params=lambda heads: heads.params)
+register("mtp", mtp.build, draft="heads", params=lambda heads: heads.params)
 
 
 def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> DraftModel:
@@ -52,6 +55,7 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
 __all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
            "restrict_vocab", "NgramProposer", "MedusaProposer", "EagleProposer", "DFlashProposer",
+           "MTPProposer",
            "Features",
            "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
            "DraftVocab", "frequent_tokens", "Method", "register", "unregister", "get", "names"]

@@ -16,6 +16,13 @@ point masses when greedy); draft j's q does not depend on the drafts before it, 
 verifier allows (a draft may come from any distribution fixed before it is drawn), so the output
 is the target's distribution exactly.
 
+Trees (``SpecConfig.tree``): the block runs over the tree's depth, and every node at depth d
+takes as children the same candidates of position d + 1: its ``width`` top-ranked tokens when
+greedy, ``width`` draws without replacement from its q when sampled (one draw per depth, shared
+by the nodes at that depth). Position d + 1's q does not depend on the tokens above it and each
+depth's draw has its own key, so whichever node the verifier reaches, its children are a fresh
+draw from the q it reports (``Draft.probs``), as recursive rejection sampling needs.
+
 Cache: slot t holds the injected keys and values of the target's features at position t. Each
 round first injects the features the last verification produced (along the accepted path, from
 ``Features.start``), then rolls back to ``length``: everything at or past it is stale. The block's
@@ -50,9 +57,9 @@ from ..attention import BLOCK, current_block
 from ..cache import KVCache, write_chunk
 from ..model import Layers, RMSNorm, apply_rope, rope_tables
 from ..model import view as model_view
-from .base import Draft, draw
+from .base import Draft, draw, expand_tree, tree_candidates
 from .heads import HeadsConfig, embed
-from .rider import Features, RiderProposer, check_heads
+from .rider import Features, RiderProposer, check_heads, spec_tree
 
 
 class DFlashNet(nn.Module):
@@ -190,7 +197,7 @@ class DFlashProposer(RiderProposer):
     def propose(self, params, state: DFlashState, history: Array, length: Array, keys: Array,
                 sampling_params: sampling.SamplingArrays, filters: sampling.Filters
                 ) -> tuple[Draft, DFlashState]:
-        p, G = params["heads"], self.chain
+        p, G = params["heads"], self.depth
         f = state.features
         cache = inject(self.config, p["weights"], f.feats,
                        state.cache.rollback(f.start)).rollback(length)
@@ -199,6 +206,9 @@ class DFlashProposer(RiderProposer):
         positions = length[:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
         out = run_block(self.config, p["weights"], params["target"], last, positions, cache)
         logits = p["vocab"].logits(out[:, 1:])  # [B, G, M]
+        if self.tree is not None:
+            return self._tree(logits, keys, sampling_params, filters, p["vocab"]), DFlashState(
+                cache, f)
         step_keys = jax.vmap(lambda k: jax.random.split(k, G))(keys)  # [B, G]
         # All G drafts in one draw over B * G rows, each with its row's sampling settings.
         per_draft = jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), sampling_params)
@@ -206,6 +216,25 @@ class DFlashProposer(RiderProposer):
                          p["vocab"])
         q = None if q is None else p["vocab"].widen(q.reshape(B, G, -1), self.config.vocab_size)
         return Draft(tokens.reshape(B, G), q), DFlashState(cache, f)
+
+    def _tree(self, logits: Array, keys: Array, sampling_params: sampling.SamplingArrays,
+              filters: sampling.Filters, vocab) -> Draft:
+        """The tree's nodes from the block's per-position logits [B, depth, M]."""
+        B, width = logits.shape[0], int(self.tree.children.shape[1])
+
+        def candidates(d):  # the children of any node at depth d: position d + 1's
+            level_keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(keys)
+            return tree_candidates(logits[:, d:d + 1], width, level_keys, sampling_params,
+                                   filters, vocab)
+
+        def expand(d, level, parent):  # the same candidates under every node of the level
+            ids, q = candidates(d + 1)
+            n = level.shape[1]
+            return (jnp.broadcast_to(ids, (B, n, width)),
+                    None if q is None else jnp.broadcast_to(q, (B, n, q.shape[-1])))
+
+        tokens, q = expand_tree(self.tree, candidates(0), expand, vocab, self.config.vocab_size)
+        return Draft(tokens, q)
 
 
 def build(spec, heads, target):
@@ -215,7 +244,4 @@ def build(spec, heads, target):
     if max(c.taps) >= target.num_hidden_layers:
         raise ValueError(f"the block drafter reads target layers {c.taps}; the target has "
                          f"{target.num_hidden_layers}")
-    if spec.num_speculative_tokens > c.block_size:
-        raise ValueError(f"the block drafter was trained for blocks of up to {c.block_size} "
-                         f"drafts; got num_speculative_tokens={spec.num_speculative_tokens}")
-    return DFlashProposer(c, spec.num_speculative_tokens)
+    return DFlashProposer(c, spec.num_speculative_tokens, spec_tree(spec, c))

@@ -1,6 +1,7 @@
-"""Drafters that ride on the target: Medusa heads, an EAGLE feature head, and a block drafter
+"""Drafters that ride on the target: Medusa heads, an EAGLE feature head, a block drafter
 (``dflash``, specjax/draft/dflash.py; its network lives there, its config, saving and loading
-here).
+here) and multi-token prediction modules (``mtp``, specjax/draft/mtp.py: EAGLE's layer, one per
+draft depth, with input norms).
 
 Neither has its own embedding, final norm or vocabulary projection: both read the target's
 final-norm hidden state (its "feature", the vector the LM head turns into logits) and decode
@@ -26,7 +27,9 @@ the target's.
 Parameters::
 
     weights   trainable: medusa {"w": [K, E, E], "b": [K, E]};
-              eagle {"fc": [2E, E], "layer": one DecoderLayer, "norm": [E]}
+              eagle {"fc": [2E, E], "layer": one DecoderLayer, "norm": [E]};
+              mtp {"0": .., "K-1": ..}, each eagle's plus "hnorm" [E] and "enorm" [E];
+              dflash: see specjax/draft/dflash.py
     vocab     a DraftVocab: ids [M] int32 (into the target's vocabulary) and the target's
               LM head columns for them [E, M] (derived, never saved)
 
@@ -56,19 +59,19 @@ from ..model import DecoderLayer, Model, RMSNorm, rope_tables
 from ..model import view as model_view
 from .vocab import DraftVocab, check_vocab
 
-HEADS_METHODS = ("medusa", "eagle", "dflash")
+HEADS_METHODS = ("medusa", "eagle", "dflash", "mtp")
 FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadsConfig:
-    method: str  # "medusa" or "eagle"
+    method: str  # one of HEADS_METHODS
     hidden_size: int  # E, the target's
     vocab_size: int  # V, the target's
     draft_vocab_size: int  # M <= V: tokens the drafter can propose
-    num_heads: int = 0  # medusa: K heads (the deepest draft it can make); eagle: 0
-    layer: ModelConfig | None = None  # eagle: the one-layer config (the target's layer shape);
-    #   dflash: its layers' config (num_hidden_layers of them)
+    num_heads: int = 0  # medusa: K heads; mtp: K modules (the deepest draft either can make)
+    layer: ModelConfig | None = None  # eagle, mtp: the one-layer config (the target's layer
+    #   shape); dflash: its layers' config (num_hidden_layers of them)
     block_size: int = 0  # dflash: the most drafts one block makes (what it was trained for)
     taps: tuple[int, ...] = ()  # dflash: the target layers whose outputs it reads
 
@@ -79,9 +82,10 @@ class HeadsConfig:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, "
                              f"{self.vocab_size}] (the target's vocab_size)")
-        if self.method == "medusa" and self.num_heads < 1:
-            raise ValueError(f"a Medusa drafter needs num_heads >= 1, got {self.num_heads}")
-        if self.method in ("eagle", "dflash") and self.layer is None:
+        if self.method in ("medusa", "mtp") and self.num_heads < 1:
+            raise ValueError(f"a {self.method} drafter needs num_heads >= 1, got "
+                             f"{self.num_heads}")
+        if self.method in ("eagle", "dflash", "mtp") and self.layer is None:
             raise ValueError(f"an {self.method} drafter needs its layer config")
         if self.method == "dflash" and (self.block_size < 1 or not self.taps):
             raise ValueError(f"a dflash drafter needs block_size >= 1 and at least one target "
@@ -91,8 +95,10 @@ class HeadsConfig:
     @property
     def max_depth(self) -> int | None:
         """The deepest draft (chain length or tree depth) this drafter can make per round:
-        Medusa's head count, the block drafter's block size; None (no limit) for EAGLE."""
-        return {"medusa": self.num_heads, "dflash": self.block_size}.get(self.method)
+        Medusa's head count, MTP's module count, the block drafter's block size; None (no
+        limit) for EAGLE."""
+        return {"medusa": self.num_heads, "mtp": self.num_heads,
+                "dflash": self.block_size}.get(self.method)
 
 
 @jax.tree_util.register_dataclass
@@ -130,17 +136,24 @@ def medusa_heads(weights, h: Array) -> Array:
 
 
 class EagleNet(nn.Module):
-    """fc([feature ; embedding]) -> one decoder layer -> RMSNorm: the predicted next feature."""
+    """fc([feature ; embedding]) -> one decoder layer -> RMSNorm: the predicted next feature.
+    With ``input_norms`` (an MTP module) the feature and the embedding each pass an RMSNorm of
+    their own ("hnorm", "enorm") before the fc."""
 
     config: ModelConfig  # the one-layer config
     init_std: float = 0.02
     block: int = BLOCK  # slots per attention block
+    input_norms: bool = False
 
     @nn.compact
     def __call__(self, feats, embeds, view, k, v):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        x = jnp.concatenate([feats.astype(dtype), embeds.astype(dtype)], axis=-1)
+        feats, embeds = feats.astype(dtype), embeds.astype(dtype)
+        if self.input_norms:
+            feats = RMSNorm(cfg.rms_norm_eps, dtype, name="hnorm")(feats)
+            embeds = RMSNorm(cfg.rms_norm_eps, dtype, name="enorm")(embeds)
+        x = jnp.concatenate([feats, embeds], axis=-1)
         x = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype, name="fc",
                      kernel_init=nn.initializers.normal(self.init_std))(x)
         cos, sin = rope_tables(view.positions, cfg)
@@ -153,10 +166,11 @@ def eagle_forward(config: HeadsConfig, weights, feats: Array, embeds: Array, pos
                   cache: KVCache, chunk_mask: Array | None = None) -> tuple[Array, KVCache]:
     """Feed T (feature, next-token embedding) pairs [B, T, E] at positions [B, T]; the pairs are
     written at slots cache.length .. + T - 1 (chunk_mask as in ``model.forward``). Returns the
-    predicted features [B, T, E] and the cache with length + T."""
+    predicted features [B, T, E] and the cache with length + T. For an MTP drafter, ``weights``
+    are one module's."""
     T = feats.shape[1]
     block = current_block()
-    out, k, v = EagleNet(config.layer, block=block).apply(
+    out, k, v = EagleNet(config.layer, block=block, input_norms=config.method == "mtp").apply(
         {"params": weights}, feats, embeds, model_view(cache, positions, chunk_mask, None, block),
         cache.k, cache.v)
     return out, KVCache(k, v, cache.length + T)
@@ -185,20 +199,20 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
     intermediate_size: EAGLE's or the block drafter's MLP width (default: the target's); a
     narrower one makes each draft step cheaper. dflash: ``num_layers`` layers drafting up to
     ``block_size`` tokens a block from the outputs of target layers ``taps`` (default: three
-    spread to the last, ``default_taps``).
+    spread to the last, ``default_taps``). mtp: ``num_heads`` modules (the deepest draft).
 
     Medusa heads start as the identity (W = 0, b = 0), so before training every head predicts
-    what the LM head does; EAGLE's and the block drafter's layers start from N(0, init_std²)
-    weights."""
+    what the LM head does; EAGLE's, MTP's and the block drafter's layers start from
+    N(0, init_std²) weights."""
     cfg = target.config
     vocab = np.arange(cfg.vocab_size, dtype=np.int32) if vocab is None else check_vocab(
         vocab, cfg.vocab_size)
     if intermediate_size is not None and (method == "medusa" or int(intermediate_size) < 1):
-        raise ValueError(f"intermediate_size={intermediate_size!r}: only an EAGLE or dflash "
-                         f"drafter has an MLP width, and it must be >= 1")
+        raise ValueError(f"intermediate_size={intermediate_size!r}: only an EAGLE, MTP or "
+                         f"dflash drafter has an MLP width, and it must be >= 1")
     E = cfg.hidden_size
     layer = None
-    if method in ("eagle", "dflash"):
+    if method in ("eagle", "dflash", "mtp"):
         layer = eagle_layer_config(dataclasses.replace(target.config, dtype=dtype))
         if intermediate_size is not None:
             layer = dataclasses.replace(layer, intermediate_size=int(intermediate_size))
@@ -209,7 +223,7 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
         taps = default_taps(cfg.num_hidden_layers) if taps is None else check_taps(cfg, taps)
         layer = dataclasses.replace(layer, num_hidden_layers=num_layers)
     config = HeadsConfig(method, E, cfg.vocab_size, int(vocab.size),
-                         num_heads if method == "medusa" else 0, layer,
+                         num_heads if method in ("medusa", "mtp") else 0, layer,
                          block_size if method == "dflash" else 0,
                          tuple(taps) if method == "dflash" else ())
     if method == "medusa":
@@ -221,9 +235,14 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
         B, T = 1, 1
         cache = KVCache.init(layer, B, T)
         positions = jnp.zeros((B, T), jnp.int32)
-        weights = jax.jit(EagleNet(layer, init_std).init)(
-            key, jnp.zeros((B, T, E), dtype), jnp.zeros((B, T, E), dtype),
-            model_view(cache, positions, None, None), cache.k, cache.v)["params"]
+        init = jax.jit(EagleNet(layer, init_std, input_norms=method == "mtp").init)
+        args = (jnp.zeros((B, T, E), dtype), jnp.zeros((B, T, E), dtype),
+                model_view(cache, positions, None, None), cache.k, cache.v)
+        if method == "mtp":  # one EAGLE-shaped layer with input norms per module
+            weights = {str(i): init(k, *args)["params"]
+                       for i, k in enumerate(jax.random.split(key, num_heads))}
+        else:
+            weights = init(key, *args)["params"]
     return _with_head(config, weights, vocab, target)
 
 
@@ -299,7 +318,7 @@ def save_heads(drafter: Heads, path: str | os.PathLike, target: Model, *,
 
 
 def load_heads(path: str | os.PathLike, target: Model) -> Heads:
-    """Load Medusa or EAGLE heads saved by ``save_heads`` for ``target``. Raises ValueError if
+    """Load a drafter saved by ``save_heads`` for ``target``. Raises ValueError if
     they were trained for another target. Weights take the target's dtype."""
     import orbax.checkpoint as ocp
     path = pathlib.Path(path).resolve()

@@ -85,21 +85,31 @@ def check_heads(method: str, heads, target) -> HeadsConfig:
     return c
 
 
+_LIMITS = {"medusa": "the Medusa drafter has {n} heads, so it drafts at most {n} tokens deep",
+           "mtp": "the MTP drafter has {n} modules, so it drafts at most {n} tokens deep",
+           "dflash": "the block drafter was trained for blocks of up to {n} drafts"}
+
+
+def spec_tree(spec, c: HeadsConfig) -> Tree | None:
+    """The spec's tree (None for a chain), after checking that the drafter ``c`` can draft that
+    deep (``max_depth``) and offer that many children per node (its draft vocabulary)."""
+    tree = None if spec.tree is None else Tree(spec.tree)
+    depth = spec.num_speculative_tokens if tree is None else tree.depth
+    if c.max_depth is not None and depth > c.max_depth:
+        raise ValueError(_LIMITS[c.method].format(n=c.max_depth) + "; got "
+                         + (f"num_speculative_tokens={depth}" if tree is None
+                            else f"a tree of depth {depth}"))
+    if tree is not None and int(tree.children.shape[1]) > c.draft_vocab_size:
+        raise ValueError(f"the tree has {int(tree.children.shape[1])} children per node, more "
+                         f"than the drafter's {c.draft_vocab_size}-token draft vocabulary")
+    return tree
+
+
 def build(spec, heads, target):
     """The registry's builder for "medusa" and "eagle": the proposer for ``heads`` (an sj.Heads
     trained for this target), after checking it fits the target and the spec."""
     from .eagle import EagleProposer
     from .medusa import MedusaProposer
     c = check_heads(spec.method, heads, target)
-    tree = None if spec.tree is None else Tree(spec.tree)
-    depth = spec.num_speculative_tokens if tree is None else tree.depth
-    if c.max_depth is not None and depth > c.max_depth:
-        raise ValueError(f"the Medusa drafter has {c.num_heads} heads, so it drafts at most "
-                         f"{c.num_heads} tokens deep; got "
-                         + (f"num_speculative_tokens={depth}" if tree is None
-                            else f"a tree of depth {depth}"))
-    if tree is not None and int(tree.children.shape[1]) > c.draft_vocab_size:
-        raise ValueError(f"the tree has {int(tree.children.shape[1])} children per node, more "
-                         f"than the drafter's {c.draft_vocab_size}-token draft vocabulary")
     cls = MedusaProposer if c.method == "medusa" else EagleProposer
-    return cls(c, spec.num_speculative_tokens, tree)
+    return cls(c, spec.num_speculative_tokens, spec_tree(spec, c))

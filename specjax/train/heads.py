@@ -1,6 +1,7 @@
-"""Training Medusa heads and EAGLE heads on a frozen target (optax, orbax resume via ``fit``).
+"""Training drafters that ride on a frozen target: Medusa heads, EAGLE, MTP modules and the
+block drafter (optax, orbax resume via ``fit``).
 
-Both learn what the target will say, not what the corpus says (self-distillation): every batch
+All learn what the target will say, not what the corpus says (self-distillation): every batch
 runs the frozen target once for its hidden states and its next-token distributions p_t, and the
 heads are scored against those distributions restricted to the draft vocabulary.
 
@@ -9,6 +10,10 @@ heads are scored against those distributions restricted to the draft vocabulary.
 * EAGLE: the head reads (f_t, x_{t+1}) for every t with the true features (teacher forcing) and
   is scored on the feature it predicts for t + 1: a smooth-L1 regression to f_{t+1} plus the
   cross-entropy of its logits against p_{t+1}.
+* MTP: module k reads (h^{k-1}_t, x_{t+k}) at every t with the true tokens, h^0 the target's
+  features and h^{k-1} module k - 1's own outputs (the chain is trained end to end), and is
+  scored by the cross-entropy against p_{t+k}, weighted HEAD_DECAY^(k-1).
+* dflash: see ``_dflash_loss``.
 """
 
 from __future__ import annotations
@@ -90,6 +95,26 @@ def _dflash_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: Draf
     return jnp.sum(w * ce) / jnp.sum(w)
 
 
+def _mtp_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: DraftVocab, batch,
+              t_logits, hidden) -> jax.Array:
+    """The MTP modules over a batch [B, T + 1] with teacher-forced tokens: module k at position
+    t reads x_{t+k} and the previous depth's state at t, and is scored where t + k < T (the
+    target's distribution for token t + k + 1 is t_logits[:, t + k])."""
+    B, T = t_logits.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, total, norm = hidden, 0.0, 0.0
+    for k in range(1, drafter.num_heads + 1):
+        tokens = jnp.pad(batch[:, k:], ((0, 0), (0, k - 1)))  # x_{t+k}; past the batch: padding
+        h, _ = heads_lib.eagle_forward(drafter, weights[str(k - 1)], h,
+                                       heads_lib.embed(target_params, tokens), positions,
+                                       KVCache.init(drafter.layer, B, T))
+        logits = draft_vocab.logits(h[:, :T - k].astype(jnp.float32))
+        w = HEAD_DECAY ** (k - 1)
+        total += w * _soft_ce(t_logits[:, k:], draft_vocab.ids, logits)
+        norm += w
+    return total / norm
+
+
 def _soft_ce(target_logits, vocab, draft_logits):
     """Cross-entropy of draft logits [..., M] against the target's distribution restricted to
     the draft vocabulary (mass outside it cannot be matched and is left out)."""
@@ -118,6 +143,9 @@ class HeadsObjective:
         if self.drafter.method == "dflash":  # hidden: the tapped layers' outputs
             return _dflash_loss(self.drafter, weights, target_params, draft_vocab, inputs,
                                 t_logits, hidden)
+        if self.drafter.method == "mtp":
+            return _mtp_loss(self.drafter, weights, target_params, draft_vocab, batch, t_logits,
+                             hidden)
         if self.drafter.method == "medusa":
             feats = heads_lib.medusa_heads(weights, hidden)  # [B, T, K, E]
             logits = draft_vocab.logits(feats)  # [B, T, K, M]
@@ -146,10 +174,11 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                 heldout: np.ndarray | None = None, progress: bool = True,
                 on_eval: Callable[[int, float], None] | None = None,
                 max_seconds: float | None = None) -> tuple[Heads, list[dict]]:
-    """Train a Medusa (``num_heads`` heads), EAGLE or block (dflash: ``num_layers`` layers,
-    blocks of up to ``block_size``, reading target layers ``taps``) drafter for the frozen
-    ``target`` on a token stream, resuming from workdir. The draft vocabulary is the
-    ``draft_vocab_size`` most frequent tokens of ``tokens`` (default: the whole vocabulary).
+    """Train a Medusa (``num_heads`` heads), EAGLE, MTP (``num_heads`` modules) or block
+    (dflash: ``num_layers`` layers, blocks of up to ``block_size``, reading target layers
+    ``taps``) drafter for the frozen ``target`` on a token stream, resuming from workdir. The
+    draft vocabulary is the ``draft_vocab_size`` most frequent tokens of ``tokens`` (default:
+    the whole vocabulary).
     Weights train in float32. Returns the drafter (with the target's LM head columns) and the
     held-out evaluations."""
     V = target.config.vocab_size
@@ -187,7 +216,8 @@ def heads_main(argv=None) -> int:
     from ..checkpoint import load_model
     ap = argparse.ArgumentParser(
         prog="specjax train heads",
-        description="Train Medusa heads, an EAGLE head or a block drafter (dflash) on a frozen "
+        description="Train Medusa heads, an EAGLE head, MTP modules or a block drafter (dflash) "
+                    "on a frozen "
                     "target (self-distillation on the target's own distributions); resumes "
                     "from --workdir.")
     ap.add_argument("method", choices=list(heads_lib.HEADS_METHODS))
@@ -201,11 +231,12 @@ def heads_main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--learning-rate", type=float, default=1e-3)
-    ap.add_argument("--num-heads", type=int, default=4, help="medusa: heads (max draft depth)")
+    ap.add_argument("--num-heads", type=int, default=4,
+                    help="medusa: heads; mtp: modules (either: the deepest draft)")
     ap.add_argument("--draft-vocab-size", type=int,
                     help="draft from the N most frequent training tokens (default: all)")
     ap.add_argument("--intermediate-size", type=int,
-                    help="eagle, dflash: the MLP width (default: the target's)")
+                    help="eagle, mtp, dflash: the MLP width (default: the target's)")
     ap.add_argument("--num-layers", type=int, default=2, help="dflash: its layers")
     ap.add_argument("--block-size", type=int, default=16,
                     help="dflash: the most drafts a block makes (seq-len must exceed it by 2)")
@@ -264,6 +295,8 @@ def write_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
     c = drafter.config
     what = {"medusa": f"{c.num_heads} Medusa heads",
             "eagle": f"An EAGLE head (one decoder layer, MLP width {c.layer.intermediate_size})",
+            "mtp": f"{c.num_heads} MTP modules (one decoder layer each, MLP width "
+                   f"{c.layer.intermediate_size})",
             "dflash": f"A block drafter ({c.layer.num_hidden_layers} decoder layers, MLP width "
                       f"{c.layer.intermediate_size}, blocks of up to {c.block_size} drafts, "
                       f"reading target layers {', '.join(map(str, c.taps))})"}[c.method]
@@ -272,6 +305,7 @@ def write_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
     command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
                f"--steps {args.steps} --batch-size {cfg.batch_size} --seq-len {cfg.seq_len}"
                + (f" --minutes {args.minutes:g}" if args.minutes else "")
+               + (f" --num-heads {c.num_heads}" if c.method in ("medusa", "mtp") else "")
                + (f" --draft-vocab-size {args.draft_vocab_size}" if args.draft_vocab_size else "")
                + (f" --intermediate-size {args.intermediate_size}"
                   if args.intermediate_size else "")
