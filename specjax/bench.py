@@ -128,9 +128,9 @@ def _pooled(outs) -> dict:
     per_position = sum(o.stats.per_position_acceptance * o.stats.num_rounds for o in outs)
     lengths = sum(o.stats.accepted_length_distribution * o.stats.num_rounds for o in outs)
     # α as the formula means it: the chance that a draft passes given that every draft before it
-    # in the round passed. Every round that stopped short of the last draft rejected one; rounds
-    # that accepted all γ rejected none.
-    rejected = rounds - lengths[-1]
+    # in the round passed: accepted drafts against accepted ones plus the rejections (at most one
+    # a round; a round that proposed fewer than γ and accepted them all rejected none).
+    rejected = sum(o.stats.rejecting_rounds for o in outs)
     alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
     return dict(acceptance_rate=accepted / proposed if proposed else float("nan"), alpha=alpha,
                 accepted_length_distribution=[float(x) for x in lengths / rounds],
@@ -138,7 +138,8 @@ def _pooled(outs) -> dict:
                 per_position_acceptance=[float(x) for x in per_position / rounds],
                 proposal_rate=sum(o.stats.proposal_rate * o.stats.num_rounds
                                   for o in outs) / rounds,
-                rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted)
+                rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted,
+                mean_proposed=proposed / rounds)
 
 
 def parted_at_near_tie(target: Model, prompt: list[int], a, b) -> bool:
@@ -184,6 +185,8 @@ def _label(spec: SpecConfig) -> str:
         return f"chain {spec.num_speculative_tokens} synthetic α={profile}"
     if spec.tree is None:
         lookup = _lookup(spec)
+        if spec.survival_threshold is not None:
+            return f"chain {spec.num_speculative_tokens} adaptive {spec.survival_threshold:g}"
         if lookup is None:
             return f"chain {spec.num_speculative_tokens}"
         factor = "" if lookup["length_factor"] is None else f" x{lookup['length_factor']:g}"
@@ -387,6 +390,8 @@ def format_table(result: dict) -> str:
                 + (f"{r['measured_over_predicted']:10.2f}"
                    if np.isfinite(r["measured_over_predicted"]) else f"{'':10}") + "  "
                 + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
+        if r.get("mean_proposed", r["gamma"]) < r["gamma"] and r.get("tree") is None:
+            line += f"  ({r['mean_proposed']:.2f} drafts/round)"
         if r.get("identical_to_autoregressive") is False:
             line += "  OUTPUT DIFFERS FROM AUTOREGRESSIVE"
             if r.get("parted_at_near_ties"):
@@ -504,6 +509,9 @@ def main(args) -> int:
                       f"most {limit} deep", file=sys.stderr)
                 continue
             specs.append(spec)
+            if kinds[m].adaptive and synthetic is None:
+                specs += [dataclasses.replace(spec, survival_threshold=t)
+                          for t in getattr(args, "survival_threshold", None) or ()]
         if kinds[m].tree:
             specs += [SpecConfig(method=m, tree=_tree_json(tree)) for tree in args.tree or ()]
     result = run_bench(target, prompts, specs, draft=draft, drafters=drafters,

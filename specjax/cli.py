@@ -302,6 +302,10 @@ def _add_bench(sub) -> None:
                    help="BENCHMARK ONLY, NOT LOSSLESS: every chain accepts draft position i with "
                         "probability A (or the i-th A, one per position), whatever the drafts; "
                         "for measuring at a known acceptance (random weights, accelerators)")
+    b.add_argument("--survival-threshold", type=_numbers(float), default=None,
+                   metavar="S[,S,...]",
+                   help="also each chain with adaptive lengths at these thresholds "
+                        "(SpecConfig.survival_threshold; methods that support it)")
     b.add_argument("--temperatures", type=_numbers(float), default=[0.0, 0.8], metavar="T,T,...",
                    help="sampling temperatures, 0 = greedy (default 0,0.8)")
     b.add_argument("--top-k", type=int, default=0)
@@ -352,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     sub.add_parser("train", add_help=False,
-                   help="train models (`specjax train pair --help`, `specjax train heads --help`)")
+                   help="train models (`specjax train pair --help`, `specjax train heads --help`, "
+                        "`specjax train calibrate --help`)")
     return parser
 
 
@@ -362,13 +367,17 @@ def main(argv=None) -> int:
     if argv[:2] == ["train", "heads"]:
         from .train.heads import heads_main
         return heads_main(argv[2:])
+    if argv[:2] == ["train", "calibrate"]:
+        from .adaptive import calibrate_main
+        return calibrate_main(argv[2:])
     if argv[:2] == ["train", "pair"]:
         from .train.pair import main as pair_main
         return pair_main(argv[2:])
     args = parser.parse_args(argv)
     if args.command == "train":
         parser.error("usage: specjax train pair {data,target,draft,export} --workdir DIR, or "
-                     "specjax train heads {medusa,eagle,dflash,mtp} --workdir DIR")
+                     "specjax train heads {medusa,eagle,dflash,mtp} --workdir DIR, or "
+                     "specjax train calibrate")
     if args.command == "generate":
         try:
             return _generate(args)

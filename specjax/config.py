@@ -210,6 +210,10 @@ class SpecConfig:
     # run rounds of a realistic length. A float: the same α at every position; a tuple: one per
     # position (γ of them). Chains only. ``generate`` refuses it unless allow_synthetic=True.
     synthetic_acceptance: float | tuple[float, ...] | None = None
+    # Adaptive draft lengths (specjax/adaptive.py): a row proposes draft k only while the
+    # calibrated chance that its drafts 1 .. k all survive is at least this, and drafting stops
+    # once no row goes on. None: every row proposes γ. Chains of methods that support it.
+    survival_threshold: float | None = None
 
     def __post_init__(self):
         method = _method(self.method)
@@ -243,6 +247,15 @@ class SpecConfig:
                              f"{self.method!r}")
         if self.synthetic_acceptance is not None:
             object.__setattr__(self, "synthetic_acceptance", self._synthetic_profile())
+        if self.survival_threshold is not None:
+            _require_real(self, "survival_threshold", self.survival_threshold,
+                          lambda x: 0 < x < 1, "in (0, 1) or None")
+            if self.tree is not None or not method.adaptive:
+                from .draft import registry
+                adaptive = [n for n in registry.names() if registry.get(n).adaptive]
+                raise ValueError(f"SpecConfig.survival_threshold (adaptive draft lengths) is for "
+                                 f"chains of method {', '.join(adaptive)}; got method "
+                                 f"{self.method!r}" + (" with a tree" if self.tree else ""))
 
     def _synthetic_profile(self) -> tuple[float, ...]:
         """synthetic_acceptance as one α per draft position, checked."""

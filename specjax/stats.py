@@ -24,13 +24,16 @@ class Counters:
     accepted_at: Array  # [G] int32: active row-rounds whose draft at position k was accepted
     accepted_count: Array  # [G+1] int32: active row-rounds that accepted exactly k drafts
     near_ties: Array  # [] int32: emitted greedy tokens chosen at a near tie (sampling.near_ties)
+    proposed_count: Array  # [G+1] int32: active row-rounds that proposed exactly k drafts
+    rejecting: Array  # [] int32: active row-rounds that rejected one of their drafts
 
     @classmethod
     def zeros(cls, gamma: int) -> Counters:
         """gamma: the most drafts a round can accept (a tree's depth)."""
         z = jnp.zeros((), jnp.int32)
         return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32),
-                   jnp.zeros((gamma + 1,), jnp.int32), z)
+                   jnp.zeros((gamma + 1,), jnp.int32), z, jnp.zeros((gamma + 1,), jnp.int32),
+                   z)
 
     def update(self, active: Array, num_accepted: Array, num_proposed: Array,
                near_ties: Array | int = 0) -> Counters:
@@ -40,6 +43,7 @@ class Counters:
         n = jnp.where(active, num_accepted, 0)
         proposed = jnp.where(active, num_proposed, 0)
         at = (jnp.arange(G)[None, :] < n[:, None]) & active[:, None]
+        lengths = jnp.arange(G + 1)[None, :]
         return Counters(
             rounds=self.rounds + 1,
             row_rounds=self.row_rounds + jnp.sum(active, dtype=jnp.int32),
@@ -49,9 +53,13 @@ class Counters:
             emitted=self.emitted + jnp.sum(jnp.where(active, n + 1, 0), dtype=jnp.int32),
             accepted_at=self.accepted_at + jnp.sum(at, axis=0, dtype=jnp.int32),
             accepted_count=self.accepted_count + jnp.sum(
-                (n[:, None] == jnp.arange(G + 1)[None, :]) & active[:, None], axis=0,
-                dtype=jnp.int32),
+                (n[:, None] == lengths) & active[:, None], axis=0, dtype=jnp.int32),
             near_ties=self.near_ties + near_ties,
+            proposed_count=self.proposed_count + jnp.sum(
+                (jnp.minimum(proposed, G)[:, None] == lengths) & active[:, None], axis=0,
+                dtype=jnp.int32),
+            rejecting=self.rejecting + jnp.sum(active & (n < jnp.minimum(proposed, G)),
+                                               dtype=jnp.int32),
         )
 
 
@@ -87,6 +95,10 @@ class Stats:
     # autoregressive one, neither being wrong (exact ties always go to the smaller id). 0 when
     # sampling, or when any row samples.
     greedy_near_ties: int = 0
+    # [G+1]: fraction of row-rounds that proposed exactly k drafts (a tree counts its depth's
+    # worth; n-gram and adaptive lengths, SpecConfig.survival_threshold, propose fewer than γ)
+    proposed_length_distribution: np.ndarray | None = None
+    rejecting_rounds: int = 0  # row-rounds in which a proposed draft was rejected
 
     @classmethod
     def summarise(cls, counters: Counters, *, gamma: int, draft_calls_per_round: int,
@@ -120,4 +132,7 @@ class Stats:
             capacity=capacity,
             cache_bytes_per_row=cache_bytes_per_row,
             greedy_near_ties=int(c.near_ties),
+            proposed_length_distribution=(np.asarray(c.proposed_count, np.float64) / row_rounds
+                                          if row_rounds else np.zeros(gamma + 1)),
+            rejecting_rounds=int(c.rejecting),
         )

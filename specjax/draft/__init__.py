@@ -36,7 +36,7 @@ from .vocab import DraftVocab, frequent_tokens
 
 # The built-in methods, one line each.
 register("draft_model", draft_model.build, draft="model", tree=True,
-         params=draft_model.as_draft_model)
+         params=draft_model.program_params, adaptive=True)
 register("ngram", ngram.build)
 register("medusa", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
 register("eagle", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)

@@ -143,13 +143,25 @@ def draw(logits: Array, key: Array, sampling_params: SamplingArrays, filters: Fi
     Returns (token ids [B] int32, q [B, M] or None). q is the processed distribution the token
     was drawn from, with the request's own temperature, top-k and top-p. Greedy calls propose the
     argmax as a point mass (q would be one-hot anyway), skipping the softmax and the draw."""
+    return draw_scored(logits, key, sampling_params, filters, vocab, scored=False)[:2]
+
+
+def draw_scored(logits: Array, key: Array, sampling_params: SamplingArrays, filters: Filters,
+                vocab: DraftVocab | None = None, *, scored: bool = True
+                ) -> tuple[Array, Array | None, Array | None]:
+    """``draw``, plus each row's confidence in its draft [B] (``adaptive.confidence``; None
+    when not ``scored``)."""
     if filters.greedy:
         index = sampling.argmax(logits)
         q = None
     else:
         q = sampling.process_logits(logits, sampling_params, filters)  # [B, M]
         index = sampling.sample(key, q)
-    return (index if vocab is None else vocab.token_ids(index)), q
+    score = None
+    if scored:  # from the distribution alone: what was known before the draw
+        from ..adaptive import confidence
+        score = confidence(logits, q, sampling_params.temperature)
+    return (index if vocab is None else vocab.token_ids(index)), q, score
 
 
 def stack_chain(tokens: list[Array], probs: list[Array | None], vocab: DraftVocab | None,

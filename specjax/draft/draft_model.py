@@ -27,21 +27,25 @@ import numpy as np
 from jax import Array
 
 from .. import sampling
-from ..cache import KVCache, compact
+from ..adaptive import Calibration, keep, load_calibration
+from ..cache import KVCache, compact, write_chunk
 from ..config import ModelConfig, SpecConfig
 from ..model import Model, forward, prefill_chunked
 from ..tree import Tree
-from .base import Draft, draw, expand_tree, stack_chain, tree_candidates
+from .base import Draft, draw, draw_scored, expand_tree, stack_chain, tree_candidates
 from .vocab import DraftVocab
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftModel:
-    """A draft model and the draft vocabulary it proposes from (None: its whole vocabulary)."""
+    """A draft model, the draft vocabulary it proposes from (None: its whole vocabulary) and the
+    calibration of its confidence for adaptive draft lengths (None: the identity;
+    specjax/adaptive.py)."""
 
     model: Model
     vocab: DraftVocab | None = None
+    calibration: Calibration | None = None
 
     @property
     def config(self) -> ModelConfig:
@@ -53,11 +57,14 @@ class DraftModel:
         return self.config.vocab_size if self.vocab is None else self.vocab.size
 
     def logits(self, tokens: Array, positions: Array, cache: KVCache,
-               chunk_mask: Array | None = None) -> tuple[Array, KVCache]:
-        """A draft forward: logits over its draft vocabulary [B, T, M] and the extended cache.
-        With a restricted vocabulary the full-vocabulary logits are never used, and the compiler
+               chunk_mask: Array | None = None, *, write: bool = True
+               ) -> tuple[Array, KVCache]:
+        """A draft forward: logits over its draft vocabulary [B, T, M] and the extended cache
+        (``write=False``: the chunk's keys and values instead, as ``model.forward``). With a
+        restricted vocabulary the full-vocabulary logits are never used, and the compiler
         drops them."""
-        logits, hidden, cache = forward(self.model, tokens, positions, cache, chunk_mask)
+        logits, hidden, cache = forward(self.model, tokens, positions, cache, chunk_mask,
+                                        write=write)
         if self.vocab is not None:
             logits = self.vocab.logits(hidden)
         return logits, cache
@@ -77,6 +84,15 @@ def as_draft_model(draft) -> DraftModel:
                      f"got {type(draft).__name__}")
 
 
+def program_params(draft) -> DraftModel:
+    """What a compiled program takes for ``draft``: the DraftModel, with the identity
+    calibration when it has none, so drafts with and without one share the program."""
+    draft = as_draft_model(draft)
+    if draft.calibration is None:
+        draft = dataclasses.replace(draft, calibration=Calibration.identity())
+    return draft
+
+
 def restrict_vocab(draft, vocab) -> DraftModel:
     """``draft`` (an sj.Model or sj.DraftModel) proposing only from the token ids ``vocab`` (for
     example the M most frequent tokens of its training data: ``sj.draft.frequent_tokens``).
@@ -87,8 +103,8 @@ def restrict_vocab(draft, vocab) -> DraftModel:
     if not isinstance(draft, (Model, DraftModel)):
         raise ValueError(f"restrict_vocab expects an sj.Model or sj.DraftModel, got "
                          f"{type(draft).__name__}")
-    model = as_draft_model(draft).model
-    return DraftModel(model, DraftVocab.of(model, vocab))
+    draft = as_draft_model(draft)
+    return DraftModel(draft.model, DraftVocab.of(draft.model, vocab), draft.calibration)
 
 
 VOCAB_FILE = "draft_vocab.npy"
@@ -97,18 +113,20 @@ VOCAB_FILE = "draft_vocab.npy"
 
 def load_draft_model(path, dtype: str | None = None, *, full_vocab: bool = False) -> DraftModel:
     """A draft model folder: ``sj.load_model(path, dtype)`` restricted to the draft vocabulary
-    the folder ships in ``draft_vocab.npy``, unless there is none or ``full_vocab`` is set."""
+    the folder ships in ``draft_vocab.npy``, unless there is none or ``full_vocab`` is set, with
+    the calibration it ships in ``calibration.json`` (adaptive draft lengths), if any."""
     from ..checkpoint import load_model
     model = load_model(path, dtype)
+    calibration = load_calibration(path)
     file = pathlib.Path(path) / VOCAB_FILE
     if full_vocab or not file.exists():
-        return DraftModel(model)
+        return DraftModel(model, None, calibration)
     try:
         vocab = np.load(file)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the draft vocabulary {file}: {e}") from e
     try:
-        return restrict_vocab(model, vocab)
+        return restrict_vocab(DraftModel(model, None, calibration), vocab)
     except ValueError as e:
         raise ValueError(f"{file}: {e}") from e
 
@@ -125,10 +143,16 @@ def _catch_up(draft: DraftModel, cache: KVCache, history: Array, length: Array
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer:
-    """A chain of γ drafts, sampled from the draft model with the request's processing."""
+    """A chain of γ drafts, sampled from the draft model with the request's processing.
+
+    With ``survival_threshold`` (adaptive lengths, specjax/adaptive.py) a row proposes draft k
+    only while the calibrated survival of its drafts 1 .. k is at least the threshold, and the
+    draft forwards stop once no row is still drafting (each later step is a ``lax.cond`` whose
+    skipped branch writes nothing of use: those slots lie past every row's proposals)."""
 
     config: ModelConfig  # the draft model's config (same vocabulary as the target)
     gamma: int  # drafts per round
+    survival_threshold: float | None = None
 
     @property
     def draft_forwards_per_round(self) -> int:
@@ -146,6 +170,9 @@ class DraftModelProposer:
                 ) -> tuple[Draft, KVCache]:
         draft = params
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.gamma))(keys)  # [B, G]
+        if self.survival_threshold is not None:
+            return self._adaptive(draft, cache, history, length, step_keys, sampling_params,
+                                  filters)
         logits, cache = _catch_up(draft, cache, history, length)
         token, q = draw(logits[:, -1], step_keys[:, 0], sampling_params, filters, draft.vocab)
         # γ - 1 single-token forwards, unrolled (γ is static and small): a lax.scan here carries
@@ -157,6 +184,40 @@ class DraftModelProposer:
             tokens.append(token)
             probs.append(q)
         return stack_chain(tokens, probs, draft.vocab, self.config.vocab_size), cache
+
+    def _adaptive(self, draft: DraftModel, cache: KVCache, history: Array, length: Array,
+                  step_keys: Array, sampling_params: sampling.SamplingArrays,
+                  filters: sampling.Filters) -> tuple[Draft, KVCache]:
+        calibration = draft.calibration or Calibration.identity()
+        greedy_rows = sampling_params.temperature == 0
+        logits, cache = _catch_up(draft, cache, history, length)
+        token, q, score = draw_scored(logits[:, -1], step_keys[:, 0], sampling_params, filters,
+                                      draft.vocab)
+        survival = calibration.predict(score, greedy_rows)
+        alive = keep(survival, self.survival_threshold)
+        tokens, probs, valid = [token], [q], [alive]
+
+        def step(i, token, q, score, cache):
+            logits, kv = draft.logits(token[:, None], (length + i)[:, None], cache, write=False)
+            return draw_scored(logits[:, 0], step_keys[:, i], sampling_params, filters,
+                               draft.vocab), kv
+
+        for i in range(1, self.gamma):
+            def skip(i, token, q, score, cache):
+                shape = jax.eval_shape(step, i, token, q, score, cache)[1]
+                nothing = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+                return (token, q, jnp.zeros_like(score)), nothing
+
+            (token, q, score), kv = jax.lax.cond(jnp.any(alive), step, skip, i, token, q, score,
+                                                 cache)
+            cache = write_chunk(cache, *kv)
+            survival = survival * calibration.predict(score, greedy_rows)
+            alive = alive & keep(survival, self.survival_threshold)
+            tokens.append(token)
+            probs.append(q)
+            valid.append(alive)
+        return (stack_chain(tokens, probs, draft.vocab, self.config.vocab_size,
+                            jnp.stack(valid, axis=1)), cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +298,8 @@ def build(spec: SpecConfig, draft, target: ModelConfig):
             f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
             f"{target.vocab_size}: draft and target must share one vocabulary")
     if spec.tree is None:
-        return DraftModelProposer(draft.config, spec.num_speculative_tokens)
+        return DraftModelProposer(draft.config, spec.num_speculative_tokens,
+                                  spec.survival_threshold)
     tree = Tree(spec.tree)
     if int(tree.children.shape[1]) > draft.vocab_size:
         raise ValueError(f"the tree gives a node {int(tree.children.shape[1])} children, "

@@ -26,6 +26,7 @@ class Method:
     build: Callable[[Any, Any, Any], Any]  # (spec, draft, target_config) -> proposer
     draft: str | None = None  # what draft= must be: "model", "heads", or None (nothing)
     tree: bool = False  # whether SpecConfig.tree is accepted
+    adaptive: bool = False  # whether SpecConfig.survival_threshold is accepted (chains)
     # draft= -> the proposer's params (a pytree passed into the compiled program)
     params: Callable[[Any], Any] = _identity
 
@@ -34,13 +35,14 @@ _METHODS: dict[str, Method] = {}
 
 
 def register(name: str, build: Callable[[Any, Any, Any], Any], *, draft: str | None = None,
-             tree: bool = False, params: Callable[[Any], Any] = _identity) -> Method:
+             tree: bool = False, params: Callable[[Any], Any] = _identity,
+             adaptive: bool = False) -> Method:
     """Make ``SpecConfig(method=name)`` build its proposer with ``build``."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a method name must be an identifier-like string, got {name!r}")
     if draft not in (None, "model", "heads"):
         raise ValueError(f"draft must be None, 'model' or 'heads', got {draft!r}")
-    method = Method(name, build, draft, tree, params)
+    method = Method(name, build, draft, tree, adaptive, params)
     _METHODS[name] = method
     return method
 

@@ -1,0 +1,308 @@
+"""Adaptive draft lengths: each row drafts, and has verified, only the drafts likely to survive.
+
+* **Confidence.** For each draft position, the largest probability of the drafter's distribution
+  there, read before the draft is drawn: of its processed q for a sampled row, of its softmax
+  for a greedy row (whose draft is that argmax). Never q(token) of the drawn token: see below.
+* **Calibration.** Confidence is not acceptance. A ``Calibration`` maps a confidence c to the
+  predicted probability that the draft is accepted given that the drafts before it were:
+  sigmoid(a · logit(c) + b), with a > 0 so the order of confidences is kept, one (a, b) for greedy
+  rows and one for sampled rows. ``calibrate`` fits it on a held-out token stream written by the
+  target (see there); the identity (a = 1, b = 0) is the default.
+* **Survival.** The product of the predictions along a row's chain: the predicted chance that
+  every draft so far is accepted. A row keeps draft k while its survival is at least the
+  threshold (``SpecConfig.survival_threshold``); the rest are not proposed (``Draft.valid``), and
+  drafting stops for the batch once every row has stopped. The engine verifies only as many
+  positions as the longest row proposed (one program with a branch per width, chosen on the
+  device), so nothing recompiles when the lengths change.
+
+Why the output stays the target's: whether a row proposes draft k is decided from what the
+drafter knew before drawing it (the drafts before it, its distribution q_k, the calibration),
+never from the target and never from draft k itself. The verifier's rule needs, at each
+verified position, a draft distributed as the q it reports given everything before it; a
+decision taken before the draw leaves that intact (draft k, when proposed, is still a plain
+draw from q_k), and a row that proposes nothing more takes its next token from p itself, as
+after a fully accepted chain. Two ways to get it wrong, both in tests/test_adaptive.py and both
+caught by the exact-distribution test: a length that looked at the target (stopping just before
+a draft the target would reject makes that token come from p instead of the residual
+max(p − q, 0)), and a length that looked at the draft it keeps (scoring a sampled draft by
+q(token) of the token drawn keeps likely tokens more often than unlikely ones, so the drafts
+verified are no longer distributed as q).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+FILE = "calibration.json"
+"""A drafter folder's calibration, beside its weights."""
+
+_EPS = 1e-6
+
+
+def _logit(c):
+    c = jnp.clip(c, _EPS, 1 - _EPS)
+    return jnp.log(c) - jnp.log1p(-c)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Confidence -> predicted acceptance, sigmoid(a · logit(c) + b); index 0 greedy rows, 1
+    sampled rows. Arrays, so a new calibration is new data for the same compiled program."""
+
+    a: Array  # [2] float32, > 0
+    b: Array  # [2] float32
+
+    @classmethod
+    def identity(cls) -> Calibration:
+        return cls(jnp.ones((2,), jnp.float32), jnp.zeros((2,), jnp.float32))
+
+    @classmethod
+    def of(cls, greedy: tuple[float, float], sampled: tuple[float, float]) -> Calibration:
+        """From (a, b) pairs; ValueError unless each a is a finite number > 0."""
+        for name, (a, b) in (("greedy", greedy), ("sampled", sampled)):
+            if not (np.isfinite(a) and a > 0 and np.isfinite(b)):
+                raise ValueError(f"a calibration's {name} (a, b) must be finite with a > 0 (it "
+                                 f"must keep the order of confidences), got ({a}, {b})")
+        return cls(jnp.asarray([greedy[0], sampled[0]], jnp.float32),
+                   jnp.asarray([greedy[1], sampled[1]], jnp.float32))
+
+    def predict(self, confidence: Array, greedy: Array) -> Array:
+        """Predicted acceptance [B, ...] of drafts with confidence [B, ...] in rows whose
+        greedy flag is greedy [B]."""
+        i = jnp.where(greedy, 0, 1)
+        shape = (-1,) + (1,) * (confidence.ndim - 1)
+        a, b = self.a[i].reshape(shape), self.b[i].reshape(shape)
+        return jax.nn.sigmoid(a * _logit(confidence) + b)
+
+    def to_json(self) -> dict:
+        a, b = np.asarray(self.a, np.float64), np.asarray(self.b, np.float64)
+        return {"greedy": {"a": float(a[0]), "b": float(b[0])},
+                "sampled": {"a": float(a[1]), "b": float(b[1])}}
+
+    @classmethod
+    def from_json(cls, record: dict, source: str = "calibration") -> Calibration:
+        try:
+            return cls.of((record["greedy"]["a"], record["greedy"]["b"]),
+                          (record["sampled"]["a"], record["sampled"]["b"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{source}: not a calibration record ({e!r})") from None
+
+
+def save_calibration(calibration: Calibration, folder, report: dict | None = None) -> None:
+    """Write ``calibration.json`` into a drafter folder (with the fit's report, if given)."""
+    path = pathlib.Path(folder) / FILE
+    path.write_text(json.dumps({**calibration.to_json(), "report": report or {}}, indent=1)
+                    + "\n")
+
+
+def load_calibration(folder) -> Calibration | None:
+    """A drafter folder's calibration, or None when it has none."""
+    path = pathlib.Path(folder) / FILE
+    if not path.is_file():
+        return None
+    return Calibration.from_json(json.loads(path.read_text()), str(path))
+
+
+def confidence(logits: Array, q: Array | None, temperature: Array) -> Array:
+    """Each row's confidence at a draft position, known before its draft is drawn: the largest
+    probability of the processed q [B, M] for sampled rows, of the softmax of the logits [B, M]
+    for greedy rows (temperature [B] == 0)."""
+    top = jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+    if q is None:
+        return top
+    return jnp.where(temperature == 0, top, jnp.max(q, axis=-1))
+
+
+def keep(survival: Array, threshold: float) -> Array:
+    """Which rows keep drafting: survival [B] at least the threshold."""
+    return survival >= threshold
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting
+
+
+def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200) -> tuple[float, float]:
+    """(a, b) minimising the cross-entropy of sigmoid(a · logit(c) + b) against soft labels y
+    in [0, 1], by Newton's method on the two parameters; a is kept > 0."""
+    x = np.log(np.clip(c, _EPS, 1 - _EPS)) - np.log1p(-np.clip(c, _EPS, 1 - _EPS))
+    X = np.stack([x, np.ones_like(x)], axis=1)
+    w = np.array([1.0, 0.0])
+    for _ in range(steps):
+        p = 1 / (1 + np.exp(-(X @ w)))
+        grad = X.T @ (p - y) / len(y)
+        hess = (X * (p * (1 - p))[:, None]).T @ X / len(y) + 1e-6 * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        w = w - step
+        if np.abs(step).max() < 1e-9:
+            break
+    return max(float(w[0]), 1e-3), float(w[1])
+
+
+def expected_calibration_error(predicted: np.ndarray, observed: np.ndarray,
+                               bins: int = 10) -> float:
+    """ECE: over equal-width bins of the prediction, the mean |mean prediction − mean outcome|
+    weighted by the bin's share of the samples."""
+    predicted, observed = np.asarray(predicted, np.float64), np.asarray(observed, np.float64)
+    which = np.minimum((predicted * bins).astype(int), bins - 1)
+    total = 0.0
+    for i in range(bins):
+        m = which == i
+        if m.any():
+            total += m.mean() * abs(predicted[m].mean() - observed[m].mean())
+    return float(total)
+
+
+def reliability(predicted: np.ndarray, observed: np.ndarray, bins: int = 10) -> list[dict]:
+    """Per bin of the prediction: its count, mean prediction and mean outcome (the reliability
+    diagram's points)."""
+    predicted, observed = np.asarray(predicted, np.float64), np.asarray(observed, np.float64)
+    which = np.minimum((predicted * bins).astype(int), bins - 1)
+    return [{"bin": i, "count": int(np.sum(which == i)),
+             "predicted": float(predicted[which == i].mean()),
+             "observed": float(observed[which == i].mean())}
+            for i in range(bins) if np.any(which == i)]
+
+
+def _teacher_forced(target, draft, sequences: list[list[int]]):
+    """Target logits [B, T, V] and draft logits over its draft vocabulary [B, T, M] (float32
+    numpy) for right-padded sequences, each model run once over the whole sequence."""
+    from .cache import KVCache
+    from .model import forward
+    B, T = len(sequences), max(map(len, sequences))
+    tokens = np.zeros((B, T), np.int32)
+    for i, s in enumerate(sequences):
+        tokens[i, :len(s)] = s
+    tokens = jnp.asarray(tokens)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    p, _, _ = forward(target, tokens, positions, KVCache.init(target.config, B, T))
+    q, _ = draft.logits(tokens, positions, KVCache.init(draft.config, B, T))
+    return np.asarray(p, np.float32), np.asarray(q, np.float32)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def acceptance_samples(target, draft, prompts: list[list[int]], *, temperature: float,
+                       max_new_tokens: int, seed: int = 0
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(confidence, acceptance, row) triples of a draft model's drafts on text the target
+    writes from ``prompts``, teacher-forced.
+
+    A chain's k-th draft is verified only after the k - 1 before it were accepted, and then the
+    draft model's cache holds the true text: so the k-th draft's conditional acceptance at a
+    position is what a one-token draft from the true prefix gets there, and the target's own
+    text (greedy, or sampled at ``temperature``) is the prefix distribution rounds see. Greedy:
+    confidence = the draft's largest softmax probability, acceptance = [its argmax is the
+    target's]. Sampled: confidence = the largest probability of q, acceptance = the chance the
+    verifier keeps a draw from q, sum over x of min(p(x), q(x))."""
+    from .config import SamplingParams
+    from .draft.draft_model import as_draft_model
+    from .engine import generate
+    draft = as_draft_model(draft)
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+    out = generate(target, prompts, sampling=sampling, key=seed)
+    sequences = [list(p) + [int(t) for t in row if t >= 0] for p, row in zip(prompts, out.tokens)]
+    p_logits, q_logits = _teacher_forced(target, draft, sequences)
+    ids = (np.arange(q_logits.shape[-1]) if draft.vocab is None
+           else np.asarray(draft.vocab.ids))
+    conf, acc, rows = [], [], []
+    for b, (prompt, seq) in enumerate(zip(prompts, sequences)):
+        span = slice(len(prompt) - 1, len(seq) - 1)  # positions whose next token is generated
+        if temperature == 0:
+            q = _softmax(q_logits[b, span])
+            conf.append(q.max(axis=-1))
+            acc.append((ids[q.argmax(axis=-1)] == np.asarray(seq[span.start + 1:])).astype(
+                np.float64))
+            rows.append(np.full(len(q), b))
+            continue
+        q = _softmax(q_logits[b, span] / temperature)
+        p = _softmax(p_logits[b, span] / temperature)[:, ids]  # at the draft's ids
+        conf.append(q.max(axis=-1))
+        acc.append(np.minimum(p, q).sum(axis=-1))
+        rows.append(np.full(len(q), b))
+    return np.concatenate(conf), np.concatenate(acc), np.concatenate(rows)
+
+
+def calibrate(target, draft, prompts: list[list[int]], *, temperature: float = 0.8,
+              max_new_tokens: int = 128, seed: int = 0) -> tuple[Calibration, dict]:
+    """Fit a draft model's Calibration on the target's own text from ``prompts`` (held-out
+    prompts: never the ones you will benchmark on), greedy and sampled at ``temperature``.
+    Rows alternate between fitting and scoring: the report gives, per mode, the held-out
+    expected calibration error of the raw confidence and of the fitted map, and the reliability
+    diagram's points."""
+    if len(prompts) < 2:
+        raise ValueError(f"calibrate needs at least 2 prompts (rows alternate between fitting "
+                         f"and scoring), got {len(prompts)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the sampled rows' fit), got {temperature}")
+    fitted, report = {}, {}
+    for mode, t in (("greedy", 0.0), ("sampled", float(temperature))):
+        c, y, rows = acceptance_samples(target, draft, prompts, temperature=t,
+                                        max_new_tokens=max_new_tokens, seed=seed)
+        fit, held = rows % 2 == 0, rows % 2 == 1
+        a, b = _fit_logistic(c[fit], y[fit])
+        fitted[mode] = (a, b)
+        x = np.log(np.clip(c[held], _EPS, 1 - _EPS)) - np.log1p(-np.clip(c[held], _EPS, 1 - _EPS))
+        predicted = 1 / (1 + np.exp(-(a * x + b)))
+        report[mode] = {"temperature": t, "samples": int(c.size), "a": a, "b": b,
+                        "ece_raw": expected_calibration_error(c[held], y[held]),
+                        "ece": expected_calibration_error(predicted, y[held]),
+                        "mean_acceptance": float(y[held].mean()),
+                        "reliability": reliability(predicted, y[held])}
+    return Calibration.of(fitted["greedy"], fitted["sampled"]), report
+
+
+def calibrate_main(argv=None) -> int:
+    """``specjax train calibrate``: fit a draft model folder's calibration and save it there."""
+    import argparse
+    ap = argparse.ArgumentParser(
+        prog="specjax train calibrate",
+        description="Fit the calibration of a draft model's confidence (adaptive draft lengths, "
+                    "SpecConfig.survival_threshold) on prompts cut from a held-out token "
+                    "stream, and save it as calibration.json in the draft folder.")
+    ap.add_argument("--target", default="checkpoints/code-target")
+    ap.add_argument("--draft", default="checkpoints/code-draft")
+    ap.add_argument("--data", default="~/specjax-work",
+                    help="folder with heldout.npy (`specjax train pair data`)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.8, help="the sampled rows' fit")
+    ap.add_argument("--out", help="folder to write calibration.json to (default: --draft)")
+    args = ap.parse_args(argv)
+    from .checkpoint import load_model
+    from .draft.draft_model import load_draft_model
+    for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    stream = np.load(pathlib.Path(args.data).expanduser() / "heldout.npy")
+    span = args.prompt_tokens
+    if stream.size < args.num_prompts * span:
+        raise SystemExit(f"heldout.npy has {stream.size} tokens, fewer than --num-prompts x "
+                         f"--prompt-tokens = {args.num_prompts * span}")
+    starts = np.linspace(0, stream.size - span, args.num_prompts).astype(int)
+    prompts = [[int(t) for t in stream[s:s + span]] for s in starts]
+    target = load_model(args.target, dtype="float32")
+    draft = load_draft_model(args.draft, dtype="float32")
+    calibration, report = calibrate(target, draft, prompts, temperature=args.temperature,
+                                    max_new_tokens=args.max_new_tokens)
+    for mode, r in report.items():
+        print(f"{mode}: a={r['a']:.3f} b={r['b']:.3f}; held-out ECE {r['ece']:.3f} (raw "
+              f"confidence {r['ece_raw']:.3f}); mean acceptance {r['mean_acceptance']:.3f}, "
+              f"{r['samples']} samples")
+    report["command"] = ("specjax train calibrate " + " ".join(argv if argv is not None
+                                                                else []))
+    save_calibration(calibration, args.out or args.draft, report)
+    print(f"wrote {pathlib.Path(args.out or args.draft) / FILE}")
+    return 0
