@@ -67,8 +67,8 @@ import time
 import jax
 import numpy as np
 
+from . import engine, theory
 from . import roofline as roofline_lib
-from . import theory
 from .config import SamplingParams, SpecConfig
 from .draft import registry
 from .draft.draft_model import as_draft_model
@@ -308,6 +308,13 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                         for p, a, s in zip(prompts, ar.outputs, sp.outputs)
                         if not np.array_equal(a.tokens, s.tokens))
             rows.append(row)
+        # This temperature's programs and part timers are done with. Each compiled program
+        # holds hundreds of memory mappings (Linux allows 65,530 a process): a bench that kept
+        # every temperature's died in LLVM with "Cannot allocate memory".
+        for k in [k for k in timers if isinstance(k, tuple) and k[0] == temperature]:
+            del timers[k]
+        engine.PROGRAMS.clear()
+        jax.clear_caches()  # the forward timers still held keep their own executables
 
     seconds = {k: statistics.median(v) for k, v in samples.items()}
     for k, row in enumerate(rows):  # temperature-major, then specs in order
