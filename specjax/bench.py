@@ -286,6 +286,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 verify_tokens=spec.num_speculative_tokens + 1,
                 tree=None if tree is None else tree.to_json(), lookup=_lookup(spec),
                 synthetic_acceptance=spec.synthetic_acceptance,
+                survival_threshold=spec.survival_threshold,
                 ar_tokens_per_second=ar.median("tokens_per_second"),
                 spec_tokens_per_second=sp.median("tokens_per_second"),
                 speedup=sp.median("tokens_per_second") / ar.median("tokens_per_second"),
@@ -324,24 +325,28 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         row["propose_ms"] = 1e3 * seconds[(row["temperature"], i, "propose")]
         row["round_ms"] = 1e3 * seconds[(row["temperature"], i, "round")]
         # c: the proposer's time per draft in target steps, its propose timed alone (a draft
-        # model's catch-up forward and draws included; an n-gram lookup's too)
-        row["c"] = row["propose_ms"] / 1e3 / step / row["gamma"]
+        # model's catch-up forward and draws included; an n-gram lookup's too). Adaptive
+        # lengths: per draft proposed on average (the static-γ formula does not apply).
+        adaptive = row.get("survival_threshold") is not None
+        drafts = row["mean_proposed"] if adaptive else row["gamma"]
+        row["c"] = row["propose_ms"] / 1e3 / step / max(drafts, 1e-9)
         # what the round costs over its parts: sampling, verification, bookkeeping, copies
         row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * seconds[
             row["verify_tokens"]])
         # What a round spends besides the verify forward, in target steps, per draft, from the
         # generate loop's own times: the drafter plus the loop's overhead.
         row["draft_cost_per_draft"] = (
-            (row["spec_round_ms"] / row["ar_tpot_ms"] - row["verify_cost"]) / row["gamma"])
+            (row["spec_round_ms"] / row["ar_tpot_ms"] - row["verify_cost"]) / max(drafts, 1e-9))
         g, alpha, c = row["gamma"], row["alpha"], row["c"]
-        chain = row["tree"] is None
+        chain = row["tree"] is None and not adaptive
         ok = np.isfinite(alpha) and chain
         row["predicted_speedup"] = theory.speedup(alpha, g, c) if ok else float("nan")
         # Tokens a round yields: the formula's from α for a chain (i.i.d. acceptance of γ drafts
         # in a row), the measured mean accepted length for a tree (the formula is for chains).
         tokens = (theory.expected_tokens_per_round(alpha, g) if ok
                   else row["mean_accepted_length"] if not chain else float("nan"))
-        row["predicted_speedup_with_verify_cost"] = tokens / (g * c + row["verify_cost"])
+        row["predicted_speedup_with_verify_cost"] = (
+            float("nan") if adaptive else tokens / (g * c + row["verify_cost"]))
         row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup_with_verify_cost"]
     roof = None
     if roofline:
@@ -516,9 +521,14 @@ def main(args) -> int:
                       f"most {limit} deep", file=sys.stderr)
                 continue
             specs.append(spec)
-            if kinds[m].adaptive and synthetic is None:
-                specs += [dataclasses.replace(spec, survival_threshold=t)
-                          for t in getattr(args, "survival_threshold", None) or ()]
+            thresholds = getattr(args, "survival_threshold", None) or ()
+            if thresholds and (not kinds[m].adaptive or synthetic is not None):
+                print(f"no adaptive variants for {m}" + (" with synthetic acceptance"
+                                                         if kinds[m].adaptive else
+                                                         ": the method has no adaptive lengths"),
+                      file=sys.stderr)
+            elif thresholds:
+                specs += [dataclasses.replace(spec, survival_threshold=t) for t in thresholds]
         if kinds[m].tree:
             specs += [SpecConfig(method=m, tree=_tree_json(tree)) for tree in args.tree or ()]
     result = run_bench(target, prompts, specs, draft=draft, drafters=drafters,

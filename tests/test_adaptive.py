@@ -147,6 +147,21 @@ def test_greedy_equals_autoregressive(target, draft, threshold):
     assert out.stats.proposed_tokens < full.stats.proposed_tokens
 
 
+def test_one_row_skips_the_draft_steps_it_does_not_need(target):
+    """A single row drafting with the target itself (accepted, and confident to varying
+    degrees): whenever it stops after k <= γ - 2 drafts, the remaining draft steps take the
+    skipped branch (nothing written that a later round reads); greedy output is still the
+    autoregressive one over many such rounds."""
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    spec = sj.SpecConfig(num_speculative_tokens=4, survival_threshold=0.3)
+    for prompt in PROMPTS:
+        ref = sj.generate(target, [prompt], sampling=sampling)
+        out = sj.generate(target, [prompt], sampling=sampling, spec=spec, draft=target)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        assert out.stats.proposed_length_distribution[:3].sum() > 0.2, out.stats
+        assert out.stats.mean_accepted_length > 1.5, out.stats
+
+
 # -- shapes and programs ------------------------------------------------------------------------
 
 def test_rows_get_every_length_from_0_to_gamma_in_one_round(target, draft):
@@ -182,7 +197,11 @@ def test_changing_lengths_and_calibrations_do_not_recompile(target, draft):
         assert out.stats.compile_seconds == 0 and engine.PROGRAMS.compiled == compiled, key
 
 
-def test_bad_settings_are_refused_by_name(draft):
+def test_bad_settings_are_refused_by_name(target, draft):
+    with pytest.raises(ValueError, match="calibration must hold a \\[2\\] > 0"):
+        sj.generate(target, PROMPTS, spec=sj.SpecConfig(survival_threshold=0.5),
+                    draft=DraftModel(draft, None, Calibration(jnp.asarray([-1.0, 1.0]),
+                                                              jnp.zeros((2,)))))
     for bad in (0, 1, 1.5, -0.1, "0.5", True):
         with pytest.raises(ValueError, match="survival_threshold must be in \\(0, 1\\)"):
             sj.SpecConfig(survival_threshold=bad)

@@ -229,6 +229,34 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
     assert not any("identical_to_autoregressive" in r for r in rows if r["temperature"] > 0)
 
 
+def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
+    """--survival-threshold adds adaptive chains beside the static ones; their c is per draft
+    proposed and the static-γ prediction is not given for them."""
+    import json
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
+                     str(model_folders / "d"), "--gammas", "3", "--survival-threshold", "0.5",
+                     "--temperatures", "0", "--max-new-tokens", "10", "--repeats", "1",
+                     "--verify-repeats", "1", "--num-prompts", "2", "--max-prompt-tokens", "40",
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["label"] for r in rows] == ["chain 3", "chain 3 adaptive 0.5"]
+    static, adaptive = rows
+    assert static["survival_threshold"] is None and adaptive["survival_threshold"] == 0.5
+    assert adaptive["mean_proposed"] == adaptive["proposed_tokens"] / adaptive["rounds"]
+    assert adaptive["mean_proposed"] <= 3 and adaptive["identical_to_autoregressive"]
+    step = json.loads(out.read_text())["settings"]["target_step_ms"]
+    assert adaptive["c"] == pytest.approx(adaptive["propose_ms"] / step
+                                          / max(adaptive["mean_proposed"], 1e-9))
+    assert np.isnan(adaptive["predicted_speedup"])
+    assert np.isnan(adaptive["predicted_speedup_with_verify_cost"])
+    assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "ngram",
+                     "--gammas", "2", "--survival-threshold", "0.5", "--temperatures", "0",
+                     "--max-new-tokens", "4", "--repeats", "1", "--verify-repeats", "1",
+                     "--num-prompts", "1", "--max-prompt-tokens", "40"]) == 0
+    assert "no adaptive variants for ngram" in capsys.readouterr().err
+
+
 def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
     import json
     out = tmp_path / "ngram.json"

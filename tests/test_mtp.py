@@ -133,17 +133,19 @@ def stale_saved(propose):
 def test_cache_check_fails_with_stale_inputs(target, trained, monkeypatch, fresh_programs,
                                              broken):
     """Controls: modules that keep the prefill's features instead of the verifier's, or that
-    never refresh the outputs saved between rounds, fail the cache check."""
+    never refresh the outputs saved between rounds, leave caches unlike the from-scratch chain
+    (the saved outputs themselves are not compared here: the caches must show it)."""
     if broken == "features":
         monkeypatch.setattr(MTPProposer, "observe", lambda self, state, start, hidden: state)
     else:
         monkeypatch.setattr(MTPProposer, "propose", stale_saved(MTPProposer.propose))
-    with pytest.raises(AssertionError):
-        check_caches(target, trained["mtp"])
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
+        check_caches(target, trained["mtp"], check_saved=False)
 
 
 def reference_chain(target, d, seq):
-    """The modules over one sequence [n] with true tokens: each module's cache and outputs."""
+    """The modules over one sequence [n] with true tokens: each module's cache and outputs
+    (entry j reads tokens up to j + k only)."""
     n = len(seq)
     seq = jnp.asarray(seq)[None]
     _, h, _ = sj.forward(target, seq, jnp.arange(n)[None], sj.KVCache.init(target.config, 1, n))
@@ -158,21 +160,23 @@ def reference_chain(target, d, seq):
     return caches, outs
 
 
-def check_caches(target, d, gamma=3):
+def check_caches(target, d, gamma=3, check_saved=True):
     multi = 0
     for old, state in greedy_rounds(target, d, MTPProposer(d.config, gamma)):
         length = np.asarray(state.length)
         multi += int(np.sum(length - old >= 2))
         s = state.draft_state
         for b in range(len(PROMPTS)):
-            caches, outs = reference_chain(target, d, np.asarray(state.history[b, :length[b] + 1]))
+            # the whole history row: causal, so its first entries are those of the accepted
+            # text, and one shape serves every row and round (one compile)
+            caches, outs = reference_chain(target, d, np.asarray(state.history[b]))
             for k in range(1, gamma + 1):
                 upto = max(old[b] - k + 1, 0)  # final entries j <= old - k
                 got, want = s.caches[k - 1], caches[k - 1]
                 for g, w in ((got.k, want.k), (got.v, want.v)):
                     np.testing.assert_allclose(g[:, b, :upto], w[:, 0, :upto], rtol=1e-4,
                                                atol=2e-4)
-                if k < gamma and old[b] - k >= 0:  # module k's output at old - k
+                if check_saved and k < gamma and old[b] - k >= 0:  # module k's output at old - k
                     np.testing.assert_allclose(s.saved[b, k - 1], outs[k - 1][old[b] - k],
                                                rtol=1e-4, atol=2e-4)
     assert multi > 0

@@ -89,7 +89,16 @@ def program_params(draft) -> DraftModel:
     calibration when it has none, so drafts with and without one share the program."""
     draft = as_draft_model(draft)
     if draft.calibration is None:
-        draft = dataclasses.replace(draft, calibration=Calibration.identity())
+        return dataclasses.replace(draft, calibration=Calibration.identity())
+    c = draft.calibration
+    if not isinstance(c, Calibration):
+        raise ValueError(f"DraftModel.calibration must be a specjax.adaptive.Calibration, got "
+                         f"{type(c).__name__}")
+    a, b = np.asarray(c.a), np.asarray(c.b)
+    if a.shape != (2,) or b.shape != (2,) or not (np.all(np.isfinite(a)) and np.all(a > 0)
+                                                  and np.all(np.isfinite(b))):
+        raise ValueError(f"DraftModel.calibration must hold a [2] > 0 and b [2], finite "
+                         f"(Calibration.of checks this), got a={a.tolist()}, b={b.tolist()}")
     return draft
 
 

@@ -19,7 +19,7 @@ greedy), so the verifier's sampled-draft rule keeps the output exactly the targe
 
 Caches. Slot j of module k's cache holds its entry at position j, built from h^{k-1}_j and
 x_{j+k}. The entry is final once x_{j+k} is known (j <= L - k); the entries L - k + 1 .. L - 1,
-which the draft at L - 1 attends to, read this round's drafts d_1 .. d_{k-2} where training read
+which the draft at L - 1 attends to, read this round's drafts d_1 .. d_{k-1} where training read
 the true tokens (the same, when the drafts are right). So in each round module k rewrites its
 slots from s_k = start - k + 1 to L - 1 in one forward of γ + k positions (start: the previous
 round's length, where the last verification began, ``Features.start``): the entries made final
