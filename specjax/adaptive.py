@@ -96,6 +96,22 @@ class Calibration:
             raise ValueError(f"{source}: not a calibration record ({e!r})") from None
 
 
+def checked_calibration(c, name: str = "calibration") -> Calibration:
+    """``c`` checked (a Calibration with a [2] > 0 and b [2], finite), or the identity for
+    None: what a compiled program takes, so drafters with and without one share the program."""
+    if c is None:
+        return Calibration.identity()
+    if not isinstance(c, Calibration):
+        raise ValueError(f"{name} must be a specjax.adaptive.Calibration, got "
+                         f"{type(c).__name__}")
+    a, b = np.asarray(c.a), np.asarray(c.b)
+    if a.shape != (2,) or b.shape != (2,) or not (np.all(np.isfinite(a)) and np.all(a > 0)
+                                                  and np.all(np.isfinite(b))):
+        raise ValueError(f"{name} must hold a [2] > 0 and b [2], finite "
+                         f"(Calibration.of checks this), got a={a.tolist()}, b={b.tolist()}")
+    return c
+
+
 def save_calibration(calibration: Calibration, folder, report: dict | None = None) -> None:
     """Write ``calibration.json`` into a drafter folder (with the fit's report, if given)."""
     path = pathlib.Path(folder) / FILE
@@ -121,9 +137,126 @@ def confidence(logits: Array, q: Array | None, temperature: Array) -> Array:
     return jnp.where(temperature == 0, top, jnp.max(q, axis=-1))
 
 
-def keep(survival: Array, threshold: float) -> Array:
-    """Which rows keep drafting: survival [B] at least the threshold."""
+def keep(survival: Array, threshold: float | None) -> Array:
+    """Which rows keep drafting: survival [B] at least the threshold (None: every row)."""
+    if threshold is None:
+        return jnp.ones(survival.shape, bool)
     return survival >= threshold
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch's verify budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What a round costs on this backend at this batch size, in one-token target steps:
+    ``verify_costs[k]``, a target forward over k + 1 tokens (verifying k drafts; [0] is 1, the
+    plain decode step), and ``draft_cost``, one draft step. Static: part of the program, like γ.
+
+    The batch verifies as many draft positions as pay for themselves. Every row shares the
+    forward's width (the verify forward is [B, width]), so the budget is a width: the batch
+    verifies draft k only if the round's expected tokens per unit of cost rise with it,
+
+        (E_{k-1} + g_k) / (c·k + v_k)  >  E_{k-1} / (c·(k - 1) + v_{k-1}),
+
+    where g_k is the sum over active rows still drafting of their predicted survival through
+    draft k and E_{k-1} = rows + g_1 + ... + g_{k-1} (each row's own token counts 1). The first
+    k that fails ends the batch's drafting: at small batch, where v_k stays near 1, every
+    confident draft is verified; at large batch, where each extra position costs a step's worth,
+    the width falls to 0 and the round is a plain decode step, without recompiling.
+
+    g_k is known before draft k is drawn (survival through k uses q_k's confidence, not the
+    draft), so the decision for position k never depends on draft k or the target.
+    """
+
+    verify_costs: tuple[float, ...]
+    draft_cost: float = 0.0
+
+    @classmethod
+    def of(cls, verify_costs, draft_cost: float = 0.0, gamma: int | None = None) -> Budget:
+        """Checked: γ + 1 finite costs > 0 (divided by the first) and a draft cost >= 0."""
+        costs = tuple(verify_costs) if isinstance(verify_costs, (tuple, list)) else None
+        if (costs is None or len(costs) < 2 or (gamma is not None and len(costs) != gamma + 1)
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                           and np.isfinite(x) and x > 0 for x in costs)):
+            want = "γ + 1" if gamma is None else f"{gamma + 1} (γ + 1)"
+            raise ValueError(f"verify_costs must be {want} finite costs > 0 (a target forward "
+                             f"over 1, 2, ... tokens, in one-token steps), got {verify_costs!r}")
+        if (isinstance(draft_cost, bool) or not isinstance(draft_cost, (int, float))
+                or not np.isfinite(draft_cost) or draft_cost < 0):
+            raise ValueError(f"draft_cost must be a finite number >= 0 (one draft step in "
+                             f"target steps), got {draft_cost!r}")
+        return cls(tuple(float(x) / float(costs[0]) for x in costs), float(draft_cost))
+
+    def cost(self, k: int) -> float:
+        """A round verifying k drafts: k draft steps and a (k + 1)-token forward."""
+        return self.draft_cost * k + self.verify_costs[k]
+
+    def widen(self, expected: Array, gain: Array, k: int) -> Array:
+        """Whether verifying draft k (static k >= 1) raises the expected tokens per cost."""
+        return (expected + gain) * self.cost(k - 1) > expected * self.cost(k)
+
+
+class ChainControl:
+    """Per-row adaptive lengths along a chain, one draft position at a time (draft-model, EAGLE,
+    MTP chains): ``start`` with the rows still generating, then ``step`` with each position's
+    confidence (read before the draw) returns which rows propose it. Holds the calibrated
+    per-position predictions for ``Draft.predicted``."""
+
+    def __init__(self, calibration: Calibration | None, threshold: float | None,
+                 budget: Budget | None, greedy_rows: Array, active: Array | None):
+        self.calibration = calibration or Calibration.identity()
+        self.threshold, self.budget, self.greedy_rows = threshold, budget, greedy_rows
+        self.active = jnp.ones(greedy_rows.shape, bool) if active is None else active
+        self.survival = jnp.ones(greedy_rows.shape, jnp.float32)
+        self.alive = self.active
+        self.expected = jnp.maximum(jnp.sum(self.active, dtype=jnp.float32), 1.0)
+        self.valid, self.predicted = [], []
+
+    def step(self, score: Array) -> Array:
+        """Rows [B] that propose the next draft, given its confidence [B]."""
+        k = len(self.valid) + 1
+        predicted = self.calibration.predict(score, self.greedy_rows)
+        self.survival = self.survival * predicted
+        alive = self.alive & keep(self.survival, self.threshold)
+        if self.budget is not None:
+            gain = jnp.sum(jnp.where(alive, self.survival, 0.0))
+            alive = alive & self.budget.widen(self.expected, gain, k)
+            self.expected = self.expected + gain
+        self.alive = alive
+        self.valid.append(alive)
+        self.predicted.append(predicted)
+        return alive
+
+    def drafting(self) -> Array:
+        """Whether any row goes on ([] bool): the next draft step can be skipped otherwise."""
+        return jnp.any(self.alive)
+
+    def arrays(self) -> tuple[Array, Array]:
+        """(valid [B, G] bool, predicted [B, G] float32)."""
+        return jnp.stack(self.valid, axis=1), jnp.stack(self.predicted, axis=1)
+
+
+def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
+                  context: int = 64, repeats: int = 9) -> Budget:
+    """This backend's ``Budget`` for ``target`` (and a draft model's step, if given) at
+    ``batch_size`` rows: the target's forward over 1 .. γ + 1 tokens and the draft's one-token
+    step, each with the cache filled to ``context`` slots, timed interleaved (median of
+    ``repeats``), in the target's one-token steps. A draft that is not a model (heads) has no
+    step timed here: pass its cost to ``Budget.of`` yourself."""
+    from . import timing
+    from .draft.draft_model import DraftModel
+    from .model import Model
+    capacity = context + gamma + 2
+    timers = {w: timing.forward_timer(target, w, capacity, context, batch=batch_size)
+              for w in range(1, gamma + 2)}
+    if isinstance(draft, (Model, DraftModel)):
+        timers["draft"] = timing.forward_timer(draft, 1, capacity, context, batch=batch_size)
+    seconds = timing.median_seconds(timers, repeats)
+    step = seconds[1]
+    return Budget.of([seconds[w] / step for w in range(1, gamma + 2)],
+                     seconds.get("draft", 0.0) / step)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ import time
 import jax
 import numpy as np
 
-from . import engine, theory
+from . import adaptive, engine, theory
 from . import roofline as roofline_lib
 from .config import SamplingParams, SpecConfig
 from .draft import registry
@@ -107,7 +107,7 @@ class _Runs:
     round_seconds: list = dataclasses.field(default_factory=list)  # decode seconds per round
 
     def add(self, outs) -> None:
-        decode_tokens = sum(int(o.lengths[0]) - 1 for o in outs)
+        decode_tokens = sum(int(o.lengths.sum()) - len(o.lengths) for o in outs)
         decode_seconds = sum(o.stats.decode_seconds for o in outs)
         self.outputs = outs
         self.tokens_per_second.append(decode_tokens / decode_seconds)
@@ -132,7 +132,21 @@ def _pooled(outs) -> dict:
     # a round; a round that proposed fewer than γ and accepted them all rejected none).
     rejected = sum(o.stats.rejecting_rounds for o in outs)
     alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
+    # the adaptive rows' predictions against their verdicts (Stats.reliability), bins pooled
+    bins = {}
+    for o in outs:
+        for p, a, n in o.stats.reliability:
+            b = bins.setdefault(min(int(p * 10), 9), [0, 0.0, 0.0])
+            b[0] += n
+            b[1] += p * n
+            b[2] += a * n
+    total = sum(b[0] for b in bins.values())
+    calibration = dict(
+        calibration_error=sum(abs(b[1] - b[2]) for b in bins.values()) / total if total
+        else float("nan"),
+        reliability=[(b[1] / b[0], b[2] / b[0], b[0]) for _, b in sorted(bins.items())])
     return dict(acceptance_rate=accepted / proposed if proposed else float("nan"), alpha=alpha,
+                **calibration,
                 accepted_length_distribution=[float(x) for x in lengths / rounds],
                 mean_accepted_length=emitted / rounds,
                 per_position_acceptance=[float(x) for x in per_position / rounds],
@@ -185,8 +199,11 @@ def _label(spec: SpecConfig) -> str:
         return f"chain {spec.num_speculative_tokens} synthetic α={profile}"
     if spec.tree is None:
         lookup = _lookup(spec)
-        if spec.survival_threshold is not None:
-            return f"chain {spec.num_speculative_tokens} adaptive {spec.survival_threshold:g}"
+        if spec.survival_threshold is not None or spec.verify_costs is not None:
+            return (f"chain {spec.num_speculative_tokens}"
+                    + ("" if spec.survival_threshold is None
+                       else f" adaptive {spec.survival_threshold:g}")
+                    + ("" if spec.verify_costs is None else " budget"))
         if lookup is None:
             return f"chain {spec.num_speculative_tokens}"
         factor = "" if lookup["length_factor"] is None else f" x{lookup['length_factor']:g}"
@@ -200,12 +217,17 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
               temperatures=(0.0, 0.8), top_k: int = 0, top_p: float = 1.0,
               max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
               verify_repeats: int = 20, roofline: bool = False, roofline_batches=(1,),
-              log=None) -> dict:
+              batch_size: int = 1, budget: bool = False, log=None) -> dict:
     """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
     per (temperature, spec). specs: SpecConfigs (chains or trees) of any methods; draft: the
     draft model for the methods that draft with one ("draft_model"); drafters: {"medusa": Heads,
-    "eagle": Heads} for the methods that draft with heads."""
+    "eagle": Heads} for the methods that draft with heads. batch_size: rows per generate call
+    (the prompts cycled to fill whole batches). budget: each adaptive chain (one with
+    survival_threshold) also runs with the verify budget, its costs measured here at this batch
+    size (``adaptive.measure_costs``)."""
     specs = [SpecConfig.parse(s) for s in specs]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if not specs:
         raise ValueError("specs is empty: give at least one SpecConfig")
     drafts = dict(drafters or {})
@@ -225,6 +247,25 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         raise ValueError("prompts is empty")
     log = log or (lambda msg: None)
     use_draft = as_draft_model(draft) if any(s.needs_draft_model for s in specs) else None
+    B = batch_size
+    # whole batches of prompts, cycled: every prompt at least once
+    cycled = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // B) * B)]
+    groups = [cycled[i:i + B] for i in range(0, len(cycled), B)]
+    costs = None
+    if budget:
+        adaptive_specs = [s for s in specs if s.survival_threshold is not None]
+        if not adaptive_specs:
+            raise ValueError("budget=True needs adaptive chains (specs with survival_threshold)")
+        costs = adaptive.measure_costs(
+            target, use_draft, batch_size=B,
+            gamma=max(s.num_speculative_tokens for s in adaptive_specs),
+            context=len(sorted(prompts, key=len)[len(prompts) // 2]) + max_new_tokens // 2)
+        log(f"verify budget at batch {B}: forward costs {[round(c, 3) for c in costs.verify_costs]}"
+            f" steps, draft step {costs.draft_cost:.3f}")
+        specs += [dataclasses.replace(
+            s, verify_costs=costs.verify_costs[:s.num_speculative_tokens + 1],
+            draft_cost=costs.draft_cost if s.needs_draft_model else 0.0)
+            for s in adaptive_specs]
 
     # The parts of a round, each timed apart inside one compiled program (timing.py), for the
     # prompt of median length after half the new tokens, in the capacity generate picks for it;
@@ -236,8 +277,9 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     sizes = sorted({s.num_speculative_tokens + 1 for s in specs})
     capacity = cache_capacity(target.config, max(sizes) - 1,
                               slots_needed(len(prompt), max_new_tokens, max(sizes) - 1))
-    timers = {1: forward_timer(target, 1, capacity, context)}
-    timers.update({n: forward_timer(target, n, capacity, context) for n in sizes if n != 1})
+    timers = {1: forward_timer(target, 1, capacity, context, batch=B)}
+    timers.update({n: forward_timer(target, n, capacity, context, batch=B)
+                   for n in sizes if n != 1})
     samples: dict = {}
     inner = -(-verify_repeats // repeats)  # samples of each part per repeat
 
@@ -254,9 +296,9 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         variants.update({i: (s, drafts.get(s.method)) for i, s in enumerate(specs)})
 
         def run_all(spec, d, sampling=sampling):
-            return [generate(target, [p], sampling=sampling, spec=spec, draft=d, key=seed + i,
+            return [generate(target, g, sampling=sampling, spec=spec, draft=d, key=seed + i,
                              allow_synthetic=True)  # labelled so in every row it touches
-                    for i, p in enumerate(prompts)]
+                    for i, g in enumerate(groups)]
 
         t0 = time.perf_counter()
         for v in variants.values():  # warm-up: compiles every program the timed passes use
@@ -266,7 +308,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             parts = round_timers(target, prompt, sampling=sampling, spec=spec,
                                  draft=drafts.get(spec.method), decoded=decoded, key=seed,
                                  max_cache_len=cache_capacity(target.config, g, slots_needed(
-                                     len(prompt), max_new_tokens, g)), allow_synthetic=True)
+                                     len(prompt), max_new_tokens, g)), allow_synthetic=True,
+                                 batch=B)
             timers.update({(temperature, i, k): f for k, f in parts.items()})
         log(f"T={temperature}: compiled and warmed up in {time.perf_counter() - t0:.0f} s")
         runs = {name: _Runs() for name in variants}
@@ -286,7 +329,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 verify_tokens=spec.num_speculative_tokens + 1,
                 tree=None if tree is None else tree.to_json(), lookup=_lookup(spec),
                 synthetic_acceptance=spec.synthetic_acceptance,
-                survival_threshold=spec.survival_threshold,
+                survival_threshold=spec.survival_threshold, verify_costs=spec.verify_costs,
+                draft_cost=spec.draft_cost, batch_size=B,
                 ar_tokens_per_second=ar.median("tokens_per_second"),
                 spec_tokens_per_second=sp.median("tokens_per_second"),
                 speedup=sp.median("tokens_per_second") / ar.median("tokens_per_second"),
@@ -305,9 +349,10 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                            for runs in (ar, sp)]
                 if not row["identical_to_autoregressive"]:
                     row["parted_at_near_ties"] = all(
-                        parted_at_near_tie(target, p, a.tokens[0], s.tokens[0])
-                        for p, a, s in zip(prompts, ar.outputs, sp.outputs)
-                        if not np.array_equal(a.tokens, s.tokens))
+                        parted_at_near_tie(target, p, x, y)
+                        for g, a, s in zip(groups, ar.outputs, sp.outputs)
+                        for p, x, y in zip(g, a.tokens, s.tokens)
+                        if not np.array_equal(x, y))
             rows.append(row)
         # This temperature's programs and part timers are done with. Each compiled program
         # holds hundreds of memory mappings (Linux allows 65,530 a process): a bench that kept
@@ -327,18 +372,20 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         # c: the proposer's time per draft in target steps, its propose timed alone (a draft
         # model's catch-up forward and draws included; an n-gram lookup's too). Adaptive
         # lengths: per draft proposed on average (the static-γ formula does not apply).
-        adaptive = row.get("survival_threshold") is not None
-        drafts = row["mean_proposed"] if adaptive else row["gamma"]
-        row["c"] = row["propose_ms"] / 1e3 / step / max(drafts, 1e-9)
+        is_adaptive = (row.get("survival_threshold") is not None
+                       or row.get("verify_costs") is not None)
+        drafts = row["mean_proposed"] if is_adaptive else row["gamma"]
+        row["c"] = row["propose_ms"] / 1e3 / step / drafts if drafts else float("nan")
         # what the round costs over its parts: sampling, verification, bookkeeping, copies
         row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * seconds[
             row["verify_tokens"]])
         # What a round spends besides the verify forward, in target steps, per draft, from the
         # generate loop's own times: the drafter plus the loop's overhead.
         row["draft_cost_per_draft"] = (
-            (row["spec_round_ms"] / row["ar_tpot_ms"] - row["verify_cost"]) / max(drafts, 1e-9))
+            (row["spec_round_ms"] / row["ar_tpot_ms"] - row["verify_cost"]) / drafts
+            if drafts else float("nan"))
         g, alpha, c = row["gamma"], row["alpha"], row["c"]
-        chain = row["tree"] is None and not adaptive
+        chain = row["tree"] is None and not is_adaptive
         ok = np.isfinite(alpha) and chain
         row["predicted_speedup"] = theory.speedup(alpha, g, c) if ok else float("nan")
         # Tokens a round yields: the formula's from α for a chain (i.i.d. acceptance of γ drafts
@@ -346,7 +393,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         tokens = (theory.expected_tokens_per_round(alpha, g) if ok
                   else row["mean_accepted_length"] if not chain else float("nan"))
         row["predicted_speedup_with_verify_cost"] = (
-            float("nan") if adaptive else tokens / (g * c + row["verify_cost"]))
+            float("nan") if is_adaptive else tokens / (g * c + row["verify_cost"]))
         row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup_with_verify_cost"]
     roof = None
     if roofline:
@@ -367,7 +414,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                       temperatures=list(temperatures), top_k=top_k, top_p=top_p,
                       max_new_tokens=max_new_tokens, repeats=repeats, seed=seed,
                       prompts=len(prompts), prompt_tokens=[len(p) for p in prompts],
-                      batch_size=1, target_params=target.config.num_params,
+                      batch_size=B, target_params=target.config.num_params,
+                      verify_budget=None if costs is None else dataclasses.asdict(costs),
                       draft_params=use_draft.config.num_params if use_draft is not None else 0,
                       draft_vocab_size=(use_draft.vocab_size if use_draft is not None
                                         else None),
@@ -380,7 +428,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
 def format_table(result: dict) -> str:
     s = result["settings"]
     kind = s.get("prompt_kind", "held-out prompts")
-    lines = [f"{s['prompts']} {kind}, batch 1, {s['max_new_tokens']} new tokens, "
+    lines = [f"{s['prompts']} {kind}, batch {s.get('batch_size', 1)}, "
+             f"{s['max_new_tokens']} new tokens, "
              f"median of {s['repeats']} interleaved repeats; {result['machine']['cpu_count']} "
              f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
              ""]
@@ -404,6 +453,8 @@ def format_table(result: dict) -> str:
                 + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
         if r.get("mean_proposed", r["gamma"]) < r["gamma"] and r.get("tree") is None:
             line += f"  ({r['mean_proposed']:.2f} drafts/round)"
+        if r.get("reliability"):
+            line += f"  (calibration error {r['calibration_error']:.3f})"
         if r.get("identical_to_autoregressive") is False:
             line += "  OUTPUT DIFFERS FROM AUTOREGRESSIVE"
             if r.get("parted_at_near_ties"):
@@ -531,25 +582,43 @@ def main(args) -> int:
                 specs += [dataclasses.replace(spec, survival_threshold=t) for t in thresholds]
         if kinds[m].tree:
             specs += [SpecConfig(method=m, tree=_tree_json(tree)) for tree in args.tree or ()]
-    result = run_bench(target, prompts, specs, draft=draft, drafters=drafters,
-                       temperatures=args.temperatures, top_k=args.top_k, top_p=args.top_p,
-                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed,
-                       verify_repeats=args.verify_repeats, roofline=args.roofline,
-                       roofline_batches=getattr(args, "roofline_batches", None) or (1,),
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
-    if shape is not None:
-        result["settings"].update(prompt_kind=f"random prompts of {len(prompts[0])} tokens",
-                                  target=f"random weights, {shape} shape",
-                                  draft=f"random weights, {shape} one-layer draft"
-                                  if draft is not None else None,
-                                  drafters={m: f"random weights, {shape}" for m in drafters})
-    else:
-        result["settings"].update(
-            target=str(args.target), draft=str(args.draft) if draft is not None else None,
-            drafters={m: str(getattr(args, m, None) or CHECKPOINTS / f"code-{m}")
-                      for m in drafters})
-    print(format_table(result))
+    batches = getattr(args, "batch_size", None) or [1]
+    budget = getattr(args, "verify_budget", False)
+    if budget and not any(s.survival_threshold is not None for s in specs):
+        raise ValueError("--verify-budget needs --survival-threshold (adaptive chains)")
+    if getattr(args, "plots", None):
+        from . import plots
+        plots.require()  # before hours of benching
+    results = []
+    for batch in batches:
+        result = run_bench(target, prompts, specs, draft=draft, drafters=drafters,
+                           temperatures=args.temperatures, top_k=args.top_k, top_p=args.top_p,
+                           max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                           seed=args.seed, verify_repeats=args.verify_repeats,
+                           roofline=args.roofline,
+                           roofline_batches=getattr(args, "roofline_batches", None) or (1,),
+                           batch_size=batch, budget=budget,
+                           log=lambda m: print(m, file=sys.stderr, flush=True))
+        if shape is not None:
+            result["settings"].update(prompt_kind=f"random prompts of {len(prompts[0])} tokens",
+                                      target=f"random weights, {shape} shape",
+                                      draft=f"random weights, {shape} one-layer draft"
+                                      if draft is not None else None,
+                                      drafters={m: f"random weights, {shape}" for m in drafters})
+        else:
+            result["settings"].update(
+                target=str(args.target), draft=str(args.draft) if draft is not None else None,
+                drafters={m: str(getattr(args, m, None) or CHECKPOINTS / f"code-{m}")
+                          for m in drafters})
+        print(format_table(result), flush=True)
+        results.append(result)
+    if getattr(args, "plots", None):
+        from . import plots
+        for path in plots.write(results, args.plots):
+            print(f"wrote {path}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        out = results[0] if len(results) == 1 else {"runs": results}
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"\nwrote {args.json}")
-    return 0 if all(r.get("identical_to_autoregressive", True) for r in result["rows"]) else 1
+    return 0 if all(r.get("identical_to_autoregressive", True)
+                    for result in results for r in result["rows"]) else 1

@@ -328,6 +328,14 @@ def _add_bench(sub) -> None:
                         "1..16 tokens against bandwidth and peak FLOPs (sj.roofline)")
     b.add_argument("--roofline-batches", type=_numbers(int), default=[1], metavar="B,B,...",
                    help="batches of the --roofline report (default 1; e.g. 1,8,32)")
+    b.add_argument("--batch-size", type=_numbers(int), default=[1], metavar="B[,B,...]",
+                   help="rows per generate call (default 1); several: one bench per batch size, "
+                        "in one process")
+    b.add_argument("--verify-budget", action="store_true",
+                   help="also each adaptive chain with the batch's verify budget, its costs "
+                        "measured at each batch size (SpecConfig.verify_costs)")
+    b.add_argument("--plots", metavar="DIR",
+                   help="write speedup_vs_batch.png and reliability.png there (matplotlib)")
     b.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
 
 

@@ -214,6 +214,13 @@ class SpecConfig:
     # calibrated chance that its drafts 1 .. k all survive is at least this, and drafting stops
     # once no row goes on. None: every row proposes γ. Chains of methods that support it.
     survival_threshold: float | None = None
+    # The batch's verify budget (specjax/adaptive.py, Budget): what a target forward over 1, 2,
+    # ..., γ + 1 tokens costs at the batch size you run, in one-token steps (from
+    # sj.adaptive.measure_costs or the roofline report), and one draft step's cost. The batch
+    # then verifies only the draft positions whose predicted survival pays for the wider
+    # forward, down to none at all. With or without survival_threshold; same methods.
+    verify_costs: tuple[float, ...] | None = None
+    draft_cost: float | None = None  # None: 0 (with verify_costs)
 
     def __post_init__(self):
         method = _method(self.method)
@@ -250,12 +257,29 @@ class SpecConfig:
         if self.survival_threshold is not None:
             _require_real(self, "survival_threshold", self.survival_threshold,
                           lambda x: 0 < x < 1, "in (0, 1) or None")
-            if self.tree is not None or not method.adaptive:
+        if self.draft_cost is not None and self.verify_costs is None:
+            raise ValueError(f"SpecConfig.draft_cost={self.draft_cost!r} needs verify_costs "
+                             f"(the verify budget)")
+        if self.verify_costs is not None:
+            from .adaptive import Budget
+            Budget.of(self.verify_costs, 0.0 if self.draft_cost is None else self.draft_cost,
+                      self.num_speculative_tokens)  # checks them
+            object.__setattr__(self, "verify_costs", tuple(self.verify_costs))
+        for name in ("survival_threshold", "verify_costs"):
+            if getattr(self, name) is not None and (self.tree is not None or not method.adaptive):
                 from .draft import registry
                 adaptive = [n for n in registry.names() if registry.get(n).adaptive]
-                raise ValueError(f"SpecConfig.survival_threshold (adaptive draft lengths) is for "
+                raise ValueError(f"SpecConfig.{name} (adaptive draft lengths) is for "
                                  f"chains of method {', '.join(adaptive)}; got method "
                                  f"{self.method!r}" + (" with a tree" if self.tree else ""))
+
+    @property
+    def budget(self):
+        """The verify budget (``adaptive.Budget``, costs divided by the first), or None."""
+        if self.verify_costs is None:
+            return None
+        from .adaptive import Budget
+        return Budget.of(self.verify_costs, self.draft_cost or 0.0)
 
     def _synthetic_profile(self) -> tuple[float, ...]:
         """synthetic_acceptance as one α per draft position, checked."""

@@ -169,7 +169,7 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
     return LoopState(
         history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
         done=done, cache=cache, draft_state=draft_state,
-        counters=Counters.zeros(plan.depth), step=jnp.zeros((), jnp.int32))
+        counters=Counters.zeros(plan.depth, B), step=jnp.zeros((), jnp.int32))
 
 
 def round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
@@ -186,9 +186,12 @@ def _propose(plan: Plan, target_params, draft_params, request: Request, state: L
     B = state.length.shape[0]
     if plan.proposer is None:
         return draft_base.Draft(jnp.zeros((B, 0), jnp.int32), None), state.draft_state
+    # adaptive lengths (specjax/adaptive.py) draft, and count toward the budget, only for rows
+    # still generating
+    extra = {"active": ~state.done} if getattr(plan.proposer, "adaptive", False) else {}
     return plan.proposer.propose(
         _proposer_params(plan, draft_params, target_params), state.draft_state, state.history,
-        state.length, keys, request.sampling, plan.filters)
+        state.length, keys, request.sampling, plan.filters, **extra)
 
 
 def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
@@ -358,7 +361,7 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
         done=state.done | hit_eos | (num_generated >= request.max_new_tokens),
         cache=cache.rollback(length), draft_state=draft_state,
         counters=state.counters.update(~state.done, verdict.num_accepted, num_proposed,
-                                       _emitted_near_ties(verdict, n_emit)),
+                                       _emitted_near_ties(verdict, n_emit), draft.predicted),
         step=state.step + 1)
 
 

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+BINS = 10  # bins of predicted acceptance for Stats.calibration_error (equal width)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -26,24 +28,41 @@ class Counters:
     near_ties: Array  # [] int32: emitted greedy tokens chosen at a near tie (sampling.near_ties)
     proposed_count: Array  # [G+1] int32: active row-rounds that proposed exactly k drafts
     rejecting: Array  # [] int32: active row-rounds that rejected one of their drafts
+    # [BINS, 3] float32, adaptive chains (Draft.predicted): per bin of predicted acceptance, the
+    # verified drafts (reached: every draft before it accepted) and the sums of their predictions
+    # and of their outcomes (1 accepted, 0 rejected)
+    reliability: Array
+    proposed_by_row: Array  # [B] int32: drafts each row proposed while active
+    rounds_by_row: Array  # [B] int32: rounds each row was active in
 
     @classmethod
-    def zeros(cls, gamma: int) -> Counters:
-        """gamma: the most drafts a round can accept (a tree's depth)."""
+    def zeros(cls, gamma: int, batch: int = 1) -> Counters:
+        """gamma: the most drafts a round can accept (a tree's depth); batch: rows."""
         z = jnp.zeros((), jnp.int32)
         return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32),
                    jnp.zeros((gamma + 1,), jnp.int32), z, jnp.zeros((gamma + 1,), jnp.int32),
-                   z)
+                   z, jnp.zeros((BINS, 3), jnp.float32), jnp.zeros((batch,), jnp.int32),
+                   jnp.zeros((batch,), jnp.int32))
 
     def update(self, active: Array, num_accepted: Array, num_proposed: Array,
-               near_ties: Array | int = 0) -> Counters:
+               near_ties: Array | int = 0, predicted: Array | None = None) -> Counters:
         """active [B] bool, num_accepted [B] int32, num_proposed [B] int32; near_ties: the
-        round's emitted near-tie tokens, all rows."""
+        round's emitted near-tie tokens, all rows; predicted [B, G]: Draft.predicted."""
         G = self.accepted_at.shape[0]
         n = jnp.where(active, num_accepted, 0)
         proposed = jnp.where(active, num_proposed, 0)
         at = (jnp.arange(G)[None, :] < n[:, None]) & active[:, None]
         lengths = jnp.arange(G + 1)[None, :]
+        reliability = self.reliability
+        if predicted is not None:
+            k = jnp.arange(predicted.shape[1])[None, :]
+            reached = active[:, None] & (k < proposed[:, None]) & (k <= n[:, None])
+            outcome = (k < n[:, None]).astype(jnp.float32)
+            bins = jnp.clip((predicted * BINS).astype(jnp.int32), 0, BINS - 1)
+            one_hot = (bins[..., None] == jnp.arange(BINS)) & reached[..., None]  # [B, G, BINS]
+            add = jnp.stack([jnp.ones_like(predicted), predicted, outcome], -1)  # [B, G, 3]
+            reliability = reliability + jnp.einsum("bgn,bgc->nc", one_hot.astype(jnp.float32),
+                                                   add)
         return Counters(
             rounds=self.rounds + 1,
             row_rounds=self.row_rounds + jnp.sum(active, dtype=jnp.int32),
@@ -60,6 +79,9 @@ class Counters:
                 dtype=jnp.int32),
             rejecting=self.rejecting + jnp.sum(active & (n < jnp.minimum(proposed, G)),
                                                dtype=jnp.int32),
+            reliability=reliability,
+            proposed_by_row=self.proposed_by_row + proposed,
+            rounds_by_row=self.rounds_by_row + active.astype(jnp.int32),
         )
 
 
@@ -99,6 +121,15 @@ class Stats:
     # worth; n-gram and adaptive lengths, SpecConfig.survival_threshold, propose fewer than γ)
     proposed_length_distribution: np.ndarray | None = None
     rejecting_rounds: int = 0  # row-rounds in which a proposed draft was rejected
+    # [B]: drafts each row proposed per round it was active (adaptive lengths vary it by row)
+    mean_proposed_by_row: np.ndarray | None = None
+    # Adaptive chains (SpecConfig.survival_threshold / verify_costs): the expected calibration
+    # error of the calibrated predictions on this call's own verified drafts (each draft whose
+    # predecessors were all accepted: predicted chance of acceptance against the outcome),
+    # binned in 10 equal bins and weighted by count; nan without predictions. ``reliability``:
+    # per non-empty bin, (mean predicted, fraction accepted, drafts).
+    calibration_error: float = float("nan")
+    reliability: tuple[tuple[float, float, int], ...] = ()
 
     @classmethod
     def summarise(cls, counters: Counters, *, gamma: int, draft_calls_per_round: int,
@@ -135,4 +166,19 @@ class Stats:
             proposed_length_distribution=(np.asarray(c.proposed_count, np.float64) / row_rounds
                                           if row_rounds else np.zeros(gamma + 1)),
             rejecting_rounds=int(c.rejecting),
+            mean_proposed_by_row=(np.asarray(c.proposed_by_row, np.float64)[:batch]
+                                  / np.maximum(np.asarray(c.rounds_by_row)[:batch], 1)),
+            **_calibration(np.asarray(c.reliability, np.float64)),
         )
+
+
+def _calibration(bins: np.ndarray) -> dict:
+    """calibration_error and reliability from the [BINS, 3] counters (count, sum predicted, sum
+    accepted)."""
+    count = bins[:, 0]
+    total = count.sum()
+    if total == 0:
+        return {}
+    ece = float(np.abs(bins[:, 1] - bins[:, 2]).sum() / total)
+    return dict(calibration_error=ece, reliability=tuple(
+        (float(p / n), float(a / n), int(n)) for n, p, a in bins if n > 0))

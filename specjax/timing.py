@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import sampling
 from .cache import KVCache
@@ -141,26 +142,32 @@ _REPEATED = {stage: _repeated(stage) for stage in ("round", "propose")}
 
 def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=None,
                  decoded: int = 64, key=0, max_cache_len: int | None = None,
-                 allow_synthetic: bool = False) -> dict[str, Callable[[], float]]:
+                 allow_synthetic: bool = False, batch: int = 1
+                 ) -> dict[str, Callable[[], float]]:
     """Functions timing (seconds per call) one round of ``sj.generate``'s own program for the
     single row ``prompt`` after ``decoded`` tokens of it have been generated (so the caches hold
     prompt + decoded tokens): "round" is the whole round (propose, the target's verify forward,
     verification, bookkeeping; with no spec, one autoregressive step), "propose" the proposer's
     part alone (absent with no spec). Arguments as ``generate``'s (``sampling.max_new_tokens``
-    must leave room for ``decoded`` tokens and a round). Compiles before returning."""
+    must leave room for ``decoded`` tokens and a round). ``batch``: that many copies of the
+    row, each with its own key. Compiles before returning."""
     from . import engine
 
     rows, sampling, plan, target, draft_params, inputs = engine._prepare(
-        target, [prompt], sampling, spec, draft, proposer, key, None, False, None, max_cache_len,
-        allow_synthetic)
+        target, [prompt] * batch, sampling, spec, draft, proposer, key, None, False, None,
+        max_cache_len, allow_synthetic)
     params = target.params
     state = engine._STAGES["prefill"](plan, params, draft_params, inputs.prompts, inputs.lengths,
                                       inputs.request)
-    while int(state.num_generated[0]) < decoded and not bool(state.done[0]):
+    def behind(state):  # rows still generating that have not reached ``decoded`` tokens
+        done, generated = np.asarray(state.done[:batch]), np.asarray(state.num_generated[:batch])
+        return bool(np.any(~done & (generated < decoded))), bool(done.all())
+
+    while behind(state)[0]:
         state = engine._STAGES["round"](plan, params, draft_params, inputs.request, state)
-    if bool(state.done[0]):
-        raise ValueError(f"the row ended (EOS or max_new_tokens) before {decoded} tokens were "
-                         f"decoded: nothing left to time")
+    if behind(state)[1]:  # (finished rows still run in a batch's rounds: only all-done stops)
+        raise ValueError(f"every row ended (EOS or max_new_tokens) before {decoded} tokens "
+                         f"were decoded: nothing left to time")
     args = (params, draft_params, inputs.request, state)
     stages = ["round"] + (["propose"] if plan.proposer is not None else [])
     timers = {}

@@ -13,6 +13,15 @@ import pathlib
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The suite compiles hundreds of small programs and on a fresh clone (CI) compiling, not running,
+# takes most of its time. LLVM at -O0 compiles them about a quarter faster (measured on this
+# suite's files with an empty cache: 125 s -> 91 s, 105 s -> 89 s) and runs these tiny models
+# a little slower. Only the code generator's optimisation changes, not XLA's graph passes or
+# floating-point semantics, and every program a test compares is compiled the same way.
+# Benchmarks and users keep the default.
+_FLAG = "--xla_backend_optimization_level=0"
+if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 
 import jax  # noqa: E402
 import numpy as np

@@ -205,8 +205,167 @@ def test_bad_settings_are_refused_by_name(target, draft):
     for bad in (0, 1, 1.5, -0.1, "0.5", True):
         with pytest.raises(ValueError, match="survival_threshold must be in \\(0, 1\\)"):
             sj.SpecConfig(survival_threshold=bad)
-    with pytest.raises(ValueError, match="for chains of method draft_model; got method "
-                                         "'ngram'"):
+    with pytest.raises(ValueError, match="for chains of method draft_model, medusa, eagle; "
+                                         "got method 'ngram'"):
         sj.SpecConfig(method="ngram", survival_threshold=0.5)
     with pytest.raises(ValueError, match="got method 'draft_model' with a tree"):
         sj.SpecConfig(tree=((0,), (1,)), survival_threshold=0.5)
+
+
+# -- the batch's verify budget ------------------------------------------------------------------
+
+def budget_reference(predicted, active, threshold, budget):
+    """numpy: which positions the rule of adaptive.Budget proposes, from the calibrated
+    per-position predictions [B, G], the active rows [B], a threshold and a Budget."""
+    B, G = predicted.shape
+    survival = np.cumprod(predicted, axis=1)
+    valid = np.zeros((B, G), bool)
+    alive = active.copy()
+    expected = max(active.sum(), 1)
+    for k in range(1, G + 1):
+        alive = alive & (survival[:, k - 1] >= (threshold or 0))
+        gain = survival[alive, k - 1].sum()
+        if (expected + gain) * budget.cost(k - 1) <= expected * budget.cost(k):
+            break
+        expected += gain
+        valid[:, k - 1] = alive
+    return valid
+
+
+def control_valid(scores, greedy, active, threshold, budget, calibration=None):
+    control = adaptive.ChainControl(calibration, threshold, budget, greedy, active)
+    for k in range(scores.shape[1]):
+        control.step(scores[:, k])
+    return np.asarray(control.arrays()[0])
+
+
+def lookahead_valid(scores, greedy, active, threshold, budget, calibration=None):
+    """Broken on purpose: the width that maximises the round's expected tokens per cost over
+    every position, chosen after all the drafts are drawn, so whether draft k is verified
+    depends on the confidences after it, which depend on draft k itself."""
+    predicted = np.asarray((calibration or Calibration.identity()).predict(scores, greedy))
+    full = budget_reference(predicted, np.asarray(active), threshold,
+                            adaptive.Budget((1.0,) * (scores.shape[1] + 1)))  # every position
+    survival = np.cumprod(predicted, axis=1) * full
+    expected = np.asarray(active).sum() + np.concatenate([[0], np.cumsum(survival.sum(0))])
+    best = int(np.argmax([expected[k] / budget.cost(k) for k in range(scores.shape[1] + 1)]))
+    return full & (np.arange(scores.shape[1])[None, :] < best)
+
+
+@pytest.mark.parametrize("rule,causal", [(control_valid, True), (lookahead_valid, False)],
+                         ids=["ChainControl", "broken-lookahead"])
+def test_whether_draft_k_is_verified_never_depends_on_what_follows(rule, causal):
+    """Lossless needs the decision for position k to be made before draft k is drawn: from
+    the confidences at positions 1 .. k only. Changing the confidences after k must leave the
+    decisions up to k as they were; a rule that picks the width after seeing every position
+    breaks this (and so would bias which drafts reach the verifier)."""
+    rng = np.random.default_rng(0)
+    B, G = 6, 5
+    # a forward over two tokens costs much more than one, wider ones little more (as where
+    # widths are padded to a tile): one draft does not pay for itself, several together may
+    budget = adaptive.Budget.of([1.0, 1.8, 1.85, 1.9, 1.95, 2.0], 0.02)
+    greedy = jnp.asarray(rng.random(B) < 0.5)
+    active = jnp.asarray([True, True, True, True, False, True])
+    broke = 0
+    for _ in range(200):
+        scores = jnp.asarray(rng.uniform(0.3, 1.0, (B, G)), jnp.float32)
+        valid = rule(scores, greedy, active, 0.05, budget)
+        for k in range(G - 1):
+            later = scores.at[:, k + 1:].set(jnp.asarray(rng.uniform(0.3, 1.0, (B, G - k - 1)),
+                                                         jnp.float32))
+            same = np.array_equal(rule(later, greedy, active, 0.05, budget)[:, :k + 1],
+                                  valid[:, :k + 1])
+            broke += not same
+        if causal:
+            assert not valid[~np.asarray(active)].any()  # finished rows draft nothing
+            ref = budget_reference(np.asarray(Calibration.identity().predict(scores, greedy)),
+                                   np.asarray(active), 0.05, budget)
+            np.testing.assert_array_equal(valid, ref)
+    assert (broke == 0) if causal else (broke > 0), broke
+
+
+def test_the_proposer_follows_the_budget_rule_row_by_row(draft):
+    """One round on 64 rows at mixed temperatures: the verified positions are exactly those the
+    reference rule picks from the proposer's own predictions, and the width falls as verifying
+    gets dearer, down to none."""
+    B, G, P = 64, 4, 6
+    rng = np.random.default_rng(5)
+    prompts = jnp.asarray(rng.integers(0, 32, (B, 32)), jnp.int32)
+    lengths = jnp.full((B,), P, jnp.int32)
+    sampling = SamplingArrays(temperature=jnp.linspace(0.0, 1.5, B),
+                              top_k=jnp.zeros((B,), jnp.int32), top_p=jnp.ones((B,)))
+    active = jnp.asarray(rng.random(B) < 0.8)
+    d = DraftModel(draft, None, Calibration.of((1.0, 0.5), (1.0, 1.0)))
+    widths = []
+    for slope in (0.02, 0.3, 1.0, 3.0):
+        budget = adaptive.Budget.of([1 + slope * k for k in range(G + 1)], 0.05)
+        proposer = DraftModelProposer(draft.config, G, survival_threshold=0.1, budget=budget)
+        cache = proposer.init(d, prompts, lengths, 32)
+        out, _ = jax.jit(proposer.propose, static_argnums=6)(
+            d, cache, prompts, lengths, jax.random.split(jax.random.key(0), B), sampling,
+            Filters(greedy=False), active)
+        valid, predicted = np.asarray(out.valid), np.asarray(out.predicted)
+        np.testing.assert_array_equal(
+            valid, budget_reference(predicted, np.asarray(active), 0.1, budget))
+        widths.append(int(valid.sum(axis=1).max()))
+    assert widths[0] == G and widths[-1] == 0 and widths == sorted(widths, reverse=True), widths
+
+
+def test_budget_lengths_follow_the_target(models):
+    target, drafts = models
+    t, k, p = SETTINGS[1]
+    # cheap enough that rounds verify 1 or 2 of the 3 drafts, the width set by the batch
+    spec = sj.SpecConfig(num_speculative_tokens=3, verify_costs=(1.0, 1.2, 1.5, 2.2),
+                         draft_cost=0.05)
+    assert first_three_pvalue(target, drafts["close"], spec, t, k, p) > 1e-3
+
+
+@pytest.mark.parametrize("costs", [(1.0, 1.02, 1.05, 1.1, 1.2), (1.0, 1.4, 1.9, 2.5, 3.0),
+                                   (1.0, 3.0, 5.0, 7.0, 9.0)], ids=["cheap", "dear", "plain"])
+def test_budget_greedy_equals_autoregressive(target, draft, costs):
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    ref = sj.generate(target, PROMPTS, sampling=sampling)
+    spec = sj.SpecConfig(num_speculative_tokens=4, verify_costs=costs, draft_cost=0.05)
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=draft)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    lengths = out.stats.proposed_length_distribution
+    if costs[1] > 2:  # no draft pays for a forward three times a step: plain decoding
+        assert lengths[0] == 1 and out.stats.proposed_tokens == 0
+    else:
+        assert lengths[0] < 1 and out.stats.proposed_tokens > 0
+
+
+def test_the_stats_score_the_calibration_on_the_calls_own_drafts(target):
+    """Drafting with the target itself, greedy: every verified draft is accepted, so each
+    reliability bin's measured acceptance is 1 and the calibration error is 1 - the mean
+    prediction; the per-row mean lengths are those of the counters."""
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=30)
+    spec = sj.SpecConfig(num_speculative_tokens=4, survival_threshold=0.3)
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=target)
+    s = out.stats
+    assert s.reliability and all(acc == 1.0 for _, acc, _ in s.reliability), s.reliability
+    n = sum(c for _, _, c in s.reliability)
+    mean_pred = sum(p * c for p, _, c in s.reliability) / n
+    assert abs(s.calibration_error - (1 - mean_pred)) < 1e-5
+    assert n == s.accepted_tokens  # every draft verified was reached and accepted
+    assert s.mean_proposed_by_row.shape == (len(PROMPTS),)
+    assert abs(np.mean(s.mean_proposed_by_row) - s.proposed_tokens / (s.num_rounds * 4)) < 1.5
+    plain = sj.generate(target, PROMPTS, sampling=sampling, spec=dict(num_speculative_tokens=4),
+                        draft=target)
+    assert np.isnan(plain.stats.calibration_error) and plain.stats.reliability == ()
+    np.testing.assert_allclose(plain.stats.mean_proposed_by_row, 4.0)
+
+
+def test_bad_budgets_are_refused_by_name():
+    for bad in ((1.0, 2.0), (1.0, -1.0, 2.0, 3.0, 4.0), (1.0, float("nan"), 1, 1, 1), "1,2",
+                (1.0, True, 1.0, 1.0, 1.0)):
+        with pytest.raises(ValueError, match="verify_costs must be 5 \\(γ \\+ 1\\) finite"):
+            sj.SpecConfig(num_speculative_tokens=4, verify_costs=bad)
+    with pytest.raises(ValueError, match="draft_cost must be a finite number >= 0"):
+        sj.SpecConfig(num_speculative_tokens=1, verify_costs=(1, 2), draft_cost=-0.1)
+    with pytest.raises(ValueError, match="draft_cost=0.1 needs verify_costs"):
+        sj.SpecConfig(draft_cost=0.1)
+    with pytest.raises(ValueError, match="verify_costs .* got method 'ngram'"):
+        sj.SpecConfig(method="ngram", num_speculative_tokens=1, verify_costs=(1, 2))
+    spec = sj.SpecConfig.parse('{"num_speculative_tokens": 2, "verify_costs": [2, 3, 4]}')
+    assert spec.budget == adaptive.Budget((1.0, 1.5, 2.0), 0.0)

@@ -230,22 +230,40 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
 
 
 def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
-    """--survival-threshold adds adaptive chains beside the static ones; their c is per draft
-    proposed and the static-γ prediction is not given for them."""
+    """--survival-threshold adds adaptive chains beside the static ones (and --verify-budget the
+    same with the batch's verify budget, its costs measured at each --batch-size); their c is
+    per draft proposed and the static-γ prediction is not given for them; --plots writes PNGs."""
     import json
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
-                     str(model_folders / "d"), "--gammas", "3", "--survival-threshold", "0.5",
+                     str(model_folders / "d"), "--gammas", "3", "--survival-threshold", "0.1",
                      "--temperatures", "0", "--max-new-tokens", "10", "--repeats", "1",
                      "--verify-repeats", "1", "--num-prompts", "2", "--max-prompt-tokens", "40",
+                     "--batch-size", "1,2", "--verify-budget", "--plots", str(tmp_path / "png"),
                      "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["label"] for r in rows] == ["chain 3", "chain 3 adaptive 0.5"]
-    static, adaptive = rows
-    assert static["survival_threshold"] is None and adaptive["survival_threshold"] == 0.5
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["settings"]["batch_size"] for r in runs] == [1, 2]
+    for run in runs:
+        costs = run["settings"]["verify_budget"]["verify_costs"]
+        assert len(costs) == 4 and costs[0] == 1.0
+        assert run["rows"][-1]["verify_costs"] == costs
+        assert all(r["batch_size"] == run["settings"]["batch_size"] for r in run["rows"])
+        assert all(r["identical_to_autoregressive"] for r in run["rows"])
+        scored = run["rows"][1]  # the adaptive chain: its predictions against its verdicts
+        assert bool(scored["reliability"]) == (scored["proposed_tokens"] > 0)
+        assert sum(n for _, _, n in scored["reliability"]) <= scored["proposed_tokens"]
+        assert run["rows"][0]["reliability"] == [] and np.isnan(run["rows"][0][
+            "calibration_error"])
+    for name in ("speedup_vs_batch.png", "reliability.png"):
+        assert (tmp_path / "png" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = runs[0]["rows"]
+    assert [r["label"] for r in rows] == ["chain 3", "chain 3 adaptive 0.1",
+                                          "chain 3 adaptive 0.1 budget"]
+    static, adaptive = rows[:2]
+    assert static["survival_threshold"] is None and adaptive["survival_threshold"] == 0.1
     assert adaptive["mean_proposed"] == adaptive["proposed_tokens"] / adaptive["rounds"]
     assert adaptive["mean_proposed"] <= 3 and adaptive["identical_to_autoregressive"]
-    step = json.loads(out.read_text())["settings"]["target_step_ms"]
+    step = runs[0]["settings"]["target_step_ms"]
     assert adaptive["c"] == pytest.approx(adaptive["propose_ms"] / step
                                           / max(adaptive["mean_proposed"], 1e-9))
     assert np.isnan(adaptive["predicted_speedup"])

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
+from test_adaptive import scoring_the_drawn_token
 from test_lossless import (  # noqa: F401
+    PROMPT,
     exact_joint,
     g_test,
     generate_samples,
@@ -19,6 +21,7 @@ from test_lossless import (  # noqa: F401
 
 import specjax as sj
 from specjax import attention, engine, verify
+from specjax.draft import eagle
 from specjax.draft import heads as heads_lib
 from specjax.draft.eagle import EagleProposer
 from specjax.sampling import Filters, SamplingArrays
@@ -178,11 +181,15 @@ def test_generate_refuses_bad_drafters(target, draft, trained):
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
 GREEDY = [("medusa", dict(num_speculative_tokens=3)), ("medusa", dict(tree=TREE)),
           ("eagle", dict(num_speculative_tokens=1)), ("eagle", dict(num_speculative_tokens=3)),
-          ("eagle", dict(tree=TREE))]
+          ("eagle", dict(tree=TREE)),
+          ("medusa", dict(num_speculative_tokens=3, survival_threshold=0.1)),
+          ("eagle", dict(num_speculative_tokens=3, survival_threshold=0.1,
+                         verify_costs=(1.0, 1.05, 1.1, 1.2), draft_cost=0.05))]
 
 
 @pytest.mark.parametrize("method,spec", GREEDY, ids=["medusa-chain3", "medusa-tree",
-                                                     "eagle-chain1", "eagle-chain3", "eagle-tree"])
+                                                     "eagle-chain1", "eagle-chain3", "eagle-tree",
+                                                     "medusa-adaptive", "eagle-adaptive-budget"])
 def test_greedy_equals_autoregressive(target, trained, method, spec):
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
@@ -191,7 +198,7 @@ def test_greedy_equals_autoregressive(target, trained, method, spec):
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     # the trained heads are right often enough that multi-token rounds really happen
     assert out.stats.mean_accepted_length > 1.1, out.stats
-    if spec.get("num_speculative_tokens", 3) > 1:
+    if spec.get("num_speculative_tokens", 3) > 1 and "survival_threshold" not in spec:
         assert out.stats.per_position_acceptance[1] > 0.02, out.stats
 
 
@@ -312,6 +319,41 @@ def test_first_three_tokens_follow_the_target(tiny_drafters, monkeypatch, method
     samples = generate_samples(target, drafters[method], sampling,
                                sj.SpecConfig(method=method, **spec))
     assert g_test(samples, exact_joint(target, t, k, 1.0)) > 1e-3
+
+
+# per method, a threshold at which the V = 8 drafters' rows propose different numbers of drafts
+# in the same rounds (EAGLE: 1 or 2, Medusa: 0 or 2; identity calibration: they ship none)
+ADAPTIVE = {"eagle": 0.2, "medusa": 0.5}
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_adaptive_lengths_follow_the_target(tiny_drafters, method):
+    """Adaptive lengths for the heads: confidence from the head's own distribution, read
+    before the draw (EAGLE's sampled q; Medusa's softmax, whose argmax is its draft)."""
+    target, drafters = tiny_drafters
+    t, k = 0.8, 5
+    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
+    spec = sj.SpecConfig(method=method, num_speculative_tokens=3,
+                         survival_threshold=ADAPTIVE[method])
+    out = sj.generate(target, [PROMPT] * 512, sampling=sampling, spec=spec,
+                      draft=drafters[method])
+    lengths = out.stats.proposed_length_distribution
+    assert (lengths > 0.2).sum() >= 2 and lengths[3] < 0.8, lengths
+    samples = generate_samples(target, drafters[method], sampling, spec)
+    assert g_test(samples, exact_joint(target, t, k, 1.0)) > 1e-3
+
+
+def test_eagle_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_drafters,
+                                                                       monkeypatch,
+                                                                       fresh_programs):
+    target, drafters = tiny_drafters
+    monkeypatch.setattr(eagle, "draw_scored", scoring_the_drawn_token(eagle.draw_scored))
+    t, k = 0.8, 5
+    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
+    spec = sj.SpecConfig(method="eagle", num_speculative_tokens=3,
+                         survival_threshold=ADAPTIVE["eagle"])
+    samples = generate_samples(target, drafters["eagle"], sampling, spec)
+    assert g_test(samples, exact_joint(target, t, k, 1.0)) < 1e-6
 
 
 def reporting_uniform_q(propose):

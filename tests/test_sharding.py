@@ -13,8 +13,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-                JAX_PLATFORMS="cpu")
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()  # conftest's kept
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip())
 
 
 def test_sharded_suite_on_8_devices():

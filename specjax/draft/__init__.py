@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from . import dflash, draft_model, mtp, ngram, rider
+from . import heads as heads_lib
 from .base import Draft, Proposer, Rider, TreeProposer, draw, expand_tree, tree_candidates
 from .dflash import DFlashProposer
 from .draft_model import (
@@ -38,8 +39,10 @@ from .vocab import DraftVocab, frequent_tokens
 register("draft_model", draft_model.build, draft="model", tree=True,
          params=draft_model.program_params, adaptive=True)
 register("ngram", ngram.build)
-register("medusa", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
-register("eagle", rider.build, draft="heads", tree=True, params=lambda heads: heads.params)
+register("medusa", rider.build, draft="heads", tree=True, params=heads_lib.program_params,
+         adaptive=True)
+register("eagle", rider.build, draft="heads", tree=True, params=heads_lib.program_params,
+         adaptive=True)
 register("dflash", dflash.build, draft="heads", tree=True, params=lambda heads: heads.params)
 register("mtp", mtp.build, draft="heads", params=lambda heads: heads.params)
 

@@ -42,6 +42,10 @@ class Draft:
     # never read).
     probs: Array | None
     valid: Array | None = None  # [B, G] bool, a prefix per row: drafts really proposed; None = all
+    # [B, G] float32, adaptive chains only (specjax/adaptive.py): the calibrated chance that draft
+    # k is accepted given that the drafts before it were, predicted before it was drawn (scored
+    # against the verdicts in Stats.calibration_error)
+    predicted: Array | None = None
 
 
 @runtime_checkable

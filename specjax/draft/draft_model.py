@@ -27,7 +27,7 @@ import numpy as np
 from jax import Array
 
 from .. import sampling
-from ..adaptive import Calibration, keep, load_calibration
+from ..adaptive import Budget, Calibration, ChainControl, checked_calibration, load_calibration
 from ..cache import KVCache, compact, write_chunk
 from ..config import ModelConfig, SpecConfig
 from ..model import Model, forward, prefill_chunked
@@ -88,18 +88,8 @@ def program_params(draft) -> DraftModel:
     """What a compiled program takes for ``draft``: the DraftModel, with the identity
     calibration when it has none, so drafts with and without one share the program."""
     draft = as_draft_model(draft)
-    if draft.calibration is None:
-        return dataclasses.replace(draft, calibration=Calibration.identity())
-    c = draft.calibration
-    if not isinstance(c, Calibration):
-        raise ValueError(f"DraftModel.calibration must be a specjax.adaptive.Calibration, got "
-                         f"{type(c).__name__}")
-    a, b = np.asarray(c.a), np.asarray(c.b)
-    if a.shape != (2,) or b.shape != (2,) or not (np.all(np.isfinite(a)) and np.all(a > 0)
-                                                  and np.all(np.isfinite(b))):
-        raise ValueError(f"DraftModel.calibration must hold a [2] > 0 and b [2], finite "
-                         f"(Calibration.of checks this), got a={a.tolist()}, b={b.tolist()}")
-    return draft
+    return dataclasses.replace(draft, calibration=checked_calibration(draft.calibration,
+                                                                      "DraftModel.calibration"))
 
 
 def restrict_vocab(draft, vocab) -> DraftModel:
@@ -162,6 +152,12 @@ class DraftModelProposer:
     config: ModelConfig  # the draft model's config (same vocabulary as the target)
     gamma: int  # drafts per round
     survival_threshold: float | None = None
+    budget: Budget | None = None  # the batch's verify budget (adaptive.Budget)
+
+    @property
+    def adaptive(self) -> bool:
+        """Lengths chosen per row and round: the engine passes ``active`` (rows generating)."""
+        return self.survival_threshold is not None or self.budget is not None
 
     @property
     def draft_forwards_per_round(self) -> int:
@@ -175,13 +171,15 @@ class DraftModelProposer:
         return prefill_chunked(params.model, prompts, prompt_lengths, cache)[2]
 
     def propose(self, params: DraftModel, cache: KVCache, history: Array, length: Array,
-                keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters
-                ) -> tuple[Draft, KVCache]:
+                keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters,
+                active: Array | None = None) -> tuple[Draft, KVCache]:
+        """One round's chain; ``active`` [B] (adaptive lengths only): the rows still generating,
+        the only ones that draft and count toward the verify budget."""
         draft = params
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.gamma))(keys)  # [B, G]
-        if self.survival_threshold is not None:
+        if self.adaptive:
             return self._adaptive(draft, cache, history, length, step_keys, sampling_params,
-                                  filters)
+                                  filters, active)
         logits, cache = _catch_up(draft, cache, history, length)
         token, q = draw(logits[:, -1], step_keys[:, 0], sampling_params, filters, draft.vocab)
         # γ - 1 single-token forwards, unrolled (γ is static and small): a lax.scan here carries
@@ -196,15 +194,14 @@ class DraftModelProposer:
 
     def _adaptive(self, draft: DraftModel, cache: KVCache, history: Array, length: Array,
                   step_keys: Array, sampling_params: sampling.SamplingArrays,
-                  filters: sampling.Filters) -> tuple[Draft, KVCache]:
-        calibration = draft.calibration or Calibration.identity()
-        greedy_rows = sampling_params.temperature == 0
+                  filters: sampling.Filters, active: Array | None) -> tuple[Draft, KVCache]:
+        control = ChainControl(draft.calibration, self.survival_threshold, self.budget,
+                               sampling_params.temperature == 0, active)
         logits, cache = _catch_up(draft, cache, history, length)
         token, q, score = draw_scored(logits[:, -1], step_keys[:, 0], sampling_params, filters,
                                       draft.vocab)
-        survival = calibration.predict(score, greedy_rows)
-        alive = keep(survival, self.survival_threshold)
-        tokens, probs, valid = [token], [q], [alive]
+        control.step(score)
+        tokens, probs = [token], [q]
 
         def step(i, token, q, score, cache):
             logits, kv = draft.logits(token[:, None], (length + i)[:, None], cache, write=False)
@@ -217,16 +214,15 @@ class DraftModelProposer:
                 nothing = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
                 return (token, q, jnp.zeros_like(score)), nothing
 
-            (token, q, score), kv = jax.lax.cond(jnp.any(alive), step, skip, i, token, q, score,
-                                                 cache)
+            (token, q, score), kv = jax.lax.cond(control.drafting(), step, skip, i, token, q,
+                                                 score, cache)
             cache = write_chunk(cache, *kv)
-            survival = survival * calibration.predict(score, greedy_rows)
-            alive = alive & keep(survival, self.survival_threshold)
+            control.step(score)
             tokens.append(token)
             probs.append(q)
-            valid.append(alive)
-        return (stack_chain(tokens, probs, draft.vocab, self.config.vocab_size,
-                            jnp.stack(valid, axis=1)), cache)
+        valid, predicted = control.arrays()
+        chain = stack_chain(tokens, probs, draft.vocab, self.config.vocab_size, valid)
+        return dataclasses.replace(chain, predicted=predicted), cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +304,7 @@ def build(spec: SpecConfig, draft, target: ModelConfig):
             f"{target.vocab_size}: draft and target must share one vocabulary")
     if spec.tree is None:
         return DraftModelProposer(draft.config, spec.num_speculative_tokens,
-                                  spec.survival_threshold)
+                                  spec.survival_threshold, spec.budget)
     tree = Tree(spec.tree)
     if int(tree.children.shape[1]) > draft.vocab_size:
         raise ValueError(f"the tree gives a node {int(tree.children.shape[1])} children, "

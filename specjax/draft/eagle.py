@@ -32,7 +32,7 @@ from jax import Array
 from .. import sampling
 from ..cache import KVCache
 from ..model import PREFILL_CHUNK, over_chunks
-from .base import Draft, draw, expand_tree, stack_chain, tree_candidates
+from .base import Draft, draw, draw_scored, expand_tree, stack_chain, tree_candidates
 from .heads import eagle_forward, embed
 from .rider import Features, RiderProposer
 
@@ -89,13 +89,16 @@ class EagleProposer(RiderProposer):
         return out[jnp.arange(B), index], cache.rollback(length)
 
     def propose(self, params, state: EagleState, history: Array, length: Array, keys: Array,
-                sampling_params: sampling.SamplingArrays, filters: sampling.Filters
-                ) -> tuple[Draft, EagleState]:
+                sampling_params: sampling.SamplingArrays, filters: sampling.Filters,
+                active: Array | None = None) -> tuple[Draft, EagleState]:
         p, cfg = params["heads"], self.config
         g, cache = self._catch_up(params, state, history, length)
         if self.tree is not None:
             return self._tree(params, state, g, cache, length, keys, sampling_params, filters)
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.chain))(keys)  # [B, G]
+        if self.adaptive:
+            return self._adaptive(params, state, g, cache, length, step_keys, sampling_params,
+                                  filters, active)
         vocab = p["vocab"]
         # Processed and sampled over the M draft-vocabulary columns: the same distribution as
         # over all V with -inf outside (those tokens get probability zero under temperature,
@@ -113,6 +116,44 @@ class EagleProposer(RiderProposer):
             probs.append(q)
         return (stack_chain(tokens, probs, vocab, cfg.vocab_size),
                 EagleState(cache, state.features))
+
+    def _adaptive(self, params, state: EagleState, g: Array, cache: KVCache, length: Array,
+                  step_keys: Array, sampling_params: sampling.SamplingArrays,
+                  filters: sampling.Filters, active: Array | None
+                  ) -> tuple[Draft, EagleState]:
+        """The chain with adaptive lengths (specjax/adaptive.py): each draft's confidence read
+        from the head's distribution before the draw, and the head's steps skipped (a
+        ``lax.cond``) once no row drafts on; the skipped branch leaves the cache as it was (its
+        slots past every row's proposals are never read)."""
+        p, cfg = params["heads"], self.config
+        vocab = p["vocab"]
+        control = self.control(params, sampling_params, active)
+        token, q, score = draw_scored(vocab.logits(g), step_keys[:, 0], sampling_params, filters,
+                                      vocab)
+        control.step(score)
+        tokens, probs = [token], [q]
+
+        def step(i, g, token, q, score, cache):
+            out, cache = eagle_forward(
+                cfg, p["weights"], g[:, None], embed(params["target"], token)[:, None],
+                (length - 1 + i)[:, None], cache)
+            g = out[:, 0]
+            return (g, *draw_scored(vocab.logits(g), step_keys[:, i], sampling_params, filters,
+                                    vocab)), cache
+
+        def skip(i, g, token, q, score, cache):
+            return (g, token, q, jnp.zeros_like(score)), cache
+
+        for i in range(1, self.chain):
+            (g, token, q, score), cache = jax.lax.cond(control.drafting(), step, skip, i, g,
+                                                       token, q, score, cache)
+            control.step(score)
+            tokens.append(token)
+            probs.append(q)
+        valid, predicted = control.arrays()
+        chain = stack_chain(tokens, probs, vocab, cfg.vocab_size, valid)
+        return dataclasses.replace(chain, predicted=predicted), EagleState(cache,
+                                                                            state.features)
 
     def _tree(self, params, state: EagleState, g: Array, cache: KVCache, length: Array,
               keys: Array, sampling_params: sampling.SamplingArrays,

@@ -184,6 +184,15 @@ def _with_head(config: HeadsConfig, weights, vocab: np.ndarray, target: Model) -
     return Heads(config, {"weights": weights, "vocab": DraftVocab.of(target, vocab)})
 
 
+def program_params(heads: Heads) -> dict:
+    """What a compiled program takes for Medusa / EAGLE ``heads``: their params with a checked
+    calibration for adaptive lengths (``params["calibration"]``; the identity when they ship
+    none, so heads with and without one share the program)."""
+    from ..adaptive import checked_calibration
+    return {**heads.params, "calibration": checked_calibration(
+        heads.params.get("calibration"), "the heads' calibration")}
+
+
 def default_taps(num_layers: int, count: int = 3) -> tuple[int, ...]:
     """``count`` target layers spread evenly up to the last: (1, 3, 5) of 6."""
     n = min(count, num_layers)
@@ -344,4 +353,9 @@ def load_heads(path: str | os.PathLike, target: Model) -> Heads:
         weights = ckpt.restore(path / "weights", jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, record["dtype"]), abstract))
     weights = jax.tree.map(lambda x: jnp.asarray(x, dtype), weights)
-    return _with_head(shape.config, weights, vocab, target)
+    heads = _with_head(shape.config, weights, vocab, target)
+    from ..adaptive import load_calibration
+    calibration = load_calibration(path)  # adaptive lengths' calibration.json, if shipped
+    if calibration is not None:
+        heads = Heads(heads.config, {**heads.params, "calibration": calibration})
+    return heads

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax import Array
 
 from .. import sampling
@@ -38,15 +39,26 @@ class MedusaProposer(RiderProposer):
         return Features(hidden, start)
 
     def propose(self, params, state: Features, history: Array, length: Array, keys: Array,
-                sampling_params: sampling.SamplingArrays, filters: sampling.Filters
-                ) -> tuple[Draft, Features]:
+                sampling_params: sampling.SamplingArrays, filters: sampling.Filters,
+                active: Array | None = None) -> tuple[Draft, Features]:
         p = params["heads"]
         h = state.last(length)  # [B, E]
         heads = medusa_heads(p["weights"], h)[:, :self.depth]  # [B, d, E]
         vocab = p["vocab"]
         logits = vocab.logits(heads)  # [B, d, M]
         if self.tree is None:
-            return Draft(vocab.token_ids(sampling.argmax(logits)), None), state
+            tokens = vocab.token_ids(sampling.argmax(logits))
+            if not self.adaptive:
+                return Draft(tokens, None), state
+            # Adaptive lengths: head k's confidence is the largest probability of its softmax
+            # (its draft, a point mass, is that argmax), known from h alone; no draft steps to
+            # skip, the heads run in one projection.
+            control = self.control(params, sampling_params, active)
+            top = jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+            for k in range(self.depth):
+                control.step(top[:, k])
+            valid, predicted = control.arrays()
+            return Draft(tokens, None, valid, predicted), state
         tree = self.tree
         width = int(tree.children.shape[1])
         ranked = jax.lax.top_k(logits, width)[1]  # [B, d, width]

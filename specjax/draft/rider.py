@@ -4,12 +4,13 @@ static shape of their drafts (a chain of γ or a tree)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
+from ..adaptive import ChainControl
 from ..tree import Tree
 from .heads import HeadsConfig
 
@@ -47,8 +48,22 @@ class RiderProposer:
     config: HeadsConfig
     chain: int  # γ for a chain (ignored with a tree)
     tree: Tree | None = None
+    # adaptive lengths (specjax/adaptive.py), chains of the methods registered adaptive=True
+    survival_threshold: float | None = None
+    budget: Any = None  # adaptive.Budget: the batch's verify budget
 
     rides_on_target: ClassVar[bool] = True
+
+    @property
+    def adaptive(self) -> bool:
+        """Lengths chosen per row and round: the engine passes ``active`` (rows generating)."""
+        return self.survival_threshold is not None or self.budget is not None
+
+    def control(self, params, sampling_params, active) -> ChainControl:
+        """The chain's adaptive-length control, with the drafter's calibration (the identity
+        when it ships none)."""
+        return ChainControl(params["heads"].get("calibration"), self.survival_threshold,
+                            self.budget, sampling_params.temperature == 0, active)
 
     @property
     def gamma(self) -> int:
@@ -112,4 +127,5 @@ def build(spec, heads, target):
     from .medusa import MedusaProposer
     c = check_heads(spec.method, heads, target)
     cls = MedusaProposer if c.method == "medusa" else EagleProposer
-    return cls(c, spec.num_speculative_tokens, spec_tree(spec, c))
+    return cls(c, spec.num_speculative_tokens, spec_tree(spec, c), spec.survival_threshold,
+               spec.budget)
