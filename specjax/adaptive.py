@@ -155,19 +155,23 @@ class Budget:
     plain decode step), and ``draft_cost``, one draft step. Static: part of the program, like γ.
 
     The batch verifies as many draft positions as pay for themselves. Every row shares the
-    forward's width (the verify forward is [B, width]), so the budget is a width: the batch
-    verifies draft k only if the round's expected tokens per unit of cost rise with it,
+    forward's width (the verify forward is [B, width]), so the budget is a width. Before draft k
+    is drawn, each active row still drafting has a predicted survival s_k through draft k and a
+    predicted chance p_k for draft k itself; projecting p_k onto the drafts after it gives the
+    expected tokens of every width w >= k, E_w = E_{k-1} + sum over rows of s_k (1 + p_k + ...
+    + p_k^(w-k)), where E_{k-1} counts each row's own token and the drafts already kept. The
+    batch verifies draft k if some width w >= k has a higher expected rate than stopping:
 
-        (E_{k-1} + g_k) / (c·k + v_k)  >  E_{k-1} / (c·(k - 1) + v_{k-1}),
+        max over w >= k of  E_w / (c·w + v_w)  >  E_{k-1} / (c·(k - 1) + v_{k-1}),
 
-    where g_k is the sum over active rows still drafting of their predicted survival through
-    draft k and E_{k-1} = rows + g_1 + ... + g_{k-1} (each row's own token counts 1). The first
-    k that fails ends the batch's drafting: at small batch, where v_k stays near 1, every
-    confident draft is verified; at large batch, where each extra position costs a step's worth,
-    the width falls to 0 and the round is a plain decode step, without recompiling.
+    and the first k that fails ends the batch's drafting. At small batch, where v stays near 1,
+    every confident draft is verified; at large batch, where each extra position costs a step's
+    worth, the width falls to 0 and the round is a plain decode step, without recompiling. The
+    projection lets a first draft through where one draft alone does not pay for a wider forward
+    but several would (a cost table with a step, then flat).
 
-    g_k is known before draft k is drawn (survival through k uses q_k's confidence, not the
-    draft), so the decision for position k never depends on draft k or the target.
+    Everything the rule reads for position k is known before draft k is drawn (s_k and p_k use
+    q_k's confidence, not the draft), so the decision never depends on draft k or the target.
     """
 
     verify_costs: tuple[float, ...]
@@ -193,9 +197,22 @@ class Budget:
         """A round verifying k drafts: k draft steps and a (k + 1)-token forward."""
         return self.draft_cost * k + self.verify_costs[k]
 
-    def widen(self, expected: Array, gain: Array, k: int) -> Array:
-        """Whether verifying draft k (static k >= 1) raises the expected tokens per cost."""
-        return (expected + gain) * self.cost(k - 1) > expected * self.cost(k)
+    @property
+    def gamma(self) -> int:
+        return len(self.verify_costs) - 1
+
+    def widen(self, expected: Array, survival: Array, predicted: Array, alive: Array,
+              k: int) -> tuple[Array, Array]:
+        """Whether the batch verifies draft k (static k >= 1), and the expected tokens with it.
+        expected: E_{k-1}; survival, predicted, alive [B]: each row's s_k, p_k and whether it
+        still drafts (see the class docstring)."""
+        s = jnp.where(alive, survival, 0.0)
+        later = jnp.arange(self.gamma - k + 1, dtype=jnp.float32)  # drafts k .. γ
+        projected = jnp.sum(s[:, None] * predicted[:, None] ** later[None, :], axis=0)
+        tokens = expected + jnp.cumsum(projected)  # E_w, w = k .. γ
+        costs = jnp.asarray([self.cost(w) for w in range(k, self.gamma + 1)], jnp.float32)
+        go = jnp.max(tokens * self.cost(k - 1) - expected * costs) > 0
+        return go, expected + projected[0]
 
 
 class ChainControl:
@@ -213,6 +230,7 @@ class ChainControl:
         self.alive = self.active
         self.expected = jnp.maximum(jnp.sum(self.active, dtype=jnp.float32), 1.0)
         self.valid, self.predicted = [], []
+        self.forwards = jnp.ones((), jnp.int32)  # the first draft step always runs
 
     def step(self, score: Array) -> Array:
         """Rows [B] that propose the next draft, given its confidence [B]."""
@@ -221,17 +239,20 @@ class ChainControl:
         self.survival = self.survival * predicted
         alive = self.alive & keep(self.survival, self.threshold)
         if self.budget is not None:
-            gain = jnp.sum(jnp.where(alive, self.survival, 0.0))
-            alive = alive & self.budget.widen(self.expected, gain, k)
-            self.expected = self.expected + gain
+            go, self.expected = self.budget.widen(self.expected, self.survival, predicted, alive,
+                                                  k)
+            alive = alive & go
         self.alive = alive
         self.valid.append(alive)
         self.predicted.append(predicted)
         return alive
 
     def drafting(self) -> Array:
-        """Whether any row goes on ([] bool): the next draft step can be skipped otherwise."""
-        return jnp.any(self.alive)
+        """Whether any row goes on ([] bool): the next draft step is skipped otherwise (and
+        counted in ``forwards`` when it is not)."""
+        go = jnp.any(self.alive)
+        self.forwards = self.forwards + go.astype(jnp.int32)
+        return go
 
     def arrays(self) -> tuple[Array, Array]:
         """(valid [B, G] bool, predicted [B, G] float32)."""

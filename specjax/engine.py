@@ -361,7 +361,8 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
         done=state.done | hit_eos | (num_generated >= request.max_new_tokens),
         cache=cache.rollback(length), draft_state=draft_state,
         counters=state.counters.update(~state.done, verdict.num_accepted, num_proposed,
-                                       _emitted_near_ties(verdict, n_emit), draft.predicted),
+                                       _emitted_near_ties(verdict, n_emit), draft.predicted,
+                                       draft.forwards),
         step=state.step + 1)
 
 

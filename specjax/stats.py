@@ -34,6 +34,8 @@ class Counters:
     reliability: Array
     proposed_by_row: Array  # [B] int32: drafts each row proposed while active
     rounds_by_row: Array  # [B] int32: rounds each row was active in
+    forwards: Array  # [] int32: draft forwards run, where the proposer reports them (adaptive)
+    counted_forwards: Array  # [] bool: whether it did
 
     @classmethod
     def zeros(cls, gamma: int, batch: int = 1) -> Counters:
@@ -42,12 +44,14 @@ class Counters:
         return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32),
                    jnp.zeros((gamma + 1,), jnp.int32), z, jnp.zeros((gamma + 1,), jnp.int32),
                    z, jnp.zeros((BINS, 3), jnp.float32), jnp.zeros((batch,), jnp.int32),
-                   jnp.zeros((batch,), jnp.int32))
+                   jnp.zeros((batch,), jnp.int32), z, jnp.zeros((), bool))
 
     def update(self, active: Array, num_accepted: Array, num_proposed: Array,
-               near_ties: Array | int = 0, predicted: Array | None = None) -> Counters:
+               near_ties: Array | int = 0, predicted: Array | None = None,
+               forwards: Array | None = None) -> Counters:
         """active [B] bool, num_accepted [B] int32, num_proposed [B] int32; near_ties: the
-        round's emitted near-tie tokens, all rows; predicted [B, G]: Draft.predicted."""
+        round's emitted near-tie tokens, all rows; predicted [B, G]: Draft.predicted;
+        forwards []: Draft.forwards."""
         G = self.accepted_at.shape[0]
         n = jnp.where(active, num_accepted, 0)
         proposed = jnp.where(active, num_proposed, 0)
@@ -82,6 +86,8 @@ class Counters:
             reliability=reliability,
             proposed_by_row=self.proposed_by_row + proposed,
             rounds_by_row=self.rounds_by_row + active.astype(jnp.int32),
+            forwards=self.forwards + (0 if forwards is None else forwards),
+            counted_forwards=self.counted_forwards | (forwards is not None),
         )
 
 
@@ -97,7 +103,9 @@ class Stats:
     accepted_length_distribution: np.ndarray  # [G+1]: fraction of row-rounds accepting k drafts
     num_rounds: int  # decode loop iterations
     target_calls: int  # target forwards: prefill + one verify per round
-    draft_calls: int  # draft-model forwards: prefill + γ per round (0 without a draft model)
+    # draft forwards: prefill + γ per round (0 without a draft model); adaptive chains: those
+    # really run (steps skipped once no row drafts are not counted)
+    draft_calls: int
     proposed_tokens: int  # drafts proposed (rows may propose fewer than γ, e.g. no n-gram match)
     accepted_tokens: int
     proposal_rate: float  # fraction of row-rounds with at least one draft (ngram: found a match)
@@ -151,7 +159,8 @@ class Stats:
                                           if row_rounds else np.zeros(gamma + 1)),
             num_rounds=rounds,
             target_calls=1 + rounds,
-            draft_calls=(1 + draft_calls_per_round * rounds) if has_draft_model else 0,
+            draft_calls=(0 if not has_draft_model else 1 + int(c.forwards)
+                         if bool(c.counted_forwards) else 1 + draft_calls_per_round * rounds),
             proposed_tokens=proposed,
             accepted_tokens=int(c.accepted),
             proposal_rate=float(c.proposing) / row_rounds if row_rounds and gamma else float("nan"),

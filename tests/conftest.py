@@ -19,9 +19,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # a little slower. Only the code generator's optimisation changes, not XLA's graph passes or
 # floating-point semantics, and every program a test compares is compiled the same way.
 # Benchmarks and users keep the default.
-_FLAG = "--xla_backend_optimization_level=0"
-if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+# (A level the caller's XLA_FLAGS already set is kept.)
+os.environ["XLA_FLAGS"] = " ".join(
+    os.environ.get("XLA_FLAGS", "").split()
+    + ([] if "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
+       else ["--xla_backend_optimization_level=0"]))
 
 import jax  # noqa: E402
 import numpy as np

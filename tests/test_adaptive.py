@@ -160,6 +160,12 @@ def test_one_row_skips_the_draft_steps_it_does_not_need(target):
         np.testing.assert_array_equal(out.tokens, ref.tokens)
         assert out.stats.proposed_length_distribution[:3].sum() > 0.2, out.stats
         assert out.stats.mean_accepted_length > 1.5, out.stats
+        # the draft forwards counted are those run: the first of every round, and a later one
+        # only while the row still drafts (at least one per draft proposed, and fewer than γ a
+        # round when rounds stop early)
+        s = out.stats
+        assert 1 + s.proposed_tokens <= s.draft_calls
+        assert s.draft_calls < 1 + 4 * s.num_rounds, s
 
 
 # -- shapes and programs ------------------------------------------------------------------------
@@ -224,10 +230,13 @@ def budget_reference(predicted, active, threshold, budget):
     expected = max(active.sum(), 1)
     for k in range(1, G + 1):
         alive = alive & (survival[:, k - 1] >= (threshold or 0))
-        gain = survival[alive, k - 1].sum()
-        if (expected + gain) * budget.cost(k - 1) <= expected * budget.cost(k):
+        s, p = survival[alive, k - 1], predicted[alive, k - 1]
+        # every width w >= k, drafts after k projected at draft k's own predicted chance
+        rates = [(expected + sum((s * p ** j).sum() for j in range(w - k + 1))) / budget.cost(w)
+                 for w in range(k, G + 1)]
+        if max(rates) <= expected / budget.cost(k - 1):
             break
-        expected += gain
+        expected += s.sum()
         valid[:, k - 1] = alive
     return valid
 

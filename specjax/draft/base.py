@@ -46,6 +46,9 @@ class Draft:
     # k is accepted given that the drafts before it were, predicted before it was drawn (scored
     # against the verdicts in Stats.calibration_error)
     predicted: Array | None = None
+    # [] int32, adaptive chains only: the draft forwards this round really ran (steps skipped
+    # once no row drafts are not counted; Stats.draft_calls)
+    forwards: Array | None = None
 
 
 @runtime_checkable

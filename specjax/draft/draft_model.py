@@ -222,7 +222,7 @@ class DraftModelProposer:
             probs.append(q)
         valid, predicted = control.arrays()
         chain = stack_chain(tokens, probs, draft.vocab, self.config.vocab_size, valid)
-        return dataclasses.replace(chain, predicted=predicted), cache
+        return dataclasses.replace(chain, predicted=predicted, forwards=control.forwards), cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,8 +152,8 @@ class EagleProposer(RiderProposer):
             probs.append(q)
         valid, predicted = control.arrays()
         chain = stack_chain(tokens, probs, vocab, cfg.vocab_size, valid)
-        return dataclasses.replace(chain, predicted=predicted), EagleState(cache,
-                                                                            state.features)
+        return (dataclasses.replace(chain, predicted=predicted, forwards=control.forwards),
+                EagleState(cache, state.features))
 
     def _tree(self, params, state: EagleState, g: Array, cache: KVCache, length: Array,
               keys: Array, sampling_params: sampling.SamplingArrays,
