@@ -69,6 +69,7 @@ import numpy as np
 
 from . import adaptive, engine, theory
 from . import roofline as roofline_lib
+from . import stats as stats_lib
 from .config import SamplingParams, SpecConfig
 from .draft import registry
 from .draft.draft_model import as_draft_model
@@ -133,18 +134,14 @@ def _pooled(outs) -> dict:
     rejected = sum(o.stats.rejecting_rounds for o in outs)
     alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
     # the adaptive rows' predictions against their verdicts (Stats.reliability), bins pooled
-    bins = {}
+    # back into Stats' [BINS, 3] counters (a bin's mean prediction lies inside it)
+    bins = np.zeros((stats_lib.BINS, 3))
     for o in outs:
         for p, a, n in o.stats.reliability:
-            b = bins.setdefault(min(int(p * 10), 9), [0, 0.0, 0.0])
-            b[0] += n
-            b[1] += p * n
-            b[2] += a * n
-    total = sum(b[0] for b in bins.values())
-    calibration = dict(
-        calibration_error=sum(abs(b[1] - b[2]) for b in bins.values()) / total if total
-        else float("nan"),
-        reliability=[(b[1] / b[0], b[2] / b[0], b[0]) for _, b in sorted(bins.items())])
+            bins[min(int(p * stats_lib.BINS), stats_lib.BINS - 1)] += (n, p * n, a * n)
+    pooled = stats_lib.calibration_summary(bins)
+    calibration = dict(calibration_error=pooled.get("calibration_error", float("nan")),
+                       reliability=[list(b) for b in pooled.get("reliability", ())])
     return dict(acceptance_rate=accepted / proposed if proposed else float("nan"), alpha=alpha,
                 **calibration,
                 accepted_length_distribution=[float(x) for x in lengths / rounds],

@@ -177,11 +177,11 @@ class Stats:
             rejecting_rounds=int(c.rejecting),
             mean_proposed_by_row=(np.asarray(c.proposed_by_row, np.float64)[:batch]
                                   / np.maximum(np.asarray(c.rounds_by_row)[:batch], 1)),
-            **_calibration(np.asarray(c.reliability, np.float64)),
+            **calibration_summary(np.asarray(c.reliability, np.float64)),
         )
 
 
-def _calibration(bins: np.ndarray) -> dict:
+def calibration_summary(bins: np.ndarray) -> dict:
     """calibration_error and reliability from the [BINS, 3] counters (count, sum predicted, sum
     accepted)."""
     count = bins[:, 0]
