@@ -76,9 +76,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--alphas", default="0.6,0.8,0.9")
     ap.add_argument("--gammas", default="2,4,8")
+    ap.add_argument("--widths", default=",".join(map(str, roofline.WIDTHS)),
+                    help="verify widths of the roofline report (1 always included)")
     args = ap.parse_args()
     alphas = [float(a) for a in args.alphas.split(",")]
     gammas = [int(g) for g in args.gammas.split(",")]
+    widths = sorted({1, *(int(w) for w in args.widths.split(","))})
     t_start = time.perf_counter()
     devices = jax.devices()
     kind = devices[0].device_kind
@@ -94,7 +97,7 @@ def main() -> None:
                                         + args.new_tokens + max(gammas) + 1)
     context = args.prompt_tokens + args.new_tokens // 2
     batches = (1, 8)  # the speculative runs; the roofline also at 32
-    roof = roofline.report(target, batches=(1, 8, 32), widths=roofline.WIDTHS, context=context,
+    roof = roofline.report(target, batches=(1, 8, 32), widths=widths, context=context,
                            capacity=capacity, log=lambda m: print(m, file=sys.stderr))
     cell = {(c["batch"], c["width"]): c for c in roof["cells"]}
     # c per batch: the draft's step over the target's, timed interleaved at that batch
@@ -105,7 +108,7 @@ def main() -> None:
     step = cell[1, 1]["ms"] / 1e3
     weight_bytes = cell[1, 1]["weight_bytes"]
     bandwidth = roof["bandwidth_bytes_per_second"]
-    verify = {w: cell[1, w]["steps"] for w in roofline.WIDTHS}
+    verify = {w: cell[1, w]["steps"] for w in widths}
     c = c_by_batch[1]
 
     rows = []

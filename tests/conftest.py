@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import pathlib
 
+import fast_compile
+
 # One on-disk XLA compilation cache for every test process: the pytest-xdist workers, the
 # subprocesses the sharding tests start (they inherit the environment) and later runs. A program
 # compiled again (in another process, or after a test cleared the caches to patch traced code) is
@@ -13,17 +15,9 @@ import pathlib
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# The suite compiles hundreds of small programs and on a fresh clone (CI) compiling, not running,
-# takes most of its time. LLVM at -O0 compiles them about a quarter faster (measured on this
-# suite's files with an empty cache: 125 s -> 91 s, 105 s -> 89 s) and runs these tiny models
-# a little slower. Only the code generator's optimisation changes, not XLA's graph passes or
-# floating-point semantics, and every program a test compares is compiled the same way.
-# Benchmarks and users keep the default.
-# (A level the caller's XLA_FLAGS already set is kept.)
-os.environ["XLA_FLAGS"] = " ".join(
-    os.environ.get("XLA_FLAGS", "").split()
-    + ([] if "--xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
-       else ["--xla_backend_optimization_level=0"]))
+# The suite compiles hundreds of small programs: tests/fast_compile.py says how they compile
+# faster. Set before jax is imported.
+os.environ["XLA_FLAGS"] = fast_compile.xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 import numpy as np

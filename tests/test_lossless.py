@@ -148,9 +148,13 @@ def half_models(models):
             {"close": sj.checkpoint.cast(drafts["close"], "bfloat16")})
 
 
-@pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
-@pytest.mark.parametrize("gamma,which", [(None, None), (3, "close"), (2, "ngram")],
-                         ids=["autoregressive", "gamma3-close", "ngram"])
+# Both settings for the draft model; the autoregressive and n-gram programs at the one with
+# every filter on (their float32 twins run at both; each case here is 625 calls).
+@pytest.mark.parametrize("t,k,p,gamma,which", [
+    (*SETTINGS[0], 3, "close"), (*SETTINGS[1], 3, "close"), (*SETTINGS[1], None, None),
+    (*SETTINGS[1], 2, "ngram")],
+    ids=["T1-gamma3-close", "T0.7-topk5-topp0.9-gamma3-close", "T0.7-topk5-topp0.9-autoregressive",
+         "T0.7-topk5-topp0.9-ngram"])
 def test_bfloat16_models_follow_the_target(half_models, t, k, p, gamma, which):
     """bfloat16 models: the sample follows the bfloat16 target's own distribution (its logits
     from a full forward; a verify forward rounds a little differently, far below what the test
