@@ -24,7 +24,7 @@ from .bench import CHECKPOINTS, lookup_options, parted_at_near_tie
 from .checkpoint import DTYPES
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .draft import names as draft_methods
-from .engine import generate, warmup
+from .engine import generate, stream, warmup
 from .model import Model, init_model
 
 DTYPE_HELP = ("compute dtype; auto (the default, as in sj.load_model): float32 on CPU, the "
@@ -149,7 +149,15 @@ def _generate(args) -> int:
         compile_seconds[name] = done.compile_seconds
         print(f" done in {done.compile_seconds:.1f} s (cache capacity {done.capacity} tokens)",
               file=sys.stderr, flush=True)
-    first = {name: call() for name, call in calls.items()}
+    shown_name = runs[0][0]
+    first = {}
+    if not args.no_stream:  # the shown run's text as it is written, then the others
+        print(args.prompt, end="", flush=True)
+        for chunk in stream(target, [args.prompt], **calls[shown_name].keywords):
+            print(chunk.text[0], end="", flush=True)
+        print("\n")
+        first[shown_name] = chunk.generation
+    first.update({name: call() for name, call in calls.items() if name not in first})
     first = {name: dataclasses.replace(out, stats=dataclasses.replace(
         out.stats, compile_seconds=compile_seconds[name])) for name, out in first.items()}
     results = first
@@ -166,12 +174,15 @@ def _generate(args) -> int:
             median = sorted(outs, key=lambda o: o.stats.decode_seconds)[len(outs) // 2]
             results[name] = dataclasses.replace(median, stats=dataclasses.replace(
                 median.stats, compile_seconds=first[name].stats.compile_seconds))
-    shown = results[runs[0][0]]
-    print(args.prompt + shown.text[0])
-    print()
+    if args.no_stream:
+        print(args.prompt + results[shown_name].text[0])
+        print()
     for name, out in results.items():
         st = out.stats
-        line = (f"[{name}] {out.lengths[0]} tokens, {st.decode_tokens_per_second:.1f} tokens/s, "
+        streamed = " (streamed: a host sync a round)" if (
+            name == shown_name and not args.no_stream and not args.compare) else ""
+        line = (f"[{name}] {out.lengths[0]} tokens, {st.decode_tokens_per_second:.1f} "
+                f"tokens/s{streamed}, "
                 f"TTFT {st.prefill_seconds * 1e3:.1f} ms, compile {st.compile_seconds:.1f} s")
         if out.stats.proposed_tokens:
             line += (f", acceptance rate {st.acceptance_rate:.3f}, mean accepted length "
@@ -239,6 +250,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     g.add_argument("--compare", action="store_true",
                    help="also run plain autoregressive decoding and print the speed-up")
+    g.add_argument("--no-stream", action="store_true",
+                   help="print the completion when it is done instead of as it is written")
 
 
 def _numbers(kind, allow_empty: bool = False):

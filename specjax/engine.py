@@ -27,8 +27,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import logging
 import numbers
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -386,10 +388,22 @@ def _with_blocks(stage):
     return traced
 
 
+def decode_until(plan: Plan, target_params, draft_params, request: Request, state: LoopState,
+                 until: Array) -> LoopState:
+    """Rounds until every row is done or ``until`` ([] int32) rounds have run in all
+    (``state.step``): a segment of the decode loop, for streaming. ``until`` is data, so every
+    segment length runs the same executable."""
+    body = lambda s: round_step(plan, target_params, draft_params, request, s)  # noqa: E731
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < until), body, state)
+    # what the host reads, apart from the state (which the next segment takes over)
+    return state, (state.done, state.num_generated, state.history)
+
+
 _STAGES = {
     "prefill": jax.jit(_with_blocks(prefill_state), static_argnums=0),
     "round": jax.jit(_with_blocks(round_step), static_argnums=0),
     "decode": jax.jit(_with_blocks(decode), static_argnums=0, donate_argnums=4),
+    "segment": jax.jit(_with_blocks(decode_until), static_argnums=0, donate_argnums=4),
 }
 
 
@@ -400,9 +414,15 @@ class Timing:
     compile_seconds: float  # compiling in this call (0 when the executables were cached)
 
 
+STREAM_SECONDS = 0.02
+"""``stream``'s default chunk: as many rounds as take about this long (each segment of the loop
+costs a dispatch and a read of the host, about 1 ms on a 2-core CPU)."""
+
+
 class Program:
-    """One plan's compiled stages ("prefill", "round", "decode"), compiled ahead of time once per
-    argument signature (shapes, dtypes, shardings), so timings never include compilation."""
+    """One plan's compiled stages ("prefill", "round", "decode", "segment"), compiled ahead of
+    time once per argument signature (shapes, dtypes, shardings), so timings never include
+    compilation."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -471,6 +491,43 @@ class Program:
         state = jax.block_until_ready(state)
         decode_seconds = time.perf_counter() - t0 - decode_compile
         return state, Timing(prefill_seconds, decode_seconds, prefill_compile + decode_compile)
+
+    def segments(self, target_params, draft_params, inputs: Inputs, rounds: int):
+        """Prefill, then the decode loop ``rounds`` rounds at a time: yields (Timing so far, and
+        on the host: done [B_pad], num_generated [B_pad], history [B_pad, S], then the final
+        state last) after the prefill and after each segment, until every row is done. The
+        next segment is started before a segment's results are read, so the device never
+        waits for the host. The rounds are those of ``run`` (same keys, same order), so the
+        final state is ``run``'s."""
+        t0 = time.perf_counter()
+        state, compile_seconds = self.call("prefill", target_params, draft_params,
+                                           inputs.prompts, inputs.lengths, inputs.request)
+        view = _fetch((state.done, state.num_generated, state.history))
+        prefill_seconds = time.perf_counter() - t0 - compile_seconds
+        decode_seconds, exe, until, step = 0.0, None, 0, 1
+        t0 = time.perf_counter()
+        while True:
+            timing = Timing(prefill_seconds, decode_seconds, compile_seconds)
+            if view[0].all():
+                yield timing, view, state
+                return
+            # rounds the next segment runs: given, or as many as take about STREAM_SECONDS,
+            # from the rounds so far (state.step: a segment that leaves rows running ran all)
+            if rounds is not None:
+                step = rounds
+            elif until:
+                step = int(np.clip(STREAM_SECONDS * until / max(decode_seconds, 1e-6), 1, 64))
+            until += step
+            args = (target_params, draft_params, inputs.request, state,
+                    jnp.asarray(until, jnp.int32))
+            if exe is None:  # the same signature every segment: looked up once
+                exe, spent = self.executable("segment", *args)
+                compile_seconds += spent
+                t0 += spent
+            state, ahead = exe(*args)  # runs while the host reads and hands out the last view
+            yield timing, view, None
+            view = _fetch(ahead)
+            decode_seconds = time.perf_counter() - t0
 
 
 class ProgramCache:
@@ -777,8 +834,13 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
     return Inputs(put(prompts), put(lengths), request)
 
 
-def _fetch(x) -> np.ndarray:
-    """A (possibly multi-process) array -> numpy on this host, whole."""
+def _fetch(x):
+    """A (possibly multi-process) array, or a tuple of them -> numpy on this host, whole (a
+    tuple in one transfer)."""
+    if isinstance(x, tuple):
+        if all(getattr(a, "is_fully_addressable", True) for a in x):
+            return tuple(np.asarray(a) for a in jax.device_get(x))
+        return tuple(_fetch(a) for a in x)
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
@@ -878,14 +940,108 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         target, prompts, sampling, spec, draft, proposer, key, tokenizer, return_text, mesh,
         max_cache_len, allow_synthetic)
     state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
+    return _result(plan, state, rows, sampling, timing, spec, tokenizer if return_text else None)
+
+
+_GENERATE_OPTIONS = {name: p.default for name, p in inspect.signature(generate).parameters.items()
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _result(plan: Plan, state: LoopState, rows, sampling: SamplingParams, timing: Timing, spec,
+            tokenizer) -> Generation:
+    """The finished state as the caller's Generation (text when a tokenizer is given)."""
     out = collect(plan, state, rows, sampling.max_new_tokens, timing)
     if plan.synthetic:  # said wherever the result goes
         out = dataclasses.replace(out, stats=dataclasses.replace(
             out.stats, synthetic_acceptance=SpecConfig.parse(spec).synthetic_acceptance))
-    if return_text:
+    if tokenizer is not None:
         text = [tokenizer.decode(out.tokens[b, :out.lengths[b]]) for b in range(len(rows))]
         out = dataclasses.replace(out, text=text)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+    """What ``stream`` yields after the prefill and after each segment of rounds."""
+
+    tokens: list[np.ndarray]  # per row: the tokens it generated since the last chunk (int32)
+    finished: np.ndarray  # [B] bool: rows that have generated their last token
+    text: list[str] | None = None  # per row: the new text, when a tokenizer is given
+    # the whole call's Generation (tokens, lengths, stats, text), on the last chunk only
+    generation: Generation | None = None
+
+
+class _TextDelta:
+    """Per row, the text of its tokens so far minus what was already given out. A decode that
+    ends in U+FFFD (a character whose bytes are not all there yet) is held back until the rest
+    arrive; a finished row's last chunk gives everything. (A byte-level BPE decode of more
+    tokens only extends the text; for a tokenizer where it could change earlier characters, the
+    new text is taken from where the two first differ, and ``Generation.text`` is the
+    reference.)"""
+
+    def __init__(self, tokenizer, rows: int):
+        self.tokenizer, self.sent = tokenizer, [""] * rows
+
+    def __call__(self, b: int, tokens: np.ndarray, final: bool) -> str:
+        text = self.tokenizer.decode(tokens)
+        ready = text if final else text.rstrip("\ufffd")
+        common = len(os.path.commonprefix([ready, self.sent[b]]))
+        if len(ready) <= common:
+            return ""
+        self.sent[b] = ready
+        return ready[common:]
+
+
+def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwargs):
+    """``generate``, yielding each row's new tokens as rounds finish: a ``StreamChunk`` after the
+    prefill (each row's first token) and after every ``rounds_per_chunk`` rounds (None: as many
+    as take about ``STREAM_SECONDS``, 20 ms), the last one carrying the whole ``Generation``.
+    Same arguments as ``generate`` (``return_text`` is implied by ``tokenizer=``). The compiled
+    loop runs in segments, one executable for every segment length, so nothing recompiles
+    between chunks, and the next segment runs while a chunk is handed out; the rounds are
+    generate's own, so the final tokens and stats equal ``generate``'s with the same key.
+    Each segment costs a dispatch and a read of the host (about 1 ms on a 2-core CPU): one round
+    a chunk suits large models, where a round takes far longer.
+
+        for chunk in sj.stream(target, ["def f("], tokenizer=tok, spec=spec, draft=draft):
+            print(chunk.text[0], end="", flush=True)
+    """
+    if rounds_per_chunk is not None and (
+            isinstance(rounds_per_chunk, bool)
+            or not isinstance(rounds_per_chunk, numbers.Integral) or rounds_per_chunk < 1):
+        raise ValueError(f"rounds_per_chunk must be an int >= 1 or None, got "
+                         f"{rounds_per_chunk!r}")
+    unknown = set(kwargs) - set(_GENERATE_OPTIONS)
+    if unknown:
+        raise TypeError(f"stream() got unexpected keyword arguments {sorted(unknown)}; it takes "
+                        f"generate's: {', '.join(_GENERATE_OPTIONS)}")
+    options = {**_GENERATE_OPTIONS, **kwargs}
+    tokenizer = options["tokenizer"]
+    rows, sampling, plan, target, draft_params, inputs = _prepare(
+        target, prompts, options["sampling"], options["spec"], options["draft"],
+        options["proposer"], options["key"], tokenizer, bool(options["return_text"]),
+        options["mesh"], options["max_cache_len"], options["allow_synthetic"])
+    return _stream(plan, target, draft_params, inputs, rows, sampling, options["spec"],
+                   tokenizer, rounds_per_chunk)
+
+
+def _stream(plan, target, draft_params, inputs, rows, sampling, spec, tokenizer, rounds):
+    B = len(rows)
+    given = np.zeros(B, np.int64)  # tokens given out per row
+    delta = None if tokenizer is None else _TextDelta(tokenizer, B)
+    segments = PROGRAMS.get(plan).segments(target.params, draft_params, inputs, rounds)
+    for timing, (done, generated, history), state in segments:
+        done, generated = done[:B], generated[:B]
+        new, text = [], [] if delta is not None else None
+        for b, r in enumerate(rows):
+            n = int(generated[b])
+            new.append(np.asarray(history[b, len(r) + given[b]:len(r) + n], np.int32))
+            if delta is not None:
+                text.append(delta(b, history[b, len(r):len(r) + n], bool(done[b])))
+        given = generated.astype(np.int64)
+        generation = None if state is None else _result(plan, state, rows, sampling, timing,
+                                                        spec, tokenizer)
+        yield StreamChunk(tokens=new, finished=done.copy(), text=text, generation=generation)
 
 
 @dataclasses.dataclass(frozen=True)

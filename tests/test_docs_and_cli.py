@@ -90,6 +90,10 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     assert "output identical: True" in printed and "acceptance rate" in printed
     assert "(median of 3 interleaved passes each)" in printed
     spec_text = printed.split("\n\n")[0]
+    assert spec_text.startswith("def f(x):") and len(spec_text) > len("def f(x):")
+    # streamed as it is written (the default) or printed at the end: the same text
+    assert cli.main(base + ["--no-stream"]) == 0
+    assert capsys.readouterr().out.split("\n\n")[0] == spec_text
     assert cli.main(base + ["--method", "none"]) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
     assert cli.main(base + ["--speculative-config", '{"method": "ngram", '

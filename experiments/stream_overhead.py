@@ -1,0 +1,50 @@
+"""What streaming costs: ``sj.stream`` (a host sync and a history read after every segment of
+rounds) against ``sj.generate`` (one compiled loop), on the bundled pair with the Python API's
+defaults, greedy, batch 1, interleaved repeats; medians and the ratio printed.
+
+    .venv/bin/python experiments/stream_overhead.py [--new-tokens 128] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import specjax as sj
+from specjax.bench import CHECKPOINTS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--prompt", default="import os\n\n\ndef read_config(path):\n")
+    args = ap.parse_args()
+    target = sj.load_model(CHECKPOINTS / "code-target")
+    draft = sj.load_draft_model(CHECKPOINTS / "code-draft")
+    tok = sj.load_tokenizer(CHECKPOINTS / "code-target")
+    kw = dict(sampling=sj.SamplingParams(temperature=0, max_new_tokens=args.new_tokens),
+              spec=sj.SpecConfig(num_speculative_tokens=4), draft=draft, tokenizer=tok)
+    runs = {"generate": lambda: sj.generate(target, [args.prompt], return_text=True, **kw)}
+    for rounds in (None, 1, 4):
+        runs[f"stream, {rounds or '~20 ms of'} round(s) a chunk"] = (
+            lambda r=rounds: list(sj.stream(target, [args.prompt], rounds_per_chunk=r, **kw)))
+    for run in runs.values():
+        run()  # compile
+    seconds = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            seconds[name].append(time.perf_counter() - t0)
+    base = statistics.median(seconds["generate"])
+    print(f"{args.new_tokens} new tokens, greedy, batch 1, median of {args.repeats} interleaved "
+          f"calls (prefill and text included)")
+    for name, values in seconds.items():
+        m = statistics.median(values)
+        print(f"{name:34} {1e3 * m:8.1f} ms   x{m / base:.3f} of generate")
+
+
+if __name__ == "__main__":
+    main()
