@@ -32,7 +32,7 @@ from .draft import (
 )
 
 # Generation
-from .engine import Generation, StreamChunk, Warmup, generate, stream, warmup
+from .engine import Generation, Logprobs, StreamChunk, Warmup, generate, stream, warmup
 
 # Models and caches
 from .model import Model, forward, init_model, logits, prefill
@@ -48,7 +48,7 @@ __all__ = [
     "Model", "init_model", "logits", "forward", "prefill", "KVCache",
     "DraftModel", "DraftVocab", "load_draft_model",
     "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
-    "generate", "Generation", "stream", "StreamChunk", "warmup", "Warmup", "Stats",
+    "generate", "Generation", "Logprobs", "stream", "StreamChunk", "warmup", "Warmup", "Stats",
     "make_mesh", "shard",
     "sampling", "verify", "theory", "draft", "shapes", "roofline",
 ]

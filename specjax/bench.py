@@ -106,8 +106,15 @@ class _Runs:
     ttft: list = dataclasses.field(default_factory=list)
     tpot: list = dataclasses.field(default_factory=list)
     round_seconds: list = dataclasses.field(default_factory=list)  # decode seconds per round
+    # per generate call, every prompt group of every repeat: TTFT and TPOT (decode seconds per
+    # token after the first, for the call's mean row), for percentiles
+    call_ttft: list = dataclasses.field(default_factory=list)
+    call_tpot: list = dataclasses.field(default_factory=list)
 
     def add(self, outs) -> None:
+        for o in outs:
+            self.call_ttft.append(o.stats.prefill_seconds)
+            self.call_tpot.append(o.stats.decode_seconds / max(float(np.mean(o.lengths - 1)), 1))
         decode_tokens = sum(int(o.lengths.sum()) - len(o.lengths) for o in outs)
         decode_seconds = sum(o.stats.decode_seconds for o in outs)
         self.outputs = outs
@@ -118,6 +125,14 @@ class _Runs:
 
     def median(self, name: str) -> float:
         return statistics.median(getattr(self, name))
+
+    def latency(self) -> dict:
+        """TTFT and TPOT in ms at the 50th, 95th and 99th percentiles over every call."""
+        return {name: {f"p{q}": float(1e3 * np.percentile(values, q)) for q in PERCENTILES}
+                for name, values in (("ttft_ms", self.call_ttft), ("tpot_ms", self.call_tpot))}
+
+
+PERCENTILES = (50, 95, 99)
 
 
 def _pooled(outs) -> dict:
@@ -335,6 +350,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                                           ar.tokens_per_second)],
                 ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
+                latency={"ar": ar.latency(), "spec": sp.latency()},
                 **_pooled(sp.outputs))
             row["spec_round_ms"] = 1e3 * sp.median("round_seconds")  # in the generate loop
             if temperature == 0 and spec.synthetic_acceptance is None:
@@ -459,6 +475,19 @@ def format_table(result: dict) -> str:
         if r.get("synthetic_acceptance") is not None:
             line += "  NOT LOSSLESS, benchmark only"
         lines.append(line)
+    if all("latency" in r for r in result["rows"]) and result["rows"]:
+        lines.append("\nlatency over every call (prompt groups x repeats), ms, "
+                     "p50/p95/p99:")
+        fmt = lambda d: "/".join(f"{d[f'p{q}']:.2f}" for q in PERCENTILES)  # noqa: E731
+        shown = None
+        for r in result["rows"]:
+            named = [(r["method"] + " " + r["label"], r["latency"]["spec"])]
+            if r["temperature"] != shown:  # each temperature's autoregressive baseline first
+                named.insert(0, ("autoregressive", r["latency"]["ar"]))
+                shown = r["temperature"]
+            for name, lat in named:
+                lines.append(f"  {name:<{width + 12}} T={r['temperature']:<4g} TTFT "
+                             f"{fmt(lat['ttft_ms']):<22} TPOT {fmt(lat['tpot_ms'])}")
     roof = result.get("roofline")
     if roof:
         lines.append(f"\nroofline: {roof['weight_bytes'] / 2**20:.1f} MiB of target weights read "

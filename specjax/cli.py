@@ -109,6 +109,12 @@ def _demo(args) -> int:
 
 
 
+def _unescape(text: str) -> str:
+    """A command-line string with Python escapes (\\n, \\t, \\u00e9) read; other characters
+    kept as typed."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
 def _generate(args) -> int:
     from .checkpoint import load_model
     from .tokenizer import load_tokenizer
@@ -122,7 +128,8 @@ def _generate(args) -> int:
         spec = SpecConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                           **lookup_options(args))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              max_new_tokens=args.max_new_tokens)
+                              max_new_tokens=args.max_new_tokens,
+                              stop=[_unescape(x) for x in args.stop] if args.stop else None)
     _bundled(args.target)
     target = load_model(args.target, dtype=args.dtype)
     tok = load_tokenizer(args.target)
@@ -250,6 +257,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     g.add_argument("--compare", action="store_true",
                    help="also run plain autoregressive decoding and print the speed-up")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="end the completion before this text (repeat for several; Python "
+                        "escapes such as \\n are read)")
     g.add_argument("--no-stream", action="store_true",
                    help="print the completion when it is done instead of as it is written")
 
@@ -382,6 +392,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TRAIN_HELP = """usage: specjax train {pair,heads,calibrate} ...
+
+  specjax train pair {data,target,draft,export} --workdir DIR
+      build the bundled target/draft pair (resumable); `specjax train pair --help`
+  specjax train heads {medusa,eagle,dflash,mtp} --workdir DIR
+      train drafting heads on a target; `specjax train heads --help`
+  specjax train calibrate --draft DIR --data DIR
+      fit a draft model's confidence calibration; `specjax train calibrate --help`"""
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -394,11 +414,13 @@ def main(argv=None) -> int:
     if argv[:2] == ["train", "pair"]:
         from .train.pair import main as pair_main
         return pair_main(argv[2:])
+    if argv[:1] == ["train"]:
+        if argv[1:2] in (["-h"], ["--help"]):
+            print(TRAIN_HELP)
+            return 0
+        parser.error("specjax train needs one of pair, heads, calibrate (got "
+                     + (repr(argv[1]) if argv[1:] else "none") + ")\n" + TRAIN_HELP)
     args = parser.parse_args(argv)
-    if args.command == "train":
-        parser.error("usage: specjax train pair {data,target,draft,export} --workdir DIR, or "
-                     "specjax train heads {medusa,eagle,dflash,mtp} --workdir DIR, or "
-                     "specjax train calibrate")
     if args.command == "generate":
         try:
             return _generate(args)

@@ -137,6 +137,14 @@ class ModelConfig:
 MAX_EOS_IDS = 8
 """EOS ids live in a fixed-size array, so changing them never recompiles."""
 
+MAX_LOGPROBS = 20
+"""The most alternatives ``SamplingParams.logprobs`` returns per token (vLLM's default too)."""
+
+MAX_STOP_SEQUENCES = 8
+MAX_STOP_LENGTH = 8
+"""Stop token sequences live in a fixed [MAX_STOP_SEQUENCES, MAX_STOP_LENGTH] array, matched on
+the device inside the loop, so changing them never recompiles."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -151,9 +159,23 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = off
     max_new_tokens: int = 64  # tokens generated per row, EOS included
     eos_token_id: int | tuple[int, ...] | None = None  # a row stops after emitting any of these
+    # token sequences that end a row once it has generated one (kept in the output, like EOS):
+    # ids (one-token sequences, as vLLM's stop_token_ids) or lists of ids, matched on the device
+    stop_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # strings that end a row once its text contains one (needs tokenizer=); the text is cut
+    # before the string unless include_stop_str_in_output, the tokens after the one completing it
+    stop: tuple[str, ...] | None = None
+    include_stop_str_in_output: bool = False
+    # return, for every emitted token, the target's log-probability of it and its `logprobs`
+    # most likely alternatives (0: the token's alone; None: nothing), from the raw model
+    # distribution ("raw", as vLLM's default logprobs_mode) or the processed one ("processed":
+    # after temperature, top-k and top-p, what the token was drawn from)
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self):
-        _require_real(self, "temperature", self.temperature, lambda x: x >= 0, "a number >= 0")
+        _require_real(self, "temperature", self.temperature,
+                      lambda x: x >= 0 and math.isfinite(x), "a finite number >= 0")
         _require_int(self, "top_k", self.top_k, 0)
         _require_real(self, "top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
         _require_int(self, "max_new_tokens", self.max_new_tokens, 1)
@@ -170,6 +192,29 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.eos_token_id has {len(ids)} ids; at most "
                                  f"{MAX_EOS_IDS} are supported")
             object.__setattr__(self, "eos_token_id", tuple(int(i) for i in ids) or None)
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", _stop_sequences(self.stop_token_ids))
+        if self.stop is not None:
+            stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+            try:
+                stop = tuple(stop)
+            except TypeError:
+                stop = None
+            if stop is None or not all(isinstance(x, str) and x for x in stop):
+                raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of "
+                                 f"them, got {self.stop!r}")
+            object.__setattr__(self, "stop", stop or None)
+        if self.logprobs is not None:
+            _require_int(self, "logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.logprobs must be an int in [0, "
+                                 f"{MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"SamplingParams.logprobs_mode must be 'raw' or 'processed', got "
+                             f"{self.logprobs_mode!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"SamplingParams.include_stop_str_in_output must be a bool, got "
+                             f"{self.include_stop_str_in_output!r}")
 
     @property
     def greedy(self) -> bool:
@@ -178,6 +223,26 @@ class SamplingParams:
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return self.eos_token_id or ()
+
+
+def _stop_sequences(value) -> tuple[tuple[int, ...], ...] | None:
+    """stop_token_ids checked: ids or lists of ids -> a tuple of non-empty id tuples."""
+    bad = ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (each a "
+                     f"one-token stop sequence) or of lists of them, at most "
+                     f"{MAX_STOP_SEQUENCES} sequences of 1 to {MAX_STOP_LENGTH} ids >= 0, got "
+                     f"{value!r}")
+    if _is_int(value) or isinstance(value, (str, bytes)):
+        raise bad
+    try:
+        items = list(value)
+        sequences = tuple((int(x),) if _is_int(x) else tuple(x) for x in items)
+    except TypeError:
+        raise bad from None
+    if len(sequences) > MAX_STOP_SEQUENCES or not all(
+            1 <= len(s) <= MAX_STOP_LENGTH and all(_is_int(i) and i >= 0 for i in s)
+            for s in sequences):
+        raise bad
+    return tuple(tuple(int(i) for i in s) for s in sequences) or None
 
 
 def _method(name: str):

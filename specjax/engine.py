@@ -45,7 +45,14 @@ from . import attention, sharding, verify
 from . import cache as kv
 from . import sampling as sampling_lib
 from .cache import KVCache
-from .config import MAX_EOS_IDS, ModelConfig, SamplingParams, SpecConfig
+from .config import (
+    MAX_EOS_IDS,
+    MAX_STOP_LENGTH,
+    MAX_STOP_SEQUENCES,
+    ModelConfig,
+    SamplingParams,
+    SpecConfig,
+)
 from .draft import base as draft_base
 from .draft import registry
 from .model import PREFILL_CHUNK, Model, forward, prefill_chunked
@@ -73,6 +80,10 @@ class Plan:
     # SpecConfig.synthetic_acceptance is on (benchmark only, not lossless); its α's are in the
     # Request, so other values reuse the program
     synthetic: bool = False
+    # SamplingParams.logprobs (alternatives per token; None: no logprobs computed) and whether
+    # they come from the processed distribution (logprobs_mode="processed")
+    logprobs: int | None = None
+    logprobs_processed: bool = False
 
     @property
     def gamma(self) -> int:
@@ -111,6 +122,9 @@ class LoopState:
     draft_state: Any  # the proposer's state (a draft cache), or None
     counters: Counters
     step: Array  # [] int32: rounds run so far
+    # Plan.logprobs: per history slot, the target's log-probability of the token there [B, S]
+    # and its top-k ids and log-probabilities [B, S, K] (written with the tokens)
+    logprobs: tuple[Array, Array, Array] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -123,6 +137,9 @@ class Request:
     max_new_tokens: Array  # [B] int32
     eos: Array  # [MAX_EOS_IDS] int32, padded with -1
     synthetic: Array | None = None  # [γ] float32: SpecConfig.synthetic_acceptance, or None
+    # [MAX_STOP_SEQUENCES, MAX_STOP_LENGTH] int32: stop token sequences, right-aligned, -1 before
+    # each (an unused row is all -1); None: none
+    stop: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +148,18 @@ class Generation:
     lengths: np.ndarray  # [B] int32: generated tokens per row (EOS included)
     stats: Stats
     text: list[str] | None = None  # decoded rows, when generate was asked for text
+    logprobs: Logprobs | None = None  # SamplingParams.logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """SamplingParams.logprobs: for each generated token (the layout of Generation.tokens), the
+    target's log-probability of it and its k most likely alternatives, from the raw model
+    distribution or the processed one (SamplingParams.logprobs_mode)."""
+
+    token: np.ndarray  # [B, max_new_tokens] float32; nan after each row's end
+    top_ids: np.ndarray  # [B, max_new_tokens, k] int32, most likely first; -1 after the end
+    top: np.ndarray  # [B, max_new_tokens, k] float32; nan after the end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +168,31 @@ class Generation:
 
 def _proposer_params(plan: Plan, draft_params, target_params):
     return {"heads": draft_params, "target": target_params} if plan.rides else draft_params
+
+
+def _logprobs(plan: Plan, request: Request, logits: Array, tokens: Array
+              ) -> tuple[Array, Array, Array]:
+    """logits [B, T, V] of the target at T positions and the tokens [B, T] chosen there (-1:
+    none) -> (log-probability of each token [B, T], top-k ids [B, T, K], their log-probabilities
+    [B, T, K]), from the raw distribution or the processed one (Plan.logprobs_processed)."""
+    if plan.logprobs_processed:
+        lp = jnp.log(sampling_lib.process_logits(logits, request.sampling, plan.filters))
+    else:
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top, ids = jax.lax.top_k(lp, plan.logprobs) if plan.logprobs else (
+        jnp.zeros(lp.shape[:-1] + (0,), jnp.float32), jnp.zeros(lp.shape[:-1] + (0,), jnp.int32))
+    return token, ids.astype(jnp.int32), top
+
+
+def _write_logprobs(stored, new, start: Array):
+    """Write a round's logprobs ([B, T], [B, T, K], [B, T, K]) at slots start.. of each row."""
+    token, ids, top = stored
+    B, T = new[0].shape
+    rows = jnp.arange(B)[:, None]
+    at = jnp.minimum(start[:, None] + jnp.arange(T)[None, :], token.shape[1] - 1)
+    return (token.at[rows, at].set(new[0]), ids.at[rows, at].set(new[1]),
+            top.at[rows, at].set(new[2]))
 
 
 def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, prompt_lengths: Array,
@@ -168,10 +222,23 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
         extra = (hidden,) if plan.rides else ()
         draft_state = plan.proposer.init(params, prompts, prompt_lengths, S, *extra)
     done = jnp.any(first[:, None] == request.eos[None, :], axis=1) | (request.max_new_tokens <= 1)
+    if request.stop is not None:  # a one-token stop sequence
+        window = jnp.concatenate([jnp.full((B, request.stop.shape[1] - 1), -1, jnp.int32),
+                                  first[:, None]], axis=1)
+        done |= stop_ends(window, jnp.zeros((B,), jnp.int32), jnp.ones((B,), jnp.int32),
+                          request.stop)[:, 0]
+    logprobs = None
+    if plan.logprobs is not None:
+        K = plan.logprobs
+        logprobs = _write_logprobs(
+            (jnp.zeros((B, S), jnp.float32), jnp.zeros((B, S, K), jnp.int32),
+             jnp.zeros((B, S, K), jnp.float32)),
+            _logprobs(plan, request, last_logits[:, None], first[:, None]), prompt_lengths)
     return LoopState(
         history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
         done=done, cache=cache, draft_state=draft_state,
-        counters=Counters.zeros(plan.depth, B), step=jnp.zeros((), jnp.int32))
+        counters=Counters.zeros(plan.depth, B), step=jnp.zeros((), jnp.int32),
+        logprobs=logprobs)
 
 
 def round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
@@ -226,6 +293,10 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
         verdict = verify.rejection_sample(
             keys, drafts, None if draft.probs is None else draft.probs[:, :T - 1], target_probs,
             valid)
+    if plan.logprobs is not None:
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, G + 1 - T)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+        verdict = dataclasses.replace(verdict, logprobs=tuple(
+            pad(x) for x in _logprobs(plan, request, logits, verdict.tokens)))
     tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
     hidden = jnp.pad(hidden, ((0, 0), (0, G + 1 - T), (0, 0))) if plan.rides else None
     return dataclasses.replace(verdict, tokens=tokens), cache, hidden
@@ -294,6 +365,11 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
         nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
         near = sampling_lib.near_ties(logits, plan.target.dtype)  # [B, N]
         verdict = dataclasses.replace(verdict, near_ties=jnp.take_along_axis(near, nodes, axis=1))
+    if plan.logprobs is not None:  # at the root and the accepted path's nodes
+        nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
+        verdict = dataclasses.replace(verdict, logprobs=_logprobs(
+            plan, request, jnp.take_along_axis(logits, nodes[:, :, None], axis=1),
+            verdict.tokens))
     cache = kv.compact(cache, state.length, verdict.path, verdict.num_accepted)
     if hasattr(plan.proposer, "commit"):  # a proposer with a cache of its own compacts it too
         draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
@@ -303,22 +379,54 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
     return verdict, cache, hidden, draft_state
 
 
+def stop_ends(window: Array, generated: Array, offered: Array, stop: Array) -> Array:
+    """Where a stop sequence ends among a round's tokens, counting generated tokens only.
+
+    window [B, M - 1 + T]: the M - 1 tokens before the round (M = stop.shape[1]), then the
+    round's T tokens; generated [B]: tokens the row generated before the round (the last of
+    them end the window's first part; earlier entries there are prompt or padding); offered [B]:
+    how many of the round's tokens are real; stop [S, M]: sequences right-aligned, -1 before.
+    Returns [B, T] bool: a sequence ends at the round's token j."""
+    B, W = window.shape
+    M = stop.shape[1]
+    T = W - (M - 1)
+    at = jnp.arange(W)[None, :]
+    real = jnp.where(at >= M - 1, at - (M - 1) < offered[:, None],
+                     (M - 1) - at <= generated[:, None])  # [B, W]: a generated token
+    span = jnp.arange(T)[:, None] + jnp.arange(M)[None, :]  # [T, M]: the M tokens ending at j
+    tokens, known = window[:, span], real[:, span]  # [B, T, M]
+    needed = stop >= 0  # [S, M]
+    same = (tokens[:, :, None, :] == stop[None, None]) & known[:, :, None, :]  # [B, T, S, M]
+    match = jnp.all(same | ~needed[None, None], axis=-1) & needed[None, None, :, -1]
+    return jnp.any(match, axis=-1)
+
+
 def _emit(state: LoopState, tokens: Array, num_accepted: Array, request: Request
           ) -> tuple[Array, Array, Array]:
-    """How many of a round's tokens each row keeps: EOS and max_new_tokens cut the round short.
+    """How many of a round's tokens each row keeps: EOS, a stop sequence and max_new_tokens cut
+    the round short (EOS and the stop sequence kept).
 
-    tokens [B, T] (−1 padded), num_accepted [B]. Returns (n_emit [B], hit_eos [B], history).
+    tokens [B, T] (−1 padded), num_accepted [B]. Returns (n_emit [B], hit_eos [B]: the row
+    emitted EOS or ended a stop sequence, history).
     """
-    T = tokens.shape[1]
+    B, T = tokens.shape
     index = jnp.arange(T)[None, :]
     offered = index < (num_accepted + 1)[:, None]
-    is_eos = jnp.any(tokens[:, :, None] == request.eos[None, None, :], axis=-1) & offered
+    history = kv.write(state.history, tokens, state.length + 1)
+    is_eos = jnp.any(tokens[:, :, None] == request.eos[None, None, :], axis=-1)
+    if request.stop is not None:
+        # the M - 1 tokens before the round and the round's, read back from the written history
+        # (read before the write, XLA copied the whole history every round)
+        M = request.stop.shape[1]
+        at = state.length[:, None] - (M - 2) + jnp.arange(M - 1 + T)[None, :]
+        window = jnp.take_along_axis(history, jnp.clip(at, 0, history.shape[1] - 1), axis=1)
+        is_eos |= stop_ends(window, state.num_generated, num_accepted + 1, request.stop)
+    is_eos &= offered
     eos_cut = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, T)
     n_emit = jnp.minimum(jnp.minimum(num_accepted + 1, eos_cut),
                          request.max_new_tokens - state.num_generated)
     n_emit = jnp.where(state.done, 0, n_emit)
     hit_eos = jnp.any(is_eos & (index < n_emit[:, None]), axis=1)
-    history = kv.write(state.history, tokens, state.length + 1)
     return n_emit, hit_eos, history
 
 
@@ -365,7 +473,9 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
         counters=state.counters.update(~state.done, verdict.num_accepted, num_proposed,
                                        _emitted_near_ties(verdict, n_emit), draft.predicted,
                                        draft.forwards),
-        step=state.step + 1)
+        step=state.step + 1,
+        logprobs=None if state.logprobs is None else _write_logprobs(
+            state.logprobs, verdict.logprobs, state.length + 1))
 
 
 def decode(plan: Plan, target_params, draft_params, request: Request,
@@ -492,17 +602,26 @@ class Program:
         decode_seconds = time.perf_counter() - t0 - decode_compile
         return state, Timing(prefill_seconds, decode_seconds, prefill_compile + decode_compile)
 
-    def segments(self, target_params, draft_params, inputs: Inputs, rounds: int):
+    def segments(self, target_params, draft_params, inputs: Inputs, rounds: int | None,
+                 stopper=None):
         """Prefill, then the decode loop ``rounds`` rounds at a time: yields (Timing so far, and
         on the host: done [B_pad], num_generated [B_pad], history [B_pad, S], then the final
         state last) after the prefill and after each segment, until every row is done. The
         next segment is started before a segment's results are read, so the device never
         waits for the host. The rounds are those of ``run`` (same keys, same order), so the
-        final state is ``run``'s."""
+        final state is ``run``'s. ``stopper(done, num_generated, history)``, if given, returns
+        rows [B_pad] to end now (stop strings): they are marked done before the next segment."""
+        def stop(state, view):
+            end = None if stopper is None else stopper(*view)
+            if end is None or not end.any():
+                return state, view
+            state = dataclasses.replace(state, done=state.done | _put_like(end, state.done))
+            return state, (view[0] | end, *view[1:])
+
         t0 = time.perf_counter()
         state, compile_seconds = self.call("prefill", target_params, draft_params,
                                            inputs.prompts, inputs.lengths, inputs.request)
-        view = _fetch((state.done, state.num_generated, state.history))
+        state, view = stop(state, _fetch((state.done, state.num_generated, state.history)))
         prefill_seconds = time.perf_counter() - t0 - compile_seconds
         decode_seconds, exe, until, step = 0.0, None, 0, 1
         t0 = time.perf_counter()
@@ -526,7 +645,7 @@ class Program:
                 t0 += spent
             state, ahead = exe(*args)  # runs while the host reads and hands out the last view
             yield timing, view, None
-            view = _fetch(ahead)
+            state, view = stop(state, _fetch(ahead))
             decode_seconds = time.perf_counter() - t0
 
 
@@ -645,11 +764,18 @@ def check_request(target: Model, prompts, sampling: SamplingParams | None, token
             sampling = dataclasses.replace(sampling, eos_token_id=tokenizer.eos_token_ids)
     elif return_text:
         raise ValueError("return_text=True needs tokenizer=")
+    if sampling.stop and tokenizer is None:
+        raise ValueError(f"SamplingParams.stop={list(sampling.stop)!r} needs tokenizer= (stop "
+                         f"strings are matched in the decoded text); stop_token_ids takes ids")
     rows = _prompt_rows(prompts, cfg.vocab_size)
     _check_context("target", cfg, rows, sampling.max_new_tokens)
     for eos in sampling.eos_ids:
         if eos >= cfg.vocab_size:
             raise ValueError(f"eos_token_id {eos} is outside [0, {cfg.vocab_size})")
+    for sequence in sampling.stop_token_ids or ():
+        if max(sequence) >= cfg.vocab_size:
+            raise ValueError(f"stop_token_ids {list(sequence)} has id {max(sequence)} outside "
+                             f"[0, {cfg.vocab_size})")
     return rows, sampling
 
 
@@ -751,7 +877,9 @@ def plan_program(target: ModelConfig, proposer, rows: list[np.ndarray], sampling
     chunk = min(PREFILL_CHUNK, capacity)
     width = -(-capacity // chunk) * chunk
     plan = Plan(target, proposer, capacity, filters, mesh, prefill_chunk=chunk,
-                attention_block=attention.BLOCK)
+                attention_block=attention.BLOCK, logprobs=sampling.logprobs,
+                logprobs_processed=(sampling.logprobs is not None
+                                    and sampling.logprobs_mode == "processed"))
     return plan, Shapes(len(rows), B_pad, width)
 
 
@@ -812,6 +940,9 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
     max_new[:B] = sampling.max_new_tokens
     eos = np.full((MAX_EOS_IDS,), -1, np.int32)
     eos[:len(sampling.eos_ids)] = sampling.eos_ids
+    stop = np.full((MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, np.int32)
+    for i, sequence in enumerate(sampling.stop_token_ids or ()):
+        stop[i, MAX_STOP_LENGTH - len(sequence):] = sequence
     root = _as_key(key)
     keys = jax.vmap(jax.random.fold_in, (None, 0))(root, jnp.arange(B_pad))
     per_row = dict(temperature=np.full((B_pad,), sampling.temperature, np.float32),
@@ -828,10 +959,17 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
         keys = jax.jit(wrap, out_shardings=sharding.rows(mesh, 1))(
             put(np.asarray(jax.random.key_data(keys))))
     request = Request(keys=keys, sampling=SamplingArrays(**{k: put(v) for k, v in per_row.items()}),
-                      max_new_tokens=put(max_new), eos=everywhere(eos),
+                      max_new_tokens=put(max_new), eos=everywhere(eos), stop=everywhere(stop),
                       synthetic=None if synthetic is None else everywhere(
                           np.asarray(synthetic, np.float32)))
     return Inputs(put(prompts), put(lengths), request)
+
+
+def _put_like(x: np.ndarray, like):
+    """A host array onto the devices as ``like`` is placed (whole, the same in every process)."""
+    if getattr(like, "is_fully_addressable", True):
+        return jax.device_put(x, like.sharding)
+    return jax.make_array_from_callback(x.shape, like.sharding, lambda index: x[index])
 
 
 def _fetch(x):
@@ -866,7 +1004,19 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
         prefill_seconds=timing.prefill_seconds, decode_seconds=timing.decode_seconds,
         compile_seconds=timing.compile_seconds,
         cache_bytes_per_row=cache_bytes // state.length.shape[0], capacity=plan.capacity)
-    return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats)
+    logprobs = None
+    if state.logprobs is not None:
+        stored = _fetch(tuple(state.logprobs))
+        K = stored[1].shape[-1]
+        logprobs = Logprobs(np.full((B, max_new), np.nan, np.float32),
+                            np.full((B, max_new, K), -1, np.int32),
+                            np.full((B, max_new, K), np.nan, np.float32))
+        for b, r in enumerate(rows):
+            n = int(generated[b])
+            for out, got in zip((logprobs.token, logprobs.top_ids, logprobs.top), stored):
+                out[b, :n] = got[b, len(r):len(r) + n]
+    return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats,
+                      logprobs=logprobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -939,12 +1089,26 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     rows, sampling, plan, target, draft_params, inputs = _prepare(
         target, prompts, sampling, spec, draft, proposer, key, tokenizer, return_text, mesh,
         max_cache_len, allow_synthetic)
+    if sampling.stop:  # stop strings: matched on the host between segments of rounds
+        last = collections.deque(_stream(plan, target, draft_params, inputs, rows, sampling,
+                                         spec, tokenizer, None), maxlen=1)[0]
+        out = last.generation
+        return out if return_text else dataclasses.replace(out, text=None)
     state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
     return _result(plan, state, rows, sampling, timing, spec, tokenizer if return_text else None)
 
 
 _GENERATE_OPTIONS = {name: p.default for name, p in inspect.signature(generate).parameters.items()
                      if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _decode(tokenizer, ids) -> str:
+    """Generated ids -> text: ids a padded embedding has past the tokenizer's are dropped (an
+    sj.Tokenizer; other tokenizers decode as they do)."""
+    from .tokenizer import Tokenizer
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.decode(ids, unknown="skip")
+    return tokenizer.decode(ids)
 
 
 def _result(plan: Plan, state: LoopState, rows, sampling: SamplingParams, timing: Timing, spec,
@@ -955,7 +1119,7 @@ def _result(plan: Plan, state: LoopState, rows, sampling: SamplingParams, timing
         out = dataclasses.replace(out, stats=dataclasses.replace(
             out.stats, synthetic_acceptance=SpecConfig.parse(spec).synthetic_acceptance))
     if tokenizer is not None:
-        text = [tokenizer.decode(out.tokens[b, :out.lengths[b]]) for b in range(len(rows))]
+        text = [_decode(tokenizer, out.tokens[b, :out.lengths[b]]) for b in range(len(rows))]
         out = dataclasses.replace(out, text=text)
     return out
 
@@ -972,24 +1136,79 @@ class StreamChunk:
 
 
 class _TextDelta:
-    """Per row, the text of its tokens so far minus what was already given out. A decode that
-    ends in U+FFFD (a character whose bytes are not all there yet) is held back until the rest
-    arrive; a finished row's last chunk gives everything. (A byte-level BPE decode of more
-    tokens only extends the text; for a tokenizer where it could change earlier characters, the
-    new text is taken from where the two first differ, and ``Generation.text`` is the
-    reference.)"""
+    """Per row, the text so far minus what was already given out. A text that ends in U+FFFD (a
+    character whose bytes are not all there yet) is held back until the rest arrive, and so are
+    its last ``hold`` characters (where a stop string may be starting); a finished row's last
+    chunk gives everything. (A byte-level BPE decode of more tokens only extends the text; for
+    a tokenizer where it could change earlier characters, the new text is taken from where the
+    two first differ, and ``Generation.text`` is the reference.)"""
 
-    def __init__(self, tokenizer, rows: int):
-        self.tokenizer, self.sent = tokenizer, [""] * rows
+    def __init__(self, rows: int, hold: int = 0):
+        self.sent, self.hold = [""] * rows, hold
 
-    def __call__(self, b: int, tokens: np.ndarray, final: bool) -> str:
-        text = self.tokenizer.decode(tokens)
-        ready = text if final else text.rstrip("\ufffd")
+    def __call__(self, b: int, text: str, final: bool) -> str:
+        ready = text
+        if not final:
+            ready = ready.rstrip("\ufffd")
+            ready = ready[:max(len(ready) - self.hold, 0)]
         common = len(os.path.commonprefix([ready, self.sent[b]]))
         if len(ready) <= common:
             return ""
         self.sent[b] = ready
         return ready[common:]
+
+
+class _StopStrings:
+    """Stop strings, matched on the host in each row's decoded text after each segment: the
+    first string to be completed ends the row. Its tokens are kept up to the one completing it
+    (the fewest whose text holds a stop string), its text up to the string's start (or its end,
+    ``include_stop_str_in_output``), as vLLM cuts them."""
+
+    def __init__(self, tokenizer, sampling: SamplingParams, rows: list[np.ndarray]):
+        self.tokenizer, self.stops = tokenizer, sampling.stop
+        self.include = sampling.include_stop_str_in_output
+        self.rows = rows
+        self.kept: dict[int, tuple[int, str]] = {}  # row -> (tokens kept, text kept)
+
+    def _holds(self, tokens) -> bool:
+        text = _decode(self.tokenizer, tokens)
+        return any(s in text for s in self.stops)
+
+    def __call__(self, done, generated, history) -> np.ndarray:
+        """Rows [len(done)] that a stop string ends now (recorded in ``kept``)."""
+        end = np.zeros(done.shape, bool)
+        for b, r in enumerate(self.rows):
+            if b in self.kept:
+                continue
+            tokens = history[b, len(r):len(r) + int(generated[b])]
+            if not self._holds(tokens):
+                continue
+            lo, hi = 1, len(tokens)  # the fewest tokens whose text holds a stop string
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if self._holds(tokens[:mid]) else (mid + 1, hi)
+            text = _decode(self.tokenizer, tokens[:lo])
+            at, stop = min((text.find(s), s) for s in self.stops if s in text)
+            self.kept[b] = (lo, text[:at + len(stop)] if self.include else text[:at])
+            end[b] = True
+        return end
+
+    def cut(self, out: Generation) -> Generation:
+        """The call's result with each stopped row's tokens and text cut."""
+        tokens, lengths = out.tokens.copy(), out.lengths.copy()
+        text = list(out.text) if out.text is not None else None
+        logprobs = out.logprobs and Logprobs(*(x.copy() for x in dataclasses.astuple(
+            out.logprobs)))
+        for b, (n, kept) in self.kept.items():
+            tokens[b, n:] = -1
+            lengths[b] = n
+            if text is not None:
+                text[b] = kept
+            if logprobs is not None:
+                logprobs.token[b, n:], logprobs.top_ids[b, n:], logprobs.top[b, n:] = (
+                    np.nan, -1, np.nan)
+        return dataclasses.replace(out, tokens=tokens, lengths=lengths, text=text,
+                                   logprobs=logprobs)
 
 
 def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwargs):
@@ -1028,19 +1247,28 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwa
 def _stream(plan, target, draft_params, inputs, rows, sampling, spec, tokenizer, rounds):
     B = len(rows)
     given = np.zeros(B, np.int64)  # tokens given out per row
-    delta = None if tokenizer is None else _TextDelta(tokenizer, B)
-    segments = PROGRAMS.get(plan).segments(target.params, draft_params, inputs, rounds)
+    stops = None if not sampling.stop else _StopStrings(tokenizer, sampling, rows)
+    hold = 0 if stops is None else max(map(len, sampling.stop)) - 1
+    delta = None if tokenizer is None else _TextDelta(B, hold)
+    segments = PROGRAMS.get(plan).segments(target.params, draft_params, inputs, rounds, stops)
     for timing, (done, generated, history), state in segments:
-        done, generated = done[:B], generated[:B]
+        done, generated = done[:B], generated[:B].astype(np.int64)
+        kept = {} if stops is None else stops.kept
         new, text = [], [] if delta is not None else None
         for b, r in enumerate(rows):
-            n = int(generated[b])
-            new.append(np.asarray(history[b, len(r) + given[b]:len(r) + n], np.int32))
+            n = kept[b][0] if b in kept else int(generated[b])
+            new.append(np.asarray(history[b, len(r) + min(given[b], n):len(r) + n], np.int32))
+            generated[b] = n
             if delta is not None:
-                text.append(delta(b, history[b, len(r):len(r) + n], bool(done[b])))
-        given = generated.astype(np.int64)
-        generation = None if state is None else _result(plan, state, rows, sampling, timing,
-                                                        spec, tokenizer)
+                row_text = kept[b][1] if b in kept else _decode(
+                    tokenizer, history[b, len(r):len(r) + n])
+                text.append(delta(b, row_text, bool(done[b])))
+        given = np.maximum(given, generated)
+        generation = None
+        if state is not None:
+            generation = _result(plan, state, rows, sampling, timing, spec, tokenizer)
+            if stops is not None:
+                generation = stops.cut(generation)
         yield StreamChunk(tokens=new, finished=done.copy(), text=text, generation=generation)
 
 
@@ -1069,6 +1297,8 @@ def warmup(target: Model, *, batch_size: int = 1, prompt_tokens: int = 1,
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     prompts = [[0] * int(prompt_tokens)] * int(batch_size)
+    if isinstance(sampling, SamplingParams) and sampling.stop:  # host-side: no tokenizer needed
+        sampling = dataclasses.replace(sampling, stop=None)
     _, _, plan, target, draft_params, inputs = _prepare(
         target, prompts, sampling, spec, draft, proposer, None, None, False, mesh, max_cache_len,
         allow_synthetic)

@@ -91,9 +91,10 @@ class Counters:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Stats:
-    """What one ``generate`` call did. Rates are over (row, round) pairs of rows still running."""
+    """What one ``generate`` call did. Rates are over (row, round) pairs of rows still running.
+    Prints as a short summary; every field stays an attribute (``dataclasses.asdict`` for all)."""
 
     acceptance_rate: float  # accepted drafts / proposed drafts (nan when none was proposed);
     #   a tree proposes all its nodes but can accept at most one path, so its rate is lower
@@ -138,6 +139,31 @@ class Stats:
     # per non-empty bin, (mean predicted, fraction accepted, drafts).
     calibration_error: float = float("nan")
     reliability: tuple[tuple[float, float, int], ...] = ()
+
+    def __repr__(self) -> str:
+        lines = [f"Stats: {self.generated_tokens} tokens in {self.num_rounds} rounds, "
+                 f"{self.target_calls} target and {self.draft_calls} draft forwards"]
+        if self.synthetic_acceptance is not None:
+            lines.append("  SYNTHETIC acceptance (benchmark only, NOT LOSSLESS): "
+                         + " ".join(f"{a:g}" for a in self.synthetic_acceptance))
+        if self.proposed_tokens:
+            lines.append(f"  acceptance rate {self.acceptance_rate:.3f} ({self.accepted_tokens} "
+                         f"of {self.proposed_tokens} drafts), mean accepted length "
+                         f"{self.mean_accepted_length:.2f} tokens a round")
+            lines.append("  per position " + " ".join(
+                f"{a:.2f}" for a in np.asarray(self.per_position_acceptance)))
+        else:
+            lines.append("  no drafts proposed (autoregressive, or no draft found)")
+        if np.isfinite(self.calibration_error):
+            lines.append(f"  calibration error {self.calibration_error:.3f}")
+        lines.append(f"  prefill (TTFT) {1e3 * self.prefill_seconds:.1f} ms, decode "
+                     f"{1e3 * self.decode_seconds:.1f} ms ({self.decode_tokens_per_second:.1f} "
+                     f"tokens/s), compile {self.compile_seconds:.1f} s")
+        if self.greedy_near_ties:
+            lines.append(f"  greedy near ties: {self.greedy_near_ties}")
+        return "\n".join(lines)
+
+    __str__ = __repr__
 
     @classmethod
     def summarise(cls, counters: Counters, *, gamma: int, draft_calls_per_round: int,

@@ -33,9 +33,20 @@ class Tokenizer:
             raise ValueError(f"encode takes a str, got {type(text).__name__}")
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Token ids -> text; -1 padding (as in Generation.tokens) is dropped."""
-        return self.backend.decode([int(i) for i in ids if int(i) >= 0],
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, *,
+               unknown: str = "raise") -> str:
+        """Token ids -> text; -1 padding (as in Generation.tokens) is dropped. Any other id
+        outside [0, vocab_size) is refused by name, or with ``unknown="skip"`` dropped (a model
+        whose embedding is padded past the tokenizer's ids can emit them; generate's text does
+        this, as Hugging Face's decode does)."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if i < -1 or i >= self.vocab_size]
+        if bad and unknown == "skip":
+            ids = [i for i in ids if 0 <= i < self.vocab_size]
+        elif bad:
+            raise ValueError(f"decode got token id {bad[0]}, outside [0, {self.vocab_size}) "
+                             f"(-1 is padding and dropped)")
+        return self.backend.decode([i for i in ids if i >= 0],
                                    skip_special_tokens=skip_special_tokens)
 
 

@@ -41,6 +41,9 @@ class Verdict:
     # greedy plans: [B, G+1] whether the target's choice at each position was a near tie
     # (sampling.near_ties), counted for the tokens a row emits (Stats.greedy_near_ties)
     near_ties: Array | None = None
+    # SamplingParams.logprobs: for each token of ``tokens``, the target's log-probability of it
+    # [B, G+1] and its top-k ids and log-probabilities [B, G+1, K] (engine._logprobs)
+    logprobs: tuple[Array, Array, Array] | None = None
 
 
 def _draft_token_probs(probs: Array, tokens: Array) -> Array:

@@ -111,3 +111,15 @@ def ref_process(logits, temperature=1.0, top_k=0, top_p=1.0):
             p /= p.sum()
         out[idx] = p
     return out
+
+
+def verification_paths(draft) -> dict:
+    """{name: (SpecConfig or None, draft)}: one setting for each way a round is verified
+    (autoregressive, a chain, n-gram's per-row lengths, a tree), for tests that must hold on
+    every path."""
+    return {"autoregressive": (None, None),
+            "chain": (sj.SpecConfig(num_speculative_tokens=3), draft),
+            "ngram": (sj.SpecConfig(method="ngram", num_speculative_tokens=3,
+                                    prompt_lookup_min=1), None),
+            "tree": (sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 0, 0))), draft)}
+

@@ -231,6 +231,13 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
                 r["mean_accepted_length"] / (r["gamma"] * r["c"] + r["verify_cost"]))
     assert all(r["identical_to_autoregressive"] for r in rows if r["temperature"] == 0)
     assert not any("identical_to_autoregressive" in r for r in rows if r["temperature"] > 0)
+    # latency percentiles over every call (2 prompts x 2 repeats), ordered, AR and spec
+    for r in rows:
+        for side in ("ar", "spec"):
+            for name in ("ttft_ms", "tpot_ms"):
+                q = r["latency"][side][name]
+                assert 0 < q["p50"] <= q["p95"] <= q["p99"], (side, name, q)
+    assert "TTFT" in printed and "p50/p95/p99" in printed
 
 
 def test_bench_adaptive_rows(model_folders, capsys, tmp_path):

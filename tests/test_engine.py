@@ -252,3 +252,17 @@ def test_bad_sampling_params(kw, message):
 def test_bad_spec_config(kw, message):
     with pytest.raises(ValueError, match=message):
         sj.SpecConfig(**kw)
+
+
+def test_stats_print_as_a_short_summary(target, draft):
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    stats = sj.generate(target, [[1, 2, 3], [4]], spec=spec, draft=draft,
+                        sampling=sj.SamplingParams(max_new_tokens=20)).stats
+    text = str(stats)
+    assert text == repr(stats) and "array(" not in text and len(text.splitlines()) <= 6
+    assert f"acceptance rate {stats.acceptance_rate:.3f} ({stats.accepted_tokens} of " \
+           f"{stats.proposed_tokens} drafts)" in text
+    assert text.startswith(f"Stats: {stats.generated_tokens} tokens in {stats.num_rounds} rounds")
+    plain = str(sj.generate(target, [[1, 2, 3]], sampling=sj.SamplingParams(max_new_tokens=5))
+                .stats)
+    assert "no drafts proposed" in plain and "acceptance rate" not in plain

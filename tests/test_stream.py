@@ -77,14 +77,18 @@ class BytesTokenizer:
 
 
 def test_text_never_splits_a_character():
-    delta = engine._TextDelta(BytesTokenizer(), 1)
+    tok, delta = BytesTokenizer(), engine._TextDelta(1)
     euro = list("€".encode())  # three bytes
-    pieces = [delta(0, np.asarray([104] + euro[:1]), False),
-              delta(0, np.asarray([104] + euro[:2]), False),
-              delta(0, np.asarray([104] + euro + [105]), False)]
+    pieces = [delta(0, tok.decode([104] + euro[:1]), False),
+              delta(0, tok.decode([104] + euro[:2]), False),
+              delta(0, tok.decode([104] + euro + [105]), False)]
     assert pieces == ["h", "", "€i"]
     # a row that ends on an incomplete character gives what it has
-    assert delta(0, np.asarray([104] + euro + [105] + euro[:1]), True) == "\ufffd"
+    assert delta(0, tok.decode([104] + euro + [105] + euro[:1]), True) == "\ufffd"
+    # holding back a tail (where a stop string may start) until the row is done
+    held = engine._TextDelta(1, hold=2)
+    assert [held(0, "abcd", False), held(0, "abcdef", False), held(0, "abcdefg", True)] == [
+        "ab", "cd", "efg"]
 
 
 def test_streamed_text_adds_up_to_generate_text():
