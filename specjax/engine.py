@@ -940,9 +940,13 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
     max_new[:B] = sampling.max_new_tokens
     eos = np.full((MAX_EOS_IDS,), -1, np.int32)
     eos[:len(sampling.eos_ids)] = sampling.eos_ids
-    stop = np.full((MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, np.int32)
-    for i, sequence in enumerate(sampling.stop_token_ids or ()):
-        stop[i, MAX_STOP_LENGTH - len(sequence):] = sequence
+    # stop sequences: matched in the loop only when given (a program of their own, shared by
+    # every set of them), so other calls pay nothing for them
+    stop = None
+    if sampling.stop_token_ids:
+        stop = np.full((MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, np.int32)
+        for i, sequence in enumerate(sampling.stop_token_ids):
+            stop[i, MAX_STOP_LENGTH - len(sequence):] = sequence
     root = _as_key(key)
     keys = jax.vmap(jax.random.fold_in, (None, 0))(root, jnp.arange(B_pad))
     per_row = dict(temperature=np.full((B_pad,), sampling.temperature, np.float32),
@@ -959,7 +963,8 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
         keys = jax.jit(wrap, out_shardings=sharding.rows(mesh, 1))(
             put(np.asarray(jax.random.key_data(keys))))
     request = Request(keys=keys, sampling=SamplingArrays(**{k: put(v) for k, v in per_row.items()}),
-                      max_new_tokens=put(max_new), eos=everywhere(eos), stop=everywhere(stop),
+                      max_new_tokens=put(max_new), eos=everywhere(eos),
+                      stop=None if stop is None else everywhere(stop),
                       synthetic=None if synthetic is None else everywhere(
                           np.asarray(synthetic, np.float32)))
     return Inputs(put(prompts), put(lengths), request)

@@ -78,11 +78,14 @@ def test_a_matcher_that_ignores_the_prompt_boundary_fails(target, monkeypatch, f
 
 
 def test_stop_sequences_do_not_recompile(target, draft):
+    """Calls with stop sequences share one program, whatever the sequences; calls without keep
+    the program that matches nothing."""
     spec = sj.SpecConfig(num_speculative_tokens=3)
-    sj.generate(target, PROMPTS, spec=spec, draft=draft,
-                sampling=sj.SamplingParams(max_new_tokens=8))
+    for stops in (None, [5]):
+        sj.generate(target, PROMPTS, spec=spec, draft=draft,
+                    sampling=sj.SamplingParams(max_new_tokens=8, stop_token_ids=stops))
     compiled = engine.PROGRAMS.compiled
-    for stops in ([5], [[1, 2], [3, 4, 5]], None):
+    for stops in ([[1, 2], [3, 4, 5]], [[7] * MAX_STOP_LENGTH] * MAX_STOP_SEQUENCES, None):
         sj.generate(target, PROMPTS, spec=spec, draft=draft,
                     sampling=sj.SamplingParams(max_new_tokens=8, stop_token_ids=stops))
     assert engine.PROGRAMS.compiled == compiled
