@@ -109,6 +109,27 @@ def _demo(args) -> int:
 
 
 
+def _speculative_config(text: str, draft: str | None) -> tuple[SpecConfig, str | None]:
+    """--speculative-config as vLLM takes it: JSON, whose "model" key (if any) names the draft
+    folder (as --draft does). Returns the SpecConfig and the draft folder."""
+    import json
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {text!r} ({e})") from None
+    if isinstance(config, dict) and "model" in config:
+        config = dict(config)
+        model = config.pop("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"--speculative-config's \"model\" must be a draft folder path, "
+                             f"got {model!r}")
+        if draft is not None and draft != model:
+            raise ValueError(f"--speculative-config names the draft {model!r} and --draft "
+                             f"names {draft!r}: give one")
+        draft = model
+    return SpecConfig.parse(config), draft
+
+
 def _unescape(text: str) -> str:
     """A command-line string with Python escapes (\\n, \\t, \\u00e9) read; other characters
     kept as typed."""
@@ -121,7 +142,7 @@ def _generate(args) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.speculative_config:
-        spec = SpecConfig.parse(args.speculative_config)
+        spec, args.draft = _speculative_config(args.speculative_config, args.draft)
     elif args.method == "none":
         spec = None
     else:

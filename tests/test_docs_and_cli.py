@@ -1,5 +1,6 @@
 """The README's quick start runs as written, and `specjax demo` works and checks itself."""
 
+import json
 import pathlib
 import re
 
@@ -60,8 +61,6 @@ def test_first_layers_shares_embedding_and_head():
 @pytest.fixture(scope="module")
 def model_folders(tmp_path_factory):
     """A tiny target and draft in HF format with a tokenizer, as `specjax generate` expects."""
-    import json
-
     import tokenizers
     from conftest import tiny_model
 
@@ -101,6 +100,12 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
     assert cli.main(base + ["--speculative-config", '{"tree": [[0], [1], [0, 0]]}']) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
+    # vLLM's form: the draft folder as the config's "model" (no --draft)
+    vllm = [a for a in base if a not in ("--draft", str(model_folders / "d"))]
+    assert cli.main(vllm + ["--speculative-config", json.dumps(
+        {"model": str(model_folders / "d"), "num_speculative_tokens": 3})]) == 0
+    out = capsys.readouterr().out
+    assert out.split("\n\n")[0] == spec_text and "acceptance rate" in out
     ngram = base + ["--method", "ngram", "--num-speculative-tokens", "8", "--prompt-lookup-min",
                     "1"]
     figures = {}
@@ -124,7 +129,6 @@ def test_generate_command_matches_method_none(model_folders, capsys):
 def test_a_draft_folder_with_a_draft_vocabulary(model_folders, capsys, tmp_path):
     """generate and bench restrict a draft to the draft_vocab.npy its folder ships (unless told
     --full-draft-vocab); greedy output stays the target's; bad files are refused by name."""
-    import json
     import shutil
     folder = tmp_path / "d"
     shutil.copytree(model_folders / "d", folder)
@@ -158,6 +162,15 @@ def test_generate_command_errors(model_folders, capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--target", str(model_folders / "t"), "--speculative-config", "{x"])
     assert "not valid JSON" in capsys.readouterr().err
+    # vLLM's "model" key names the draft folder; it must not contradict --draft
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", str(model_folders / "t"), "--draft", str(tmp_path),
+                  "--speculative-config", json.dumps({"model": str(model_folders / "d")})])
+    assert "give one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", str(model_folders / "t"),
+                  "--speculative-config", '{"model": 3}'])
+    assert "must be a draft folder path, got 3" in capsys.readouterr().err
 
 
 BENCH_FIELDS = {
@@ -172,7 +185,6 @@ BENCH_FIELDS = {
 
 
 def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
-    import json
 
     from specjax import theory
     out = tmp_path / "bench.json"
@@ -244,7 +256,6 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
     """--survival-threshold adds adaptive chains beside the static ones (and --verify-budget the
     same with the batch's verify budget, its costs measured at each --batch-size); their c is
     per draft proposed and the static-γ prediction is not given for them; --plots writes PNGs."""
-    import json
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                      str(model_folders / "d"), "--gammas", "3", "--survival-threshold", "0.1",
@@ -287,7 +298,6 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
 
 
 def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
-    import json
     out = tmp_path / "ngram.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "ngram",
                      "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "8",
@@ -320,3 +330,27 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
             cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                       str(model_folders / "d")] + argv)
         assert message in capsys.readouterr().err, argv
+
+
+def test_train_help_and_bad_subcommands(capsys):
+    assert cli.main(["train", "--help"]) == 0
+    assert "specjax train heads {medusa,eagle,dflash,mtp}" in capsys.readouterr().out
+    for argv, named in ((["train"], "got none"), (["train", "fit"], "got 'fit'")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_train_heads_names_missing_inputs(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "heads", "eagle", "--data", str(tmp_path), "--workdir",
+                  str(tmp_path / "run")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--data {tmp_path}: no train.npy or heldout.npy there" in err
+    np.save(tmp_path / "train.npy", np.zeros(10, np.int32))
+    np.save(tmp_path / "heldout.npy", np.zeros(10, np.int32))
+    with pytest.raises(SystemExit):
+        cli.main(["train", "heads", "eagle", "--data", str(tmp_path), "--workdir",
+                  str(tmp_path / "run"), "--target", str(tmp_path / "nothing")])
+    assert f"--target {tmp_path / 'nothing'}:" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Medusa heads and EAGLE: training, saving and loading, greedy equality, losslessness, caches."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +133,15 @@ def test_save_load_round_trip_and_wrong_target(target, trained, method, tmp_path
     sj.load_heads(tmp_path / method, half)
     with pytest.raises(FileNotFoundError, match="drafter.json"):
         sj.load_heads(tmp_path, target)
+    # a corrupt or incomplete drafter.json is named in the error
+    meta = tmp_path / method / "drafter.json"
+    text = meta.read_text()
+    meta.write_text(text[:len(text) // 2])
+    with pytest.raises(ValueError, match=re.escape(str(meta)) + " is not valid JSON"):
+        sj.load_heads(tmp_path / method, target)
+    meta.write_text(json.dumps({k: v for k, v in record.items() if k != "method"}))
+    with pytest.raises(ValueError, match=r"lacks \['method'\]"):
+        sj.load_heads(tmp_path / method, target)
 
 
 def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_path):

@@ -120,13 +120,3 @@ def test_infinite_temperature_is_refused():
     for bad in (float("inf"), float("nan"), -0.5):
         with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
             sj.SamplingParams(temperature=bad)
-
-
-def test_train_help_and_bad_subcommands(capsys):
-    from specjax import cli
-    assert cli.main(["train", "--help"]) == 0
-    assert "specjax train heads {medusa,eagle,dflash,mtp}" in capsys.readouterr().out
-    for argv, named in ((["train"], "got none"), (["train", "fit"], "got 'fit'")):
-        with pytest.raises(SystemExit) as e:
-            cli.main(argv)
-        assert e.value.code == 2 and named in capsys.readouterr().err

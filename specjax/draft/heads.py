@@ -335,7 +335,16 @@ def load_heads(path: str | os.PathLike, target: Model) -> Heads:
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a drafter directory (no drafter.json); train one "
                                 f"with `specjax train heads`")
-    record = json.loads(meta.read_text())
+    try:
+        record = json.loads(meta.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta} is not valid JSON ({e}); save the drafter again with "
+                         f"sj.save_heads or `specjax train heads`") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{meta} must hold a JSON object, got {type(record).__name__}")
+    missing = [k for k in ("target", "method", "num_heads", "dtype") if k not in record]
+    if missing and record.get("format_version") == FORMAT_VERSION:
+        raise ValueError(f"{meta} lacks {missing}; save the drafter again")
     if record.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta}: format_version {record.get('format_version')!r} is not "
                          f"{FORMAT_VERSION}")

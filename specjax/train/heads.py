@@ -34,7 +34,7 @@ from ..draft.heads import Heads, HeadsConfig
 from ..draft.vocab import DraftVocab, frequent_tokens, lm_head
 from ..model import Model, forward
 from .data import sample_batch
-from .loop import TrainConfig, fit
+from .loop import TrainConfig, configure_logging, fit
 
 log = logging.getLogger(__name__)
 
@@ -243,12 +243,21 @@ def heads_main(argv=None) -> int:
     ap.add_argument("--taps", help="dflash: target layers it reads, e.g. 1,3,5 (default: three "
                                    "spread to the last)")
     ap.add_argument("--save-dtype", default="bfloat16")
+    ap.add_argument("--verbose", action="store_true",
+                    help="also show the INFO logs of orbax and absl")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    configure_logging(args.verbose)
     workdir = pathlib.Path(args.workdir).expanduser()
     data = pathlib.Path(args.data).expanduser()
+    missing = [n for n in ("train.npy", "heldout.npy") if not (data / n).is_file()]
+    if missing:
+        ap.error(f"--data {data}: no {' or '.join(missing)} there; build the token streams "
+                 f"with `specjax train pair data --workdir DIR` and pass --data DIR")
     tokens, heldout = np.load(data / "train.npy"), np.load(data / "heldout.npy")
-    target = load_model(args.target)
+    try:
+        target = load_model(args.target)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(f"--target {args.target}: {e}")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                       learning_rate=args.learning_rate, warmup_steps=min(50, args.steps // 10),
                       checkpoint_every=25, eval_every=max(args.steps // 4, 1), eval_batches=4,

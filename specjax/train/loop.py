@@ -30,6 +30,16 @@ from .data import sample_batch
 log = logging.getLogger(__name__)
 
 
+def configure_logging(verbose: bool = False) -> None:
+    """The training commands' logging: specjax's progress at INFO; other libraries (orbax, absl)
+    at WARNING unless ``verbose``."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(message)s")
+    logging.getLogger("specjax").setLevel(logging.INFO)
+    for name in ("absl", "orbax", "jax"):
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int  # total optimizer steps of the run (the schedule's length)

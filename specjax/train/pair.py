@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from .data import encode_files, python_corpus, train_tokenizer, write_manifest
-from .loop import TrainConfig, evaluate, train
+from .loop import TrainConfig, configure_logging, evaluate, train
 
 VOCAB_SIZE = 8192
 # Sizes chosen for this 2-core CPU: a 32M target trained at 550 tokens/s here, too slow to train
@@ -247,8 +247,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("checkpoints"))
     ap.add_argument("--corpus", type=pathlib.Path,
                     help="data: a folder of .py files (default: this Python's standard library)")
+    ap.add_argument("--verbose", action="store_true",
+                    help="also show the INFO logs of orbax and absl")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    configure_logging(args.verbose)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.stage == "data":
         stage_data(args.workdir, args.corpus)
