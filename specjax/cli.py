@@ -393,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``specjax`` argument parser (``train`` is dispatched before it parses)."""
     parser = argparse.ArgumentParser(
         prog="specjax", description="Lossless speculative decoding in JAX.")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"specjax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="speculative vs autoregressive on small random models",
                           description="Runs a random target and a layer-skip draft of it, "

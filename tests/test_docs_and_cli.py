@@ -354,3 +354,11 @@ def test_train_heads_names_missing_inputs(capsys, tmp_path):
         cli.main(["train", "heads", "eagle", "--data", str(tmp_path), "--workdir",
                   str(tmp_path / "run"), "--target", str(tmp_path / "nothing")])
     assert f"--target {tmp_path / 'nothing'}:" in capsys.readouterr().err
+
+
+def test_python_dash_m_and_version():
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "specjax", "--version"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == f"specjax {sj.__version__}"

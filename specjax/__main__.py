@@ -1,0 +1,7 @@
+"""``python -m specjax ...``: the ``specjax`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
