@@ -135,6 +135,23 @@ class _Runs:
 PERCENTILES = (50, 95, 99)
 
 
+def _memory(target: Model, draft, out) -> dict:
+    """Device memory of one generate call: the target's and the drafter's weights, the caches
+    of the call's rows (target and draft KV and the proposer's state), the decode program's
+    own buffers (XLA's memory analysis), and the device's peak where the backend reports it
+    (GPU, TPU; None on CPU)."""
+    def nbytes(tree):
+        return int(sum(x.nbytes for x in jax.tree.leaves(tree))) if tree is not None else 0
+    draft_params = getattr(draft, "params", draft)
+    decode = engine.PROGRAMS.programs()[-1].executables("decode")
+    analysis = decode[-1].memory_analysis() if decode else None
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {"target_bytes": nbytes(target.params), "draft_bytes": nbytes(draft_params),
+            "cache_bytes": out.stats.cache_bytes_per_row * len(out.lengths),
+            "program_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
+            "device_peak_bytes": stats.get("peak_bytes_in_use")}
+
+
 def _pooled(outs) -> dict:
     """Acceptance figures over all prompts, weighted by rounds (not an average of averages)."""
     rounds = sum(o.stats.num_rounds for o in outs)
@@ -313,8 +330,10 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                     for i, g in enumerate(groups)]
 
         t0 = time.perf_counter()
-        for v in variants.values():  # warm-up: compiles every program the timed passes use
-            run_all(*v)
+        memory = {}
+        for name, v in variants.items():  # warm-up: compiles every program the timed passes use
+            outs = run_all(*v)
+            memory[name] = _memory(target, v[1], outs[-1])
         for i, spec in enumerate(specs):
             g = spec.num_speculative_tokens
             parts = round_timers(target, prompt, sampling=sampling, spec=spec,
@@ -351,6 +370,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
                 latency={"ar": ar.latency(), "spec": sp.latency()},
+                memory={"ar": memory["ar"], "spec": memory[i]},
                 **_pooled(sp.outputs))
             row["spec_round_ms"] = 1e3 * sp.median("round_seconds")  # in the generate loop
             if temperature == 0 and spec.synthetic_acceptance is None:
@@ -488,6 +508,16 @@ def format_table(result: dict) -> str:
             for name, lat in named:
                 lines.append(f"  {name:<{width + 12}} T={r['temperature']:<4g} TTFT "
                              f"{fmt(lat['ttft_ms']):<22} TPOT {fmt(lat['tpot_ms'])}")
+    if all("memory" in r for r in result["rows"]) and result["rows"]:
+        mib = lambda x: "-" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
+        lines.append("\nmemory, MiB: target weights, draft weights, caches (all rows), decode "
+                     "program buffers, device peak")
+        for r in result["rows"]:
+            m, name = r["memory"]["spec"], r["method"] + " " + r["label"]
+            keys = ("target_bytes", "draft_bytes", "cache_bytes", "program_temp_bytes",
+                    "device_peak_bytes")
+            lines.append(f"  {name:<{width + 12}} T={r['temperature']:<4g} "
+                         + " ".join(f"{mib(m[k]):>8}" for k in keys))
     roof = result.get("roofline")
     if roof:
         lines.append(f"\nroofline: {roof['weight_bytes'] / 2**20:.1f} MiB of target weights read "

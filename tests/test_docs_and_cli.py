@@ -250,6 +250,15 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
                 q = r["latency"][side][name]
                 assert 0 < q["p50"] <= q["p95"] <= q["p99"], (side, name, q)
     assert "TTFT" in printed and "p50/p95/p99" in printed
+    # memory: the weights as loaded, caches of the call's rows, the decode program's buffers
+    draft = sj.load_model(model_folders / "d")
+    for r in rows:
+        m = r["memory"]["spec"]
+        assert m["target_bytes"] == sum(x.nbytes for x in jax.tree.leaves(model.params))
+        assert m["draft_bytes"] in (0, sum(x.nbytes for x in jax.tree.leaves(draft.params)))
+        assert m["cache_bytes"] > r["memory"]["ar"]["cache_bytes"] > 0  # the draft's cache too
+        assert m["program_temp_bytes"] is None or m["program_temp_bytes"] >= 0
+    assert "memory, MiB" in printed
 
 
 def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
