@@ -38,13 +38,13 @@ from .engine import Generation, Logprobs, StreamChunk, Warmup, generate, stream,
 from .model import Model, forward, init_model, logits, prefill
 from .sharding import make_mesh, shard
 from .stats import Stats
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
-    "load_model", "save_model", "CheckpointError", "load_tokenizer", "Tokenizer",
+    "load_model", "save_model", "CheckpointError", "load_tokenizer", "save_tokenizer", "Tokenizer",
     "Model", "init_model", "logits", "forward", "prefill", "KVCache",
     "DraftModel", "DraftVocab", "load_draft_model",
     "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",

@@ -481,12 +481,28 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
 
 def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
                bos_token_id: int | None = None,
-               eos_token_id: int | list[int] | None = None) -> None:
+               eos_token_id: int | list[int] | None = None, tokenizer=None) -> None:
     """Save a model folder. format="orbax": params through orbax plus ``specjax.json``;
     format="hf": ``config.json`` and ``model.safetensors`` that ``transformers`` loads as is (plus
-    ``generation_config.json`` when BOS/EOS ids are given). Model files of an earlier save in
-    the folder are removed first; other files (a tokenizer, a README) are kept."""
+    ``generation_config.json`` when BOS/EOS ids are given, or a tokenizer has them). With
+    ``tokenizer=`` (an ``sj.Tokenizer``): also ``tokenizer.json`` and ``tokenizer_config.json``,
+    so ``transformers.AutoTokenizer``, ``sj.load_tokenizer`` and ``specjax generate --target``
+    read the folder. Model files of an earlier save in the folder are removed first; other files
+    (a tokenizer, a README) are kept."""
     folder = pathlib.Path(path)
+    if tokenizer is not None:
+        from .tokenizer import Tokenizer, save_tokenizer
+        if not isinstance(tokenizer, Tokenizer):
+            raise ValueError(f"tokenizer must be an sj.Tokenizer (sj.load_tokenizer), got "
+                             f"{type(tokenizer).__name__}")
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                             f"model's vocab_size {model.config.vocab_size}")
+        if bos_token_id is None:
+            bos_token_id = tokenizer.bos_token_id
+        if eos_token_id is None and tokenizer.eos_token_ids:
+            eos_token_id = list(tokenizer.eos_token_ids)
+            eos_token_id = eos_token_id[0] if len(eos_token_id) == 1 else eos_token_id
     if format not in ("orbax", "hf"):
         raise ValueError(f"format must be 'orbax' or 'hf', got {format!r}")
     if not isinstance(model, Model):
@@ -497,6 +513,8 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
     arch = hf_architecture(cfg) if format == "hf" else None  # refuse before writing anything
     folder.mkdir(parents=True, exist_ok=True)
     _remove_model_files(folder)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, folder, cfg.max_position_embeddings)
     if format == "orbax":
         ckpt = _orbax().StandardCheckpointer()
         ckpt.save((folder / "params").resolve(), model.params, force=True)

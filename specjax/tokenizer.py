@@ -50,6 +50,23 @@ class Tokenizer:
                                    skip_special_tokens=skip_special_tokens)
 
 
+def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike,
+                   model_max_length: int | None = None) -> None:
+    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` naming its BOS/EOS tokens into a
+    model folder, so ``transformers.AutoTokenizer`` and ``sj.load_tokenizer`` both read it."""
+    folder = pathlib.Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    if tokenizer.bos_token_id is not None:
+        config["bos_token"] = tokenizer.backend.id_to_token(tokenizer.bos_token_id)
+    if tokenizer.eos_token_ids:
+        config["eos_token"] = tokenizer.backend.id_to_token(tokenizer.eos_token_ids[0])
+    if model_max_length is not None:
+        config["model_max_length"] = int(model_max_length)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load ``tokenizer.json`` from a model folder (or the file itself). BOS/EOS ids come from
     ``generation_config.json``, then ``config.json``, then ``tokenizer_config.json`` tokens."""

@@ -433,3 +433,36 @@ def test_loading_never_holds_a_second_full_copy_on_the_host(tmp_path):
     # One copy, plus the largest parameter (a quarter of this model) in flight, plus slack; a
     # loader holding every tensor before converting measured 2.4 here, this one 1.4.
     assert peak - before < 1.75 * size, (peak - before) / size
+
+
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+def test_export_with_a_tokenizer_loads_everywhere(tmp_path, fmt, capsys):
+    """save_model(..., tokenizer=) writes the tokenizer files: transformers' AutoTokenizer (hf),
+    sj.load_tokenizer and `specjax generate --target` read the folder, with its BOS/EOS."""
+    import tokenizers
+
+    from specjax import cli
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.train_from_iterator(["def f(x):\n    return x\n"] * 20, tokenizers.trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["<s>", "</s>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tok = sj.Tokenizer(bpe, bos_token_id=0, eos_token_ids=(1,))
+    model = tiny_model(seed=3, vocab_size=300, max_pos=128)
+    sj.save_model(model, tmp_path / "m", format=fmt, tokenizer=tok)
+    again = sj.load_tokenizer(tmp_path / "m")
+    text = "def f(x):\n    return x"
+    assert again.encode(text) == tok.encode(text)
+    assert again.bos_token_id == 0 and again.eos_token_ids == (1,)
+    if fmt == "hf":
+        hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+        assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+        assert (hf.bos_token, hf.eos_token) == ("<s>", "</s>")
+        assert json.loads((tmp_path / "m" / "generation_config.json").read_text()) == {
+            "bos_token_id": 0, "eos_token_id": 1}
+    assert cli.main(["generate", "--target", str(tmp_path / "m"), "--method", "none",
+                     "--prompt", "def f(x):", "--max-new-tokens", "6", "--no-stream"]) == 0
+    assert capsys.readouterr().out.startswith("def f(x):")
+    with pytest.raises(ValueError, match="more than the model's vocab_size 16"):
+        sj.save_model(tiny_model(seed=3), tmp_path / "small", tokenizer=tok)
