@@ -8,10 +8,9 @@ defaults, greedy, batch 1, interleaved repeats; medians and the ratio printed.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import specjax as sj
+from specjax import timing
 from specjax.bench import CHECKPOINTS
 
 
@@ -32,17 +31,12 @@ def main() -> None:
             lambda r=rounds: list(sj.stream(target, [args.prompt], rounds_per_chunk=r, **kw)))
     for run in runs.values():
         run()  # compile
-    seconds = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            seconds[name].append(time.perf_counter() - t0)
-    base = statistics.median(seconds["generate"])
+    medians = timing.median_seconds(
+        {name: lambda run=run: timing.timed(run)[1] for name, run in runs.items()}, args.repeats)
+    base = medians["generate"]
     print(f"{args.new_tokens} new tokens, greedy, batch 1, median of {args.repeats} interleaved "
           f"calls (prefill and text included)")
-    for name, values in seconds.items():
-        m = statistics.median(values)
+    for name, m in medians.items():
         print(f"{name:34} {1e3 * m:8.1f} ms   x{m / base:.3f} of generate")
 
 

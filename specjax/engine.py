@@ -186,13 +186,9 @@ def _logprobs(plan: Plan, request: Request, logits: Array, tokens: Array
 
 
 def _write_logprobs(stored, new, start: Array):
-    """Write a round's logprobs ([B, T], [B, T, K], [B, T, K]) at slots start.. of each row."""
-    token, ids, top = stored
-    B, T = new[0].shape
-    rows = jnp.arange(B)[:, None]
-    at = jnp.minimum(start[:, None] + jnp.arange(T)[None, :], token.shape[1] - 1)
-    return (token.at[rows, at].set(new[0]), ids.at[rows, at].set(new[1]),
-            top.at[rows, at].set(new[2]))
+    """Write a round's logprobs ([B, T], [B, T, K], [B, T, K]) at slots start.. of each row, as
+    the tokens are written (``cache.write``: slots past the capacity dropped)."""
+    return tuple(kv.write(buffer, x, start) for buffer, x in zip(stored, new))
 
 
 def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, prompt_lengths: Array,
@@ -361,12 +357,11 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
                                     chunk_mask=jnp.asarray(tree.ancestors), taps=plan.taps)
     target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
     verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid, draft.probs)
+    nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)  # root, path
     if plan.filters.greedy:
-        nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
         near = sampling_lib.near_ties(logits, plan.target.dtype)  # [B, N]
         verdict = dataclasses.replace(verdict, near_ties=jnp.take_along_axis(near, nodes, axis=1))
     if plan.logprobs is not None:  # at the root and the accepted path's nodes
-        nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
         verdict = dataclasses.replace(verdict, logprobs=_logprobs(
             plan, request, jnp.take_along_axis(logits, nodes[:, :, None], axis=1),
             verdict.tokens))
@@ -374,7 +369,6 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
     if hasattr(plan.proposer, "commit"):  # a proposer with a cache of its own compacts it too
         draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
                                            verdict.num_accepted)
-    nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)
     hidden = jnp.take_along_axis(hidden, nodes[:, :, None], axis=1)  # entries past it are stale
     return verdict, cache, hidden, draft_state
 
@@ -995,10 +989,16 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
     """The caller's rows of the final state as a Generation (one read of the device)."""
     B = len(rows)
     history, generated = _fetch(state.history), _fetch(state.num_generated)[:B]
-    tokens = np.full((B, max_new), -1, np.int32)
-    for b, r in enumerate(rows):
-        n = int(generated[b])
-        tokens[b, :n] = history[b, len(r):len(r) + n]
+
+    def generated_part(buffer: np.ndarray, fill) -> np.ndarray:
+        """Each row's generated slots of a per-slot buffer [B_pad, S, ...] -> [B, max_new, ...],
+        ``fill`` past each row's end."""
+        out = np.full((B, max_new) + buffer.shape[2:], fill, buffer.dtype)
+        for b, r in enumerate(rows):
+            out[b, :generated[b]] = buffer[b, len(r):len(r) + generated[b]]
+        return out
+
+    tokens = generated_part(history, -1)
     per_round = (0 if plan.proposer is None
                  else getattr(plan.proposer, "draft_forwards_per_round", 0))
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves((state.cache, state.draft_state)))
@@ -1011,15 +1011,9 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
         cache_bytes_per_row=cache_bytes // state.length.shape[0], capacity=plan.capacity)
     logprobs = None
     if state.logprobs is not None:
-        stored = _fetch(tuple(state.logprobs))
-        K = stored[1].shape[-1]
-        logprobs = Logprobs(np.full((B, max_new), np.nan, np.float32),
-                            np.full((B, max_new, K), -1, np.int32),
-                            np.full((B, max_new, K), np.nan, np.float32))
-        for b, r in enumerate(rows):
-            n = int(generated[b])
-            for out, got in zip((logprobs.token, logprobs.top_ids, logprobs.top), stored):
-                out[b, :n] = got[b, len(r):len(r) + n]
+        token, top_ids, top = _fetch(tuple(state.logprobs))
+        logprobs = Logprobs(generated_part(token, np.nan), generated_part(top_ids, -1),
+                            generated_part(top, np.nan))
     return Generation(tokens=tokens, lengths=np.asarray(generated, np.int32), stats=stats,
                       logprobs=logprobs)
 
