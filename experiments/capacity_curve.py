@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import specjax as sj
-from specjax import attention, bench, timing
+from specjax import attention, timing
 
 CAPACITIES = (128, 256, 512, 1024, 2048, 4096)
 LIVE = (64, 2000)
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2,
                         help="also the 64-live curve for this many rows (blocked only)")
     args = parser.parse_args()
-    target = sj.load_model(bench.CHECKPOINTS / "code-target", args.dtype)
+    target = sj.load_model(sj.bundled("code-target"), args.dtype)
     timers = {}
     for live in LIVE:
         for S in CAPACITIES:

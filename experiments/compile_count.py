@@ -45,9 +45,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    target = sj.load_model(bench.CHECKPOINTS / "code-target")
-    draft = sj.load_draft_model(bench.CHECKPOINTS / "code-draft")
-    tokenizer = sj.load_tokenizer(bench.CHECKPOINTS / "code-target")
+    target = sj.load_model(sj.bundled("code-target"))
+    draft = sj.load_draft_model(sj.bundled("code-draft"))
+    tokenizer = sj.load_tokenizer(sj.bundled("code-target"))
     texts = [tokenizer.encode(p["text"]) for p in bench.load_prompts()]
     rng = np.random.default_rng(args.seed)
 

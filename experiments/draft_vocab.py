@@ -43,7 +43,7 @@ def main():
     ap.add_argument("--train", type=pathlib.Path,
                     default=pathlib.Path.home() / "specjax-work" / "train.npy")
     args = ap.parse_args()
-    ckpt = bench.CHECKPOINTS
+    ckpt = sj.bundled().parent
     target = sj.load_model(ckpt / "code-target", dtype="float32")
     draft = sj.load_model(ckpt / "code-draft", dtype="float32")
     tok = sj.load_tokenizer(ckpt / "code-target")

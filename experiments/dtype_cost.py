@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax as sj
-from specjax import bench, timing
+from specjax import timing
 
 CAPACITY, CONTEXT = 256, 64
 
@@ -75,7 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    ckpt = bench.CHECKPOINTS
+    ckpt = sj.bundled().parent
     models = {d: (sj.load_model(ckpt / "code-target", d),
                   sj.load_draft_model(ckpt / "code-draft", d)) for d in ("float32", "stored")}
     cfg = models["float32"][0].config

@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args()
-    ckpt = bench.CHECKPOINTS
+    ckpt = sj.bundled().parent
     target = sj.load_model(ckpt / "code-target", dtype="float32")
     draft = sj.load_draft_model(ckpt / "code-draft", dtype="float32")  # as shipped: cut vocabulary
     eagle = sj.load_heads(ckpt / "code-eagle", target)

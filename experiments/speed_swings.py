@@ -38,9 +38,9 @@ def child(repeats: int) -> dict:
     import jax.numpy as jnp
 
     import specjax as sj
-    from specjax import bench, timing
+    from specjax import timing
 
-    target = sj.load_model(bench.CHECKPOINTS / "code-target", "float32")
+    target = sj.load_model(sj.bundled("code-target"), "float32")
     step = timing.forward_timer(target, 1, 256, 64)
     weights = timing.step_weight_bytes(target)
 

@@ -11,7 +11,6 @@ import argparse
 
 import specjax as sj
 from specjax import timing
-from specjax.bench import CHECKPOINTS
 
 
 def main() -> None:
@@ -20,9 +19,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--prompt", default="import os\n\n\ndef read_config(path):\n")
     args = ap.parse_args()
-    target = sj.load_model(CHECKPOINTS / "code-target")
-    draft = sj.load_draft_model(CHECKPOINTS / "code-draft")
-    tok = sj.load_tokenizer(CHECKPOINTS / "code-target")
+    target = sj.load_model(sj.bundled("code-target"))
+    draft = sj.load_draft_model(sj.bundled("code-draft"))
+    tok = sj.load_tokenizer(sj.bundled("code-target"))
     kw = dict(sampling=sj.SamplingParams(temperature=0, max_new_tokens=args.new_tokens),
               spec=sj.SpecConfig(num_speculative_tokens=4), draft=draft, tokenizer=tok)
     runs = {"generate": lambda: sj.generate(target, [args.prompt], return_text=True, **kw)}

@@ -11,6 +11,7 @@ import warnings as _warnings
 
 # Building blocks (pure functions, usable on their own)
 from . import draft, roofline, sampling, shapes, theory, verify
+from .bundle import bundled
 from .cache import KVCache
 
 # Checkpoints
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
     "load_model", "save_model", "CheckpointError", "load_tokenizer", "save_tokenizer", "Tokenizer",
+    "bundled",
     "Model", "init_model", "logits", "forward", "prefill", "KVCache",
     "DraftModel", "DraftVocab", "load_draft_model",
     "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",

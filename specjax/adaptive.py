@@ -425,8 +425,8 @@ def calibrate_main(argv=None) -> int:
         description="Fit the calibration of a draft model's confidence (adaptive draft lengths, "
                     "SpecConfig.survival_threshold) on prompts cut from a held-out token "
                     "stream, and save it as calibration.json in the draft folder.")
-    ap.add_argument("--target", default="checkpoints/code-target")
-    ap.add_argument("--draft", default="checkpoints/code-draft")
+    ap.add_argument("--target", help="the target folder (default: the bundled code-target)")
+    ap.add_argument("--draft", help="the draft folder (default: the bundled code-draft)")
     ap.add_argument("--data", default="~/specjax-work",
                     help="folder with heldout.npy (`specjax train pair data`)")
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -435,7 +435,13 @@ def calibrate_main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled rows' fit")
     ap.add_argument("--out", help="folder to write calibration.json to (default: --draft)")
     args = ap.parse_args(argv)
+    from .bundle import bundled
     from .checkpoint import load_model
+    try:
+        args.target = args.target or str(bundled("code-target"))
+        args.draft = args.draft or str(bundled("code-draft"))
+    except FileNotFoundError as e:
+        ap.error(str(e))
     from .draft.draft_model import load_draft_model
     for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
         if getattr(args, name) < 1:

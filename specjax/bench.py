@@ -70,6 +70,7 @@ import numpy as np
 from . import adaptive, engine, theory
 from . import roofline as roofline_lib
 from . import stats as stats_lib
+from .bundle import bundled
 from .config import SamplingParams, SpecConfig
 from .draft import registry
 from .draft.draft_model import as_draft_model
@@ -79,7 +80,6 @@ from .timing import forward_timer, memory_bandwidth, round_timers, step_weight_b
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
-CHECKPOINTS = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
@@ -591,6 +591,7 @@ def main(args) -> int:
             if args.num_prompts < 1:
                 raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
             texts = texts[:args.num_prompts]
+        args.target = args.target or str(bundled("code-target"))
         target = load_model(args.target, dtype=args.dtype)
         tok = load_tokenizer(args.target)
         prompts = [tok.encode(p["text"]) for p in texts]
@@ -612,9 +613,11 @@ def main(args) -> int:
             print("--target-shape: random weights accept nothing; using synthetic acceptance "
                   "0.8 (NOT LOSSLESS, benchmark only)", file=sys.stderr)
     else:
+        if needs_draft:
+            args.draft = args.draft or str(bundled("code-draft"))
         draft = (load_draft_model(args.draft, dtype=args.dtype,
                                   full_vocab=args.full_draft_vocab) if needs_draft else None)
-        drafters = {m: load_heads(getattr(args, m, None) or CHECKPOINTS / f"code-{m}", target)
+        drafters = {m: load_heads(getattr(args, m, None) or bundled(f"code-{m}"), target)
                     for m in heads}
     specs = []
     for m in methods:
@@ -664,7 +667,7 @@ def main(args) -> int:
         else:
             result["settings"].update(
                 target=str(args.target), draft=str(args.draft) if draft is not None else None,
-                drafters={m: str(getattr(args, m, None) or CHECKPOINTS / f"code-{m}")
+                drafters={m: str(getattr(args, m, None) or bundled(f"code-{m}"))
                           for m in drafters})
         print(format_table(result), flush=True)
         results.append(result)

@@ -5,7 +5,8 @@
     specjax bench    [--gammas 2,4,6 --temperatures 0,0.8 --json PATH]   held-out prompt table
     specjax train pair {data,target,draft,export}   build the bundled target/draft pair
 
-``generate`` and ``bench`` default to the bundled pair in checkpoints/.
+``generate`` and ``bench`` default to the bundled pair (``sj.bundled``: the repository's
+checkpoints/, or the copy a wheel carries).
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import pathlib
 import sys
 
 import jax
 import numpy as np
 
 from . import shapes, theory
-from .bench import CHECKPOINTS, lookup_options, parted_at_near_tie
+from .bench import lookup_options, parted_at_near_tie
+from .bundle import bundled
 from .checkpoint import DTYPES
 from .config import ModelConfig, SamplingParams, SpecConfig
 from .draft import names as draft_methods
@@ -151,17 +152,16 @@ def _generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens,
                               stop=[_unescape(x) for x in args.stop] if args.stop else None)
-    _bundled(args.target)
     target = load_model(args.target, dtype=args.dtype)
     tok = load_tokenizer(args.target)
     draft = None
     if spec is not None and spec.needs_draft_model:
         from .draft import load_draft_model
-        draft = load_draft_model(args.draft or CHECKPOINTS / "code-draft", dtype=args.dtype,
+        draft = load_draft_model(args.draft or bundled("code-draft"), dtype=args.dtype,
                                  full_vocab=args.full_draft_vocab)
     elif spec is not None and spec.needs_heads:
         from .draft import load_heads
-        draft = load_heads(args.draft or CHECKPOINTS / f"code-{spec.method}", target)
+        draft = load_heads(args.draft or bundled(f"code-{spec.method}"), target)
     runs = [("speculative" if spec else "autoregressive", spec, draft)]
     if args.compare and spec is not None:
         runs.append(("autoregressive", None, None))
@@ -250,11 +250,12 @@ def _add_generate(sub) -> None:
     g.add_argument("--prompt", default="def fibonacci(n):")
     g.add_argument("--repeats", type=int, default=3,
                    help="with --compare: timed passes of each, interleaved (median shown)")
-    g.add_argument("--target", default=str(CHECKPOINTS / "code-target"),
-                   help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
+    g.add_argument("--target",
+                   help="any sj.load_model folder holding a tokenizer.json (default: the bundled "
+                        "code-target)")
     g.add_argument("--draft",
                    help="draft model folder for --method draft_model, heads folder for medusa / "
-                        "eagle / dflash / mtp (default: the bundled checkpoints/code-draft, "
+                        "eagle / dflash / mtp (default: the bundled code-draft, "
                         "code-medusa, code-eagle, code-dflash, code-mtp)")
     g.add_argument("--full-draft-vocab", action="store_true",
                    help="draft over the whole vocabulary even when the draft folder ships a "
@@ -313,15 +314,17 @@ def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="speculative vs autoregressive on held-out prompts: a table",
                        description=bench_doc,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("--target", default=str(CHECKPOINTS / "code-target"),
-                   help="any sj.load_model folder holding a tokenizer.json (default: bundled)")
+    b.add_argument("--target",
+                   help="any sj.load_model folder holding a tokenizer.json (default: the bundled "
+                        "code-target)")
     b.add_argument("--target-shape", choices=shapes.names(), metavar="NAME",
                    help="instead of --target: random weights in the shape of a common model ("
                         + ", ".join(shapes.names()) + "), with a one-layer draft and fresh "
                         "heads, random prompts and synthetic acceptance (0.8 unless "
                         "--synthetic-acceptance): NOT LOSSLESS, benchmark only")
-    b.add_argument("--draft", default=str(CHECKPOINTS / "code-draft"),
-                   help="draft model folder for --method draft_model (default: bundled)")
+    b.add_argument("--draft",
+                   help="draft model folder for --method draft_model (default: the bundled "
+                        "code-draft)")
     b.add_argument("--full-draft-vocab", action="store_true",
                    help="draft over the whole vocabulary even when the draft folder ships a "
                         "draft vocabulary (draft_vocab.npy; the bundled draft does)")
@@ -329,11 +332,11 @@ def _add_bench(sub) -> None:
                    help=f"draft methods to compare in one run: {', '.join(draft_methods())} "
                         f"(default draft_model)")
     b.add_argument("--medusa",
-                   help="Medusa heads folder (default: bundled checkpoints/code-medusa)")
-    b.add_argument("--eagle", help="EAGLE head folder (default: bundled checkpoints/code-eagle)")
+                   help="Medusa heads folder (default: the bundled code-medusa)")
+    b.add_argument("--eagle", help="EAGLE head folder (default: the bundled code-eagle)")
     b.add_argument("--dflash",
-                   help="block drafter folder (default: bundled checkpoints/code-dflash)")
-    b.add_argument("--mtp", help="MTP modules folder (default: bundled checkpoints/code-mtp)")
+                   help="block drafter folder (default: the bundled code-dflash)")
+    b.add_argument("--mtp", help="MTP modules folder (default: the bundled code-mtp)")
     b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
                    metavar="G,G,...", help="chains of this many drafts to compare (default "
                                            "2,4,6; '' for none, e.g. with --tree)")
@@ -383,10 +386,11 @@ def _add_bench(sub) -> None:
     b.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
 
 
-def _bundled(path: str) -> None:
-    if not pathlib.Path(path).exists() and path == str(CHECKPOINTS / "code-target"):
-        raise FileNotFoundError(f"the bundled pair is not in {CHECKPOINTS}: pass --target "
-                                f"(and --draft) folders, or build it with `specjax train pair`")
+def _default_models(args) -> None:
+    """Fill in the bundled models for the folders not given (a clear error when this install
+    has none)."""
+    if args.target is None:
+        args.target = str(bundled("code-target"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -446,14 +450,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         try:
+            _default_models(args)
             return _generate(args)
         except (ValueError, FileNotFoundError) as e:
             parser.error(str(e))
     if args.command == "bench":
         from .bench import main as bench_main
         try:
-            if args.target_shape is None:
-                _bundled(args.target)
             return bench_main(args)
         except (ValueError, FileNotFoundError) as e:
             parser.error(str(e))

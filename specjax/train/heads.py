@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..bundle import bundled
 from ..cache import KVCache
 from ..config import ModelConfig
 from ..draft import heads as heads_lib
@@ -221,7 +222,7 @@ def heads_main(argv=None) -> int:
                     "target (self-distillation on the target's own distributions); resumes "
                     "from --workdir.")
     ap.add_argument("method", choices=list(heads_lib.HEADS_METHODS))
-    ap.add_argument("--target", default="checkpoints/code-target", help="the frozen target")
+    ap.add_argument("--target", help="the frozen target (default: the bundled code-target)")
     ap.add_argument("--data", default="~/specjax-work",
                     help="folder with train.npy and heldout.npy (`specjax train pair data`)")
     ap.add_argument("--workdir", required=True, help="run folder (checkpoints, run.json)")
@@ -254,6 +255,10 @@ def heads_main(argv=None) -> int:
         ap.error(f"--data {data}: no {' or '.join(missing)} there; build the token streams "
                  f"with `specjax train pair data --workdir DIR` and pass --data DIR")
     tokens, heldout = np.load(data / "train.npy"), np.load(data / "heldout.npy")
+    try:
+        args.target = args.target or str(bundled("code-target"))
+    except FileNotFoundError as e:
+        ap.error(f"--target: {e}")
     try:
         target = load_model(args.target)
     except (ValueError, FileNotFoundError) as e:
