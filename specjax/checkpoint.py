@@ -1,7 +1,8 @@
 """Checkpoints: Hugging Face folders (config.json + safetensors) and orbax folders.
 
-Hugging Face weights are read tensor by tensor from safetensors files, cast and placed on the
-device one parameter at a time, so a multi-GB model is never held twice in host memory. Every
+Hugging Face weights are read tensor by tensor from safetensors files (with the safetensors
+package), cast and placed on the device one parameter at a time, so a multi-GB model is never
+held twice in host memory; on a mesh each device reads only its own slice of each tensor. Every
 check (files, architecture, names, shapes, file integrity) runs before the model is returned:
 nothing half-loaded escapes.
 
@@ -22,13 +23,12 @@ import json
 import logging
 import os
 import pathlib
-import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for safetensors' reads)
 import numpy as np
 
 from .config import ModelConfig, RopeScaling
@@ -53,94 +53,62 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors: 8-byte little-endian header size, a JSON header, then raw little-endian tensors.
-
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-              "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-              "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
+# safetensors, through the safetensors package; its errors are re-raised naming the file.
 
 class SafetensorsFile:
-    """A safetensors file whose header has been checked against its size. Tensors are read one
-    at a time with positioned reads (not a memory map, whose touched pages would count as the
-    process's memory until it is closed)."""
+    """A safetensors file whose header safetensors has checked against the file's size. Each read
+    opens the file for that tensor (or slice) alone and closes it, so the memory map's touched
+    pages are not held across the whole load (they would count as the process's memory)."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path} is truncated: {size} bytes, no safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100_000_000:
-                raise CheckpointError(f"{path} is corrupt or truncated: header claims {n} bytes, "
-                                      f"file has {size}")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{path} has a corrupt safetensors header ({e})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{path} has a corrupt safetensors header (not an object)")
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self.start = 8 + n
-        self.entries = header
-        for name, e in header.items():
-            if isinstance(e, dict) and e.get("dtype") not in _ST_DTYPES:
-                raise CheckpointError(f"{path}: tensor {name!r} has dtype {e.get('dtype')!r}; "
-                                      f"supported: {', '.join(_ST_DTYPES)}")
-            try:
-                dtype = np.dtype(_ST_DTYPES[e["dtype"]])
-                begin, end = e["data_offsets"]
-                count = int(np.prod(e["shape"], dtype=np.int64))
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: tensor {name!r} has a bad header entry {e!r}"
-                                      ) from None
-            if end - begin != count * dtype.itemsize or begin < 0:
-                raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes, its "
-                                      f"shape {e['shape']} needs {count * dtype.itemsize}")
-            if self.start + end > size:
-                raise CheckpointError(f"{path} is truncated: tensor {name!r} ends at byte "
-                                      f"{self.start + end}, the file has {size}")
+        with self._open() as f:
+            self.metadata = f.metadata() or {}
+            self.entries = {name: (f.get_slice(name).get_dtype(),
+                                   tuple(f.get_slice(name).get_shape())) for name in f.keys()}
+
+    def _open(self):
+        from safetensors import SafetensorError, safe_open
+        try:
+            return safe_open(self.path, framework="numpy")
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.path} is corrupt or truncated (safetensors: {e})"
+                                  ) from None
+
+    def _read(self, name: str, index: tuple[slice, ...] | None) -> np.ndarray:
+        from safetensors import SafetensorError
+        try:
+            with self._open() as f:
+                x = f.get_tensor(name) if index is None else f.get_slice(name)[index]
+        except (SafetensorError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor {name!r} "
+                                  f"({self.entries[name][0]}: {e})") from None
+        return np.array(x)  # owns its memory once the file is closed
 
     def get(self, name: str) -> np.ndarray:
         """One tensor, read from disk into a fresh array."""
-        e = self.entries[name]
-        begin, end = e["data_offsets"]
-        out = np.empty(e["shape"], _ST_DTYPES[e["dtype"]])
-        with open(self.path, "rb") as f:
-            f.seek(self.start + begin)
-            if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != end - begin:
-                raise CheckpointError(f"{self.path} was truncated while reading {name!r}")
-        return out
+        return self._read(name, None)
+
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The part ``index`` (one slice per axis) of a tensor, reading only those bytes' rows."""
+        return self._read(name, index)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entries[name]["shape"])
+        return self.entries[name][1]
 
 
 def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray],
                       metadata: dict[str, str] | None = None) -> None:
-    """Write tensors (numpy, any of the safetensors dtypes) to one file."""
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    arrays = {}
-    for name, array in tensors.items():
-        a = np.ascontiguousarray(array)
-        if a.dtype not in _ST_NAMES:
-            raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be stored in safetensors")
-        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays[name] = a
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
+    """Write tensors (numpy, any of the safetensors dtypes) to one file (through a temporary
+    sibling, renamed into place)."""
+    from safetensors.numpy import save_file
+    arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for a in arrays.values():
-            f.write(a.tobytes())
+    try:
+        save_file(arrays, tmp, metadata=metadata or {"format": "pt"})
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write {path} with safetensors: {e}") from e
     os.replace(tmp, path)
 
 
@@ -313,8 +281,14 @@ def _weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
+Fetch = Callable[[tuple[slice, ...] | None], np.ndarray]
+"""Reads one parameter in our layout and dtype: the whole of it (None) or one part (a slice per
+axis), reading only that part of the file."""
+
+
 def _load_hf(folder: pathlib.Path, dtype: str | None,
-             place: Callable[[tuple[str, ...], np.ndarray, ModelConfig], Any]) -> Model:
+             place: Callable[[tuple[str, ...], tuple[int, ...], Fetch, ModelConfig], Any]
+             ) -> Model:
     config_path = folder / "config.json"
     try:
         hf_config = json.loads(config_path.read_text())
@@ -326,7 +300,7 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
     target_dtype = np.dtype(jnp.dtype(cfg.dtype))
     used: set[str] = set()
 
-    def read(name: str, shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+    def fetcher(name: str, shape: tuple[int, ...], transpose: bool) -> Fetch:
         if name not in where:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {folder}")
         f = where[name]
@@ -335,15 +309,19 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
             raise CheckpointError(f"tensor {name!r} in {f.path.name} has shape {f.shape(name)}, "
                                   f"expected {tuple(want)}")
         used.add(name)
-        x = f.get(name)
-        return (x.T if transpose else x).astype(target_dtype)
+
+        def fetch(index):
+            if index is None:
+                x = f.get(name)
+            else:  # the file holds [out, in] where we hold [in, out]
+                x = f.get_slice(name, tuple(index)[::-1] if transpose else tuple(index))
+            return (x.T if transpose else x).astype(target_dtype)
+        return fetch
 
     params: dict = {}
     for path, leaf in _leaves(_abstract_params(cfg)):
         name, transpose = hf_name(path)
-        array = read(name, leaf.shape, transpose)
-        _set(params, path, place(path, array, cfg))
-        del array  # one parameter at a time on the host
+        _set(params, path, place(path, leaf.shape, fetcher(name, leaf.shape, transpose), cfg))
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unused = sorted(n for n in set(where) - used - ignorable
                     if not n.endswith("rotary_emb.inv_freq"))
@@ -463,17 +441,18 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
             model = shard(model, mesh, replicate=True)
         return model
     if (folder / "config.json").exists():
-        if mesh is None:
-            return _load_hf(folder, dtype, lambda path, array, cfg: jax.device_put(array))
+        if mesh is None:  # one parameter at a time on the host
+            return _load_hf(folder, dtype,
+                            lambda path, shape, fetch, cfg: jax.device_put(fetch(None)))
         from jax.sharding import NamedSharding, PartitionSpec
 
         from .sharding import param_spec
 
-        def place(path, array, cfg):
-            spec = PartitionSpec() if replicate else param_spec(
-                "/".join(path), cfg, mesh.shape["model"])
-            s = NamedSharding(mesh, spec)
-            return jax.make_array_from_callback(array.shape, s, lambda index: array[index])
+        def place(path, shape, fetch, cfg):
+            if replicate:  # read once, a full copy on every device
+                return jax.device_put(fetch(None), NamedSharding(mesh, PartitionSpec()))
+            s = NamedSharding(mesh, param_spec("/".join(path), cfg, mesh.shape["model"]))
+            return jax.make_array_from_callback(shape, s, fetch)  # each device reads its part
         return _load_hf(folder, dtype, place)
     raise FileNotFoundError(f"{folder} holds neither a Hugging Face model (config.json) nor a "
                             f"specjax checkpoint ({SPECJAX_FILE})")

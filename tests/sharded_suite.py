@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import attention, engine, sharding
+from specjax import attention, checkpoint, engine, sharding
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
@@ -198,12 +198,22 @@ def test_no_full_weight_gathers_inside_the_loop(models):
 
 
 @pytest.mark.parametrize("fmt", ["orbax", "hf"])
-def test_sharded_load_equals_unsharded(models, tmp_path, fmt):
+def test_sharded_load_equals_unsharded(models, tmp_path, fmt, monkeypatch):
     target, _, _ = models
     sj.save_model(target, tmp_path / "m", format=fmt)
     mesh = sj.make_mesh(data=2, model=4)
     plain = _flat(sj.load_model(tmp_path / "m").params)
+    reads = []  # Hugging Face files: each device reads only its slice (safetensors' slices)
+    get_slice = checkpoint.SafetensorsFile.get_slice
+    monkeypatch.setattr(checkpoint.SafetensorsFile, "get_slice", lambda self, name, index: (
+        reads.append((name, index)) or get_slice(self, name, index)))
+    monkeypatch.setattr(checkpoint.SafetensorsFile, "get", None)  # no whole-tensor read
     sharded = _flat(sj.load_model(tmp_path / "m", mesh=mesh).params)
+    monkeypatch.undo()
+    if fmt == "hf":
+        q = [i for name, i in reads if name == "model.layers.0.self_attn.q_proj.weight"]
+        rows = sorted({(i[0].start, i[0].stop) for i in q})
+        assert len(q) == 8 and rows == [(k * 16, (k + 1) * 16) for k in range(4)], q
     replicated = _flat(sj.load_model(tmp_path / "m", mesh=mesh, replicate=True).params)
     for name, leaf in sharded.items():
         assert leaf.sharding.spec == EXPECTED[name], name
