@@ -370,6 +370,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 ar_ttft_ms=1e3 * ar.median("ttft"), spec_ttft_ms=1e3 * sp.median("ttft"),
                 ar_tpot_ms=1e3 * ar.median("tpot"), spec_tpot_ms=1e3 * sp.median("tpot"),
                 latency={"ar": ar.latency(), "spec": sp.latency()},
+                tpot_samples_ms={"ar": [1e3 * x for x in ar.call_tpot],
+                                 "spec": [1e3 * x for x in sp.call_tpot]},
                 memory={"ar": memory["ar"], "spec": memory[i]},
                 **_pooled(sp.outputs))
             row["spec_round_ms"] = 1e3 * sp.median("round_seconds")  # in the generate loop

@@ -381,8 +381,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--verify-budget", action="store_true",
                    help="also each adaptive chain with the batch's verify budget, its costs "
                         "measured at each batch size (SpecConfig.verify_costs)")
-    b.add_argument("--plots", metavar="DIR",
-                   help="write speedup_vs_batch.png and reliability.png there (matplotlib)")
+    b.add_argument("--plot", "--plots", dest="plots", metavar="DIR",
+                   help="write PNG figures there (matplotlib): speed-up against γ, per-position "
+                        "acceptance, TPOT distributions, speed-up against batch size, and the "
+                        "reliability diagram of adaptive variants")
     b.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")
 
 

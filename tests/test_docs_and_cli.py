@@ -270,7 +270,7 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
                      str(model_folders / "d"), "--gammas", "3", "--survival-threshold", "0.1",
                      "--temperatures", "0", "--max-new-tokens", "10", "--repeats", "1",
                      "--verify-repeats", "1", "--num-prompts", "2", "--max-prompt-tokens", "40",
-                     "--batch-size", "1,2", "--verify-budget", "--plots", str(tmp_path / "png"),
+                     "--batch-size", "1,2", "--verify-budget", "--plot", str(tmp_path / "png"),
                      "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["settings"]["batch_size"] for r in runs] == [1, 2]
@@ -285,8 +285,13 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
         assert sum(n for _, _, n in scored["reliability"]) <= scored["proposed_tokens"]
         assert run["rows"][0]["reliability"] == [] and np.isnan(run["rows"][0][
             "calibration_error"])
-    for name in ("speedup_vs_batch.png", "reliability.png"):
+    for name in ("speedup_vs_gamma.png", "acceptance_per_position.png", "tpot.png",
+                 "speedup_vs_batch.png", "reliability.png"):
         assert (tmp_path / "png" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for run in runs:  # one TPOT per generate call: 2 prompts (one a call at batch 1), 1 repeat
+        calls = 2 // run["settings"]["batch_size"]
+        assert all(len(r["tpot_samples_ms"]["spec"]) == len(r["tpot_samples_ms"]["ar"]) == calls
+                   and min(r["tpot_samples_ms"]["spec"]) > 0 for r in run["rows"])
     rows = runs[0]["rows"]
     assert [r["label"] for r in rows] == ["chain 3", "chain 3 adaptive 0.1",
                                           "chain 3 adaptive 0.1 budget"]
@@ -304,6 +309,34 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
                      "--max-new-tokens", "4", "--repeats", "1", "--verify-repeats", "1",
                      "--num-prompts", "1", "--max-prompt-tokens", "40"]) == 0
     assert "no adaptive variants for ngram" in capsys.readouterr().err
+
+
+def test_plot_series():
+    """What the figures draw: speed-up against γ groups a method's static chains into one
+    series per temperature (adaptive, budgeted and synthetic rows left out; a tree one point at
+    its depth; batch sizes told apart when there are several); TPOT samples put the
+    autoregressive baseline first, once per temperature."""
+    from specjax import plots
+
+    def row(method, depth, speedup, t=0.0, batch=1, **kw):
+        return dict(method=method, label=f"chain {depth}", depth=depth, speedup=speedup,
+                    temperature=t, batch_size=batch, tree=None, survival_threshold=None,
+                    verify_costs=None, synthetic_acceptance=None,
+                    tpot_samples_ms={"ar": [2.0, 2.2], "spec": [1.0 * depth, 1.1]}, **kw)
+    rows = [row("draft_model", 4, 1.5), row("draft_model", 2, 1.3), row("ngram", 2, 1.1),
+            row("draft_model", 4, 1.2, t=0.8), {**row("draft_model", 4, 1.7),
+                                                  "survival_threshold": 0.1},
+            {**row("draft_model", 3, 1.4), "tree": [[0]], "label": "tree 5/3"}]
+    assert plots.speedup_by_gamma(rows) == {
+        0.0: {"draft_model": [(2, 1.3), (4, 1.5)], "ngram": [(2, 1.1)],
+              "draft_model tree 5/3": [(3, 1.4)]},
+        0.8: {"draft_model": [(4, 1.2)]}}
+    two = plots.speedup_by_gamma([row("ngram", 2, 1.1), row("ngram", 2, 0.9, batch=8)])
+    assert two == {0.0: {"ngram (batch 1)": [(2, 1.1)], "ngram (batch 8)": [(2, 0.9)]}}
+    tpot = plots.tpot_samples(rows[:3])
+    assert list(tpot[0.0]) == ["autoregressive", "draft_model chain 4", "draft_model chain 2",
+                               "ngram chain 2"]
+    assert tpot[0.0]["draft_model chain 4"] == [4.0, 1.1]
 
 
 def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
