@@ -446,15 +446,22 @@ def calibrate_main(argv=None) -> int:
     for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    stream = np.load(pathlib.Path(args.data).expanduser() / "heldout.npy")
+    heldout = pathlib.Path(args.data).expanduser() / "heldout.npy"
+    if not heldout.is_file():
+        ap.error(f"--data {args.data}: no heldout.npy there; build the token streams with "
+                 f"`specjax train pair data --workdir DIR` and pass --data DIR")
+    stream = np.load(heldout)
     span = args.prompt_tokens
     if stream.size < args.num_prompts * span:
         raise SystemExit(f"heldout.npy has {stream.size} tokens, fewer than --num-prompts x "
                          f"--prompt-tokens = {args.num_prompts * span}")
     starts = np.linspace(0, stream.size - span, args.num_prompts).astype(int)
     prompts = [[int(t) for t in stream[s:s + span]] for s in starts]
-    target = load_model(args.target, dtype="float32")
-    draft = load_draft_model(args.draft, dtype="float32")
+    try:
+        target = load_model(args.target, dtype="float32")
+        draft = load_draft_model(args.draft, dtype="float32")
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
     calibration, report = calibrate(target, draft, prompts, temperature=args.temperature,
                                     max_new_tokens=args.max_new_tokens)
     for mode, r in report.items():

@@ -398,6 +398,18 @@ def test_train_heads_names_missing_inputs(capsys, tmp_path):
     assert f"--target {tmp_path / 'nothing'}:" in capsys.readouterr().err
 
 
+def test_train_calibrate_names_missing_inputs(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "calibrate", "--data", str(tmp_path / "none")])
+    assert e.value.code == 2
+    assert f"--data {tmp_path / 'none'}: no heldout.npy there" in capsys.readouterr().err
+    np.save(tmp_path / "heldout.npy", np.zeros(64 * 32, np.int32))
+    with pytest.raises(SystemExit):
+        cli.main(["train", "calibrate", "--data", str(tmp_path), "--draft",
+                  str(tmp_path / "nothing")])
+    assert f"{tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+
+
 def test_python_dash_m_and_version():
     import subprocess
     import sys
