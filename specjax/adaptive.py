@@ -114,9 +114,9 @@ def checked_calibration(c, name: str = "calibration") -> Calibration:
 
 def save_calibration(calibration: Calibration, folder, report: dict | None = None) -> None:
     """Write ``calibration.json`` into a drafter folder (with the fit's report, if given)."""
-    path = pathlib.Path(folder) / FILE
-    path.write_text(json.dumps({**calibration.to_json(), "report": report or {}}, indent=1)
-                    + "\n")
+    from .files import write_atomic
+    write_atomic(pathlib.Path(folder) / FILE,
+                 json.dumps({**calibration.to_json(), "report": report or {}}, indent=1) + "\n")
 
 
 def load_calibration(folder) -> Calibration | None:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for safetensors' reads)
 import numpy as np
 
+from . import files
 from .config import ModelConfig, RopeScaling
 from .model import Model, init_model, stack_layers, unstack_layers
 
@@ -272,8 +273,18 @@ def _weight_files(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+        inside = folder.resolve()
+        for f in sorted(set(weight_map.values())):  # a file of this folder, nothing else
+            where = (folder / f).resolve()
+            if pathlib.PurePath(f).is_absolute() or ".." in pathlib.PurePath(f).parts \
+                    or where.parent != inside:
+                raise CheckpointError(f"{index} names the shard file {f!r}, which is not a file "
+                                      f"of {folder}: refused")
         missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
         if missing:
             raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
@@ -429,6 +440,7 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
     folder = pathlib.Path(path)
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     dtype = compute_dtype(dtype, platform)
+    files.recover_folder(folder)  # a save cut between its two renames (not on Linux)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     if mesh is not None:
@@ -466,8 +478,10 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
     ``generation_config.json`` when BOS/EOS ids are given, or a tokenizer has them). With
     ``tokenizer=`` (an ``sj.Tokenizer``): also ``tokenizer.json`` and ``tokenizer_config.json``,
     so ``transformers.AutoTokenizer``, ``sj.load_tokenizer`` and ``specjax generate --target``
-    read the folder. Model files of an earlier save in the folder are removed first; other files
-    (a tokenizer, a README) are kept."""
+    read the folder. The new save replaces an earlier one (of either format) in one atomic swap:
+    interrupted at any point, the folder holds the complete earlier save or the complete new one
+    (``specjax/files.py``). Files of the user's in the folder (a README, a tokenizer when none is
+    given) are kept."""
     folder = pathlib.Path(path)
     if tokenizer is not None:
         from .tokenizer import Tokenizer, save_tokenizer
@@ -490,42 +504,38 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
                          f"ids beside it as draft_vocab.npy)")
     cfg = model.config
     arch = hf_architecture(cfg) if format == "hf" else None  # refuse before writing anything
-    folder.mkdir(parents=True, exist_ok=True)
-    _remove_model_files(folder)
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, folder, cfg.max_position_embeddings)
-    if format == "orbax":
-        ckpt = _orbax().StandardCheckpointer()
-        ckpt.save((folder / "params").resolve(), model.params, force=True)
-        ckpt.wait_until_finished()
-        meta = {"format": "specjax", "version": ORBAX_VERSION,
-                "config": dataclasses.asdict(model.config)}
-        (folder / SPECJAX_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        return
-    hf = config_to_hf(cfg)
-    assert hf["architectures"] == [arch]
-    if bos_token_id is not None:
-        hf["bos_token_id"] = bos_token_id
-    if eos_token_id is not None:
-        hf["eos_token_id"] = eos_token_id
-    tensors = {}
-    for path_, leaf in _leaves(model.params):
-        leaf = np.asarray(jax.device_get(leaf))
-        name, transpose = hf_name(path_)
-        tensors[name] = leaf.T if transpose else leaf
-    write_safetensors(folder / "model.safetensors", tensors)
-    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    if bos_token_id is not None or eos_token_id is not None:
-        generation = {k: v for k, v in (("bos_token_id", bos_token_id),
-                                        ("eos_token_id", eos_token_id)) if v is not None}
-        (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    with files.replace_folder(folder, _model_file) as tmp:
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp, cfg.max_position_embeddings)
+        if format == "orbax":
+            with _orbax().StandardCheckpointer() as ckpt:  # waits for its threads, even when
+                ckpt.save((tmp / "params").resolve(), model.params, force=True)  # interrupted
+            meta = {"format": "specjax", "version": ORBAX_VERSION,
+                    "config": dataclasses.asdict(model.config)}
+            (tmp / SPECJAX_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            return
+        hf = config_to_hf(cfg)
+        assert hf["architectures"] == [arch]
+        if bos_token_id is not None:
+            hf["bos_token_id"] = bos_token_id
+        if eos_token_id is not None:
+            hf["eos_token_id"] = eos_token_id
+        tensors = {}
+        for path_, leaf in _leaves(model.params):
+            leaf = np.asarray(jax.device_get(leaf))
+            name, transpose = hf_name(path_)
+            tensors[name] = leaf.T if transpose else leaf
+        write_safetensors(tmp / "model.safetensors", tensors)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if bos_token_id is not None or eos_token_id is not None:
+            generation = {k: v for k, v in (("bos_token_id", bos_token_id),
+                                            ("eos_token_id", eos_token_id)) if v is not None}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def _remove_model_files(folder: pathlib.Path) -> None:
-    """Clear an earlier save of either format, so stale weights can never be loaded."""
-    import shutil
-    for f in [folder / SPECJAX_FILE, folder / "config.json", folder / "generation_config.json",
-              folder / "model.safetensors", folder / "model.safetensors.index.json",
-              *folder.glob("model-*-of-*.safetensors")]:
-        f.unlink(missing_ok=True)
-    shutil.rmtree(folder / "params", ignore_errors=True)
+def _model_file(name: str) -> bool:
+    """Whether a folder entry belongs to a save of either format (replaced by the next save,
+    so stale weights can never be loaded); anything else in the folder is the user's."""
+    return name in (SPECJAX_FILE, "config.json", "generation_config.json", "model.safetensors",
+                    "model.safetensors.index.json", "params") or (
+        name.startswith("model-") and name.endswith(".safetensors"))

@@ -25,12 +25,26 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _require_int(owner: Any, name: str, value: Any, minimum: int) -> None:
+def _require_int(owner: Any, name: str, value: Any, minimum: int,
+                 maximum: int | None = None) -> None:
     """Check an int field (numpy ints welcome) and store it back as a plain int."""
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{type(owner).__name__}.{name} must be an int >= {minimum}, "
                          f"got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{type(owner).__name__}.{name}={value!r} is beyond any model this "
+                         f"library can hold (at most {maximum:,}): a corrupt config?")
     object.__setattr__(owner, name, int(value))
+
+
+# Bounds that no real model reaches, so a corrupt or hostile config.json is refused before it
+# allocates anything: token ids are int32, and the largest models have hidden sizes near 2^14,
+# a few hundred layers and contexts of millions of tokens.
+LIMITS = {"vocab_size": 2**31 - 1, "hidden_size": 2**20, "intermediate_size": 2**22,
+          "num_hidden_layers": 2**12, "num_attention_heads": 2**14,
+          "num_key_value_heads": 2**14, "head_dim": 2**16,
+          "max_position_embeddings": 2**28, "sliding_window": 2**28}
+MAX_PARAMS = 10**13
 
 
 def _require_real(owner: Any, name: str, value: Any, ok, allowed: str) -> None:
@@ -90,10 +104,11 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "max_position_embeddings"):
-            _require_int(self, name, getattr(self, name), 1)
+            _require_int(self, name, getattr(self, name), 1, LIMITS[name])
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        _require_int(self, "num_key_value_heads", self.num_key_value_heads, 1)
+        _require_int(self, "num_key_value_heads", self.num_key_value_heads, 1,
+                     LIMITS["num_key_value_heads"])
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple "
@@ -104,18 +119,23 @@ class ModelConfig:
                     f"ModelConfig.hidden_size ({self.hidden_size}) is not divisible by "
                     f"num_attention_heads ({self.num_attention_heads}); set head_dim explicitly")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        _require_int(self, "head_dim", self.head_dim, 2)
+        _require_int(self, "head_dim", self.head_dim, 2, LIMITS["head_dim"])
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         _require_real(self, "rope_theta", self.rope_theta, lambda x: x > 0, "> 0")
         _require_real(self, "rms_norm_eps", self.rms_norm_eps, lambda x: x > 0, "> 0")
         if self.sliding_window is not None:
-            _require_int(self, "sliding_window", self.sliding_window, 1)
+            _require_int(self, "sliding_window", self.sliding_window, 1, LIMITS["sliding_window"])
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got "
                              f"{self.rope_scaling!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.num_params > MAX_PARAMS:
+            raise ValueError(f"ModelConfig describes {self.num_params:.3g} parameters (hidden_size "
+                             f"{self.hidden_size}, intermediate_size {self.intermediate_size}, "
+                             f"{self.num_hidden_layers} layers, vocab_size {self.vocab_size}), "
+                             f"beyond any real model (at most {MAX_PARAMS:.0e}): a corrupt config?")
 
     @property
     def num_params(self) -> int:

@@ -302,13 +302,21 @@ def check_target(record: dict, target: Model, source: str) -> None:
                              f"or train the drafter for this one with `specjax train heads`)")
 
 
+HEADS_FILES = ("drafter.json", "vocab.npy", "weights", "calibration.json")
+"""What a drafter folder's save owns (an earlier save's are replaced; other files stay)."""
+
+
 def save_heads(drafter: Heads, path: str | os.PathLike, target: Model, *,
-               dtype: str | None = None, extra: dict | None = None) -> None:
+               dtype: str | None = None, extra: dict | None = None,
+               files: dict[str, str] | None = None) -> None:
     """Write drafter.json and the trainable weights (orbax) to ``path``; the LM head is the
-    target's and is not saved. dtype: cast the weights (e.g. "bfloat16") before saving."""
+    target's and is not saved. dtype: cast the weights (e.g. "bfloat16") before saving. files:
+    more text files to write in the same save ({name: text}, e.g. a model card). The save
+    replaces an earlier one in one atomic swap (``specjax/files.py``); a calibration.json of the
+    earlier drafter is dropped with it, other files in the folder are kept."""
     import orbax.checkpoint as ocp
-    path = pathlib.Path(path).resolve()
-    path.mkdir(parents=True, exist_ok=True)
+
+    from ..files import replace_folder
     c = drafter.config
     weights = drafter.params["weights"]
     if dtype is not None:
@@ -320,17 +328,24 @@ def save_heads(drafter: Heads, path: str | os.PathLike, target: Model, *,
                   "taps": list(c.taps)} if c.method == "dflash" else {}),
               "dtype": str(jax.tree.leaves(weights)[0].dtype), "target": target_record(target),
               **(extra or {})}
-    (path / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
-    np.save(path / "vocab.npy", np.asarray(drafter.vocab.ids))
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path / "weights", weights, force=True)
+    names = set(HEADS_FILES) | set(files or {})
+    with replace_folder(path, lambda name: name in names) as tmp:
+        (tmp / "drafter.json").write_text(json.dumps(record, indent=1) + "\n")
+        np.save(tmp / "vocab.npy", np.asarray(drafter.vocab.ids))
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp.resolve() / "weights", weights, force=True)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
 
 
 def load_heads(path: str | os.PathLike, target: Model) -> Heads:
     """Load a drafter saved by ``save_heads`` for ``target``. Raises ValueError if
     they were trained for another target. Weights take the target's dtype."""
     import orbax.checkpoint as ocp
+
+    from ..files import recover_folder
     path = pathlib.Path(path).resolve()
+    recover_folder(path)
     meta = path / "drafter.json"
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a drafter directory (no drafter.json); train one "
@@ -349,7 +364,11 @@ def load_heads(path: str | os.PathLike, target: Model) -> Heads:
         raise ValueError(f"{meta}: format_version {record.get('format_version')!r} is not "
                          f"{FORMAT_VERSION}")
     check_target(record["target"], target, str(path))
-    vocab = np.load(path / "vocab.npy")
+    try:
+        vocab = np.load(path / "vocab.npy")  # never a pickle
+        check_vocab(vocab, target.config.vocab_size)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path / 'vocab.npy'}: {e}") from None
     dtype = target.config.dtype
     shape = init_heads(target, record["method"], jax.random.key(0),
                        num_heads=max(record["num_heads"], 1), vocab=vocab, dtype=dtype,

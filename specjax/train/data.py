@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..files import write_atomic
+
 MAX_FILE_BYTES = 200_000  # generated tables and vendored blobs are not the code we want
 
 
@@ -87,7 +89,7 @@ def train_tokenizer(files: Sequence[pathlib.Path], vocab_size: int, out: pathlib
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_read(files), trainer)
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    write_atomic(out / "tokenizer.json", "", writer=lambda tmp: tok.save(str(tmp)))
     return tok
 
 
@@ -102,7 +104,12 @@ def encode_files(tokenizer, files: Sequence[pathlib.Path], out: pathlib.Path,
         for enc in tokenizer.encode_batch(texts[i:i + 256]):
             parts.append(np.asarray(enc.ids + [eos_id], np.uint16))
     tokens = np.concatenate(parts)
-    np.save(out, tokens)
+    def save(tmp: pathlib.Path) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, tokens)
+    out = pathlib.Path(out)
+    write_atomic(out if out.suffix == ".npy" else out.with_name(out.name + ".npy"), b"",
+                 writer=save)
     return tokens
 
 
@@ -117,4 +124,4 @@ def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: 
 
 
 def write_manifest(corpus: Corpus, path: pathlib.Path, **extra) -> None:
-    path.write_text(json.dumps({**corpus.manifest(), **extra}, indent=1) + "\n")
+    write_atomic(path, json.dumps({**corpus.manifest(), **extra}, indent=1) + "\n")

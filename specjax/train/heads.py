@@ -277,12 +277,12 @@ def heads_main(argv=None) -> int:
     for h in history:
         print(f"step {h['step']}: held-out loss {h['heldout_loss']:.4f}")
     if args.out:
+        card = model_card(pathlib.Path(args.out), drafter, args, cfg, history,
+                          int(history[-1]["step"]) if history else 0)
         heads_lib.save_heads(drafter, args.out, target, dtype=args.save_dtype,
-                                 extra={"training": {"train": dataclasses.asdict(cfg),
-                                                     "evals": history,
-                                                     "data": str(data)}})
-        write_card(pathlib.Path(args.out), drafter, args, cfg, history,
-                   int(history[-1]["step"]) if history else 0)
+                             extra={"training": {"train": dataclasses.asdict(cfg),
+                                                 "evals": history, "data": str(data)}},
+                             files={"README.md": card})
         print(f"saved {args.method} drafter for {args.target} to {args.out}")
     return 0
 
@@ -304,8 +304,9 @@ Command: `{command}`
 """
 
 
-def write_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, history, steps: int
-               ) -> None:
+def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, history, steps: int
+               ) -> str:
+    """The drafter folder's README.md."""
     c = drafter.config
     what = {"medusa": f"{c.num_heads} Medusa heads",
             "eagle": f"An EAGLE head (one decoder layer, MLP width {c.layer.intermediate_size})",
@@ -327,9 +328,9 @@ def write_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                   + (f" --taps {args.taps}" if args.taps else "") if c.method == "dflash"
                   else "")
                + f" --out {args.out}")
-    (out / "README.md").write_text(CARD.format(
+    return CARD.format(
         folder=out.name, what=what, target=args.target, params=params, dtype=args.save_dtype,
         method=c.method, vocab=c.draft_vocab_size, batch=cfg.batch_size, seq=cfg.seq_len,
         steps=steps, schedule=cfg.steps, lr=cfg.learning_rate,
         tokens=steps * cfg.batch_size * cfg.seq_len, evals=evals, folder_path=args.out,
-        command=command))
+        command=command)

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from ..config import ModelConfig
+from ..files import write_atomic
 from ..model import Model, init_model, prefill
 from .data import sample_batch
 
@@ -172,7 +173,7 @@ def _check_run(workdir: pathlib.Path, run: dict) -> None:
             raise ValueError(f"{workdir} holds a run with other settings ({', '.join(changed)}"
                              f"); use a new work directory or the same settings")
     else:
-        path.write_text(json.dumps(run, indent=1) + "\n")
+        write_atomic(path, json.dumps(run, indent=1) + "\n")  # never half-written
 
 
 def _differences(old, new, prefix: str = "") -> list[str]:

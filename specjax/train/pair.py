@@ -14,6 +14,7 @@ next to the tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -176,66 +177,74 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                  draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> None:
     import shutil
 
-    from ..checkpoint import cast, load_model, save_model
+    from ..checkpoint import _model_file, cast, load_model, save_model
     from ..draft.draft_model import VOCAB_FILE, load_draft_model
     from ..draft.vocab import frequent_tokens
+    from ..files import replace_folder
     from ..tokenizer import load_tokenizer
     _, heldout = _tokens(workdir)
     corpus = json.loads((workdir / "corpus.json").read_text())
     info = {}
-    for name, config, settings in runs:
-        model, step = _restore(config, settings, workdir / name)
-        folder = out / f"code-{name}"
-        save_model(cast(model, "bfloat16"), folder, format="hf", eos_token_id=0)  # <|endoftext|>
-        if name == "target":
-            shutil.copy(workdir / "tokenizer" / "tokenizer.json", folder / "tokenizer.json")
-        else:
-            np.save(folder / VOCAB_FILE, frequent_tokens(np.load(workdir / "train.npy",
-                                                                 mmap_mode="r"),
-                                                         config.vocab_size, draft_vocab_size))
-        # the draft restricted to its draft vocabulary, as it drafts (its loss is the full head's)
-        stored = (load_draft_model if name == "draft" else load_model)(folder, dtype="float32")
-        whole = stored.model if name == "draft" else stored
-        info[name] = dict(folder=folder, model=stored, config=config, settings=settings,
-                          step=step, loss=evaluate(whole, heldout, batches=32))
-        print(f"{folder}: step {step}, held-out loss {info[name]['loss']:.4f}")
-    acceptance = {}
-    if "target" in info and "draft" in info:
-        acceptance = measure_acceptance(info["target"]["model"], info["draft"]["model"],
-                                        load_tokenizer(info["target"]["folder"]))
-        print(f"acceptance (γ=4): {json.dumps(acceptance)}")
-    for name, d in info.items():
-        c, s = d["config"], d["settings"]
-        (d["folder"] / "training.json").write_text(json.dumps(
-            {"steps": d["step"], "heldout_loss": d["loss"], "params": c.num_params,
-             "train": dataclasses.asdict(s), "acceptance": acceptance,
-             "corpus": {k: v for k, v in corpus.items() if k != "train"}}, indent=1) + "\n")
-        acc = acceptance or {k: {"acceptance_rate": float("nan"),
-                                 "mean_accepted_length": float("nan")}
-                             for k in ("greedy", "t0.8")}
-        role, blurb = (("target", "The draft next to it (`../code-draft`) was distilled from it.")
-                       if name == "target" else
-                       ("draft", "Distilled from the target (`../code-target`, whose tokenizer "
-                                 "it shares): KL to the target's next-token distributions plus "
-                                 f"{s.distill_ce_weight} x cross-entropy to the data."))
-        (d["folder"] / "README.md").write_text(CARD.format(
-            folder=d["folder"].name, role=role, blurb=blurb, params=c.num_params,
-            params_m=c.num_params / 1e6, hidden=c.hidden_size, layers=c.num_hidden_layers,
-            heads=c.num_attention_heads, kv=c.num_key_value_heads, inter=c.intermediate_size,
-            vocab=c.vocab_size, ctx=c.max_position_embeddings, steps=d["step"],
-            batch=s.batch_size, seq=s.seq_len, tokens=d["step"] * s.batch_size * s.seq_len / 1e6,
-            lr=s.learning_rate, distil=(", distilled from the target" if name == "draft" else ""),
-            note=SCHEDULE_NOTES.get(name, ""),
-            loss=d["loss"], acc_g=acc["greedy"]["acceptance_rate"],
-            len_g=acc["greedy"]["mean_accepted_length"], acc_t=acc["t0.8"]["acceptance_rate"],
-            len_t=acc["t0.8"]["mean_accepted_length"], python=corpus.get("python", "?"),
-            train_files=corpus.get("train_files", 0), heldout_files=corpus.get("heldout_files", 0),
-            train_tokens=corpus.get("train_tokens", 0),
-            heldout_tokens=corpus.get("heldout_tokens", 0),
-            vocab_row=("" if name == "target" else
-                       f"| draft vocabulary | drafts only from the {draft_vocab_size} most "
-                       f"frequent tokens of the training files (`{VOCAB_FILE}`; "
-                       f"`sj.load_draft_model` applies it, `--full-draft-vocab` ignores it) |\n")))
+    # Each folder is written whole into a temporary sibling and swapped in at the end, so an
+    # interrupted export leaves the earlier folders as they were (specjax/files.py).
+    swaps = contextlib.ExitStack()
+    with swaps:
+        for name, config, settings in runs:
+            model, step = _restore(config, settings, workdir / name)
+            folder = out / f"code-{name}"
+            where = swaps.enter_context(replace_folder(folder, _model_file))
+            save_model(cast(model, "bfloat16"), where, format="hf", eos_token_id=0)  # <|endoftext|>
+            if name == "target":
+                shutil.copy(workdir / "tokenizer" / "tokenizer.json", where / "tokenizer.json")
+            else:
+                np.save(where / VOCAB_FILE, frequent_tokens(np.load(workdir / "train.npy",
+                                                                    mmap_mode="r"),
+                                                            config.vocab_size, draft_vocab_size))
+            # the draft restricted to its draft vocabulary, as it drafts (its loss is the whole
+            # head's)
+            stored = (load_draft_model if name == "draft" else load_model)(where, dtype="float32")
+            whole = stored.model if name == "draft" else stored
+            info[name] = dict(folder=folder, where=where, model=stored, config=config,
+                              settings=settings, step=step,
+                              loss=evaluate(whole, heldout, batches=32))
+            print(f"{folder}: step {step}, held-out loss {info[name]['loss']:.4f}")
+        acceptance = {}
+        if "target" in info and "draft" in info:
+            acceptance = measure_acceptance(info["target"]["model"], info["draft"]["model"],
+                                            load_tokenizer(info["target"]["where"]))
+            print(f"acceptance (γ=4): {json.dumps(acceptance)}")
+        for name, d in info.items():
+            c, s = d["config"], d["settings"]
+            (d["where"] / "training.json").write_text(json.dumps(
+                {"steps": d["step"], "heldout_loss": d["loss"], "params": c.num_params,
+                 "train": dataclasses.asdict(s), "acceptance": acceptance,
+                 "corpus": {k: v for k, v in corpus.items() if k != "train"}}, indent=1) + "\n")
+            acc = acceptance or {k: {"acceptance_rate": float("nan"),
+                                     "mean_accepted_length": float("nan")}
+                                 for k in ("greedy", "t0.8")}
+            role, blurb = (("target", "The draft next to it (`../code-draft`) was distilled from it.")
+                           if name == "target" else
+                           ("draft", "Distilled from the target (`../code-target`, whose tokenizer "
+                                     "it shares): KL to the target's next-token distributions plus "
+                                     f"{s.distill_ce_weight} x cross-entropy to the data."))
+            (d["where"] / "README.md").write_text(CARD.format(
+                folder=d["folder"].name, role=role, blurb=blurb, params=c.num_params,
+                params_m=c.num_params / 1e6, hidden=c.hidden_size, layers=c.num_hidden_layers,
+                heads=c.num_attention_heads, kv=c.num_key_value_heads, inter=c.intermediate_size,
+                vocab=c.vocab_size, ctx=c.max_position_embeddings, steps=d["step"],
+                batch=s.batch_size, seq=s.seq_len, tokens=d["step"] * s.batch_size * s.seq_len / 1e6,
+                lr=s.learning_rate, distil=(", distilled from the target" if name == "draft" else ""),
+                note=SCHEDULE_NOTES.get(name, ""),
+                loss=d["loss"], acc_g=acc["greedy"]["acceptance_rate"],
+                len_g=acc["greedy"]["mean_accepted_length"], acc_t=acc["t0.8"]["acceptance_rate"],
+                len_t=acc["t0.8"]["mean_accepted_length"], python=corpus.get("python", "?"),
+                train_files=corpus.get("train_files", 0), heldout_files=corpus.get("heldout_files", 0),
+                train_tokens=corpus.get("train_tokens", 0),
+                heldout_tokens=corpus.get("heldout_tokens", 0),
+                vocab_row=("" if name == "target" else
+                           f"| draft vocabulary | drafts only from the {draft_vocab_size} most "
+                           f"frequent tokens of the training files (`{VOCAB_FILE}`; "
+                           f"`sj.load_draft_model` applies it, `--full-draft-vocab` ignores it) |\n")))
 
 
 def main(argv=None) -> int:
