@@ -33,7 +33,16 @@ from .draft import (
 )
 
 # Generation
-from .engine import Generation, Logprobs, StreamChunk, Warmup, generate, stream, warmup
+from .engine import (
+    Generation,
+    Logprobs,
+    NonFiniteError,
+    StreamChunk,
+    Warmup,
+    generate,
+    stream,
+    warmup,
+)
 
 # Models and caches
 from .model import Model, forward, init_model, logits, prefill
@@ -50,7 +59,8 @@ __all__ = [
     "Model", "init_model", "logits", "forward", "prefill", "KVCache",
     "DraftModel", "DraftVocab", "load_draft_model",
     "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
-    "generate", "Generation", "Logprobs", "stream", "StreamChunk", "warmup", "Warmup", "Stats",
+    "generate", "Generation", "Logprobs", "NonFiniteError", "stream", "StreamChunk", "warmup",
+    "Warmup", "Stats",
     "make_mesh", "shard",
     "sampling", "verify", "theory", "draft", "shapes", "roofline",
 ]

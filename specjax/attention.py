@@ -16,9 +16,10 @@ to its sums (its weights are selected to 0, its maximum is unchanged), so a row'
 depends on how many blocks the longest row needed.
 
 Masked slots never leak, whatever they hold: scores are *selected* (``jnp.where``), never added to
-or multiplied by a mask, and value vectors that no query of the row may see are replaced by zeros
-before they are weighted, so an inf or NaN left in a dead slot cannot turn 0 · inf into NaN (in
-float32, bfloat16 or float16).
+or multiplied by a mask, and value vectors that no query of the row may see, or that are not
+finite, are replaced by zeros before they are weighted, so an inf or NaN left in a dead slot, or in
+a chunk position a query may not see yet, cannot turn 0 · inf into NaN (in float32, bfloat16 or
+float16). A query that does see a non-finite value gets NaN, as it would without the guard.
 """
 
 from __future__ import annotations
@@ -106,10 +107,25 @@ class View:
         return mask
 
 
-def _seen_values(v: Array, mask: Array) -> Array:
-    """v [B, n, K, D] with the slots no query of the row may see (mask [B, T, n]) zeroed."""
-    seen = jnp.any(mask, axis=1)[:, :, None, None]
-    return jnp.where(seen, v, jnp.zeros((), v.dtype))
+def _seen_values(v: Array, mask: Array) -> tuple[Array, Array]:
+    """v [B, n, K, D] with every slot zeroed that no query of the row may see (mask [B, T, n])
+    or that is not finite, and which queries see a non-finite value: [B, K, T] bool.
+
+    A value a query may not see is multiplied by a zero weight, and 0 · inf or 0 · NaN is NaN:
+    zeroing it keeps a non-finite value in one slot (a draft's overflow, say) from leaking into
+    queries that must not see it, while a query that does see one is marked, and its output
+    made NaN, as the unguarded product would have made it."""
+    finite = jnp.all(jnp.isfinite(v), axis=-1)  # [B, n, K]
+    seen = jnp.any(mask, axis=1)[:, :, None]
+    values = jnp.where((seen & finite)[..., None], v, jnp.zeros((), v.dtype))
+    poisoned = jnp.einsum("btn,bnk->bkt", mask.astype(jnp.float32),
+                          (~finite).astype(jnp.float32)) > 0
+    return values, poisoned
+
+
+def _poison(out: Array, poisoned: Array) -> Array:
+    """out [B, K, G, T, D] made NaN where a query saw a non-finite value (poisoned [B, K, T])."""
+    return jnp.where(poisoned[:, :, None, :, None], jnp.nan, out)
 
 
 def dense(q: Array, k: Array, v: Array, mask: Array) -> Array:
@@ -121,7 +137,9 @@ def dense(q: Array, k: Array, v: Array, mask: Array) -> Array:
     scores = jnp.where(mask[:, None, None], scores, _NEG)
     # exp(NEG - max) is exactly 0 (every query sees at least its own slot, so max is a real score)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", weights, _seen_values(v, mask))
+    values, poisoned = _seen_values(v, mask)
+    out = jnp.einsum("bkgts,bskd->bkgtd", weights, values)
+    return jnp.moveaxis(_poison(out, poisoned), 3, 1)  # [B, T, K, G, D]
 
 
 def _fold(carry, q: Array, k: Array, v: Array, mask: Array):
@@ -136,10 +154,11 @@ def _fold(carry, q: Array, k: Array, v: Array, mask: Array):
     weights = jnp.where(visible, jnp.exp(scores - new_peak[..., None]), 0.0)
     carried = jnp.exp(peak - new_peak)
     total = total * carried + jnp.sum(weights, axis=-1)
+    values, poisoned = _seen_values(v, mask)
     acc = acc * carried[..., None] + jnp.einsum(
-        "bkgts,bskd->bkgtd", weights.astype(q.dtype), _seen_values(v, mask),
+        "bkgts,bskd->bkgtd", weights.astype(q.dtype), values,
         preferred_element_type=jnp.float32)
-    return new_peak, total, acc
+    return new_peak, total, _poison(acc, poisoned)
 
 
 def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,

@@ -125,6 +125,9 @@ class LoopState:
     # Plan.logprobs: per history slot, the target's log-probability of the token there [B, S]
     # and its top-k ids and log-probabilities [B, S, K] (written with the tokens)
     logprobs: tuple[Array, Array, Array] | None = None
+    # [B] int32: the generated-token index at which the row's target logits were first not
+    # finite (the row stopped there), or -1
+    nonfinite: Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -218,6 +221,8 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
         extra = (hidden,) if plan.rides else ()
         draft_state = plan.proposer.init(params, prompts, prompt_lengths, S, *extra)
     done = jnp.any(first[:, None] == request.eos[None, :], axis=1) | (request.max_new_tokens <= 1)
+    finite = jnp.all(jnp.isfinite(last_logits), axis=-1)  # else no first token: the row stops
+    done |= ~finite
     if request.stop is not None:  # a one-token stop sequence
         window = jnp.concatenate([jnp.full((B, request.stop.shape[1] - 1), -1, jnp.int32),
                                   first[:, None]], axis=1)
@@ -231,10 +236,10 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
              jnp.zeros((B, S, K), jnp.float32)),
             _logprobs(plan, request, last_logits[:, None], first[:, None]), prompt_lengths)
     return LoopState(
-        history=history, length=prompt_lengths, num_generated=jnp.ones((B,), jnp.int32),
+        history=history, length=prompt_lengths, num_generated=finite.astype(jnp.int32),
         done=done, cache=cache, draft_state=draft_state,
         counters=Counters.zeros(plan.depth, B), step=jnp.zeros((), jnp.int32),
-        logprobs=logprobs)
+        logprobs=logprobs, nonfinite=jnp.where(finite, -1, 0).astype(jnp.int32))
 
 
 def round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
@@ -295,7 +300,9 @@ def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,
             pad(x) for x in _logprobs(plan, request, logits, verdict.tokens)))
     tokens = jnp.pad(verdict.tokens, ((0, 0), (0, G + 1 - T)), constant_values=-1)
     hidden = jnp.pad(hidden, ((0, 0), (0, G + 1 - T), (0, 0))) if plan.rides else None
-    return dataclasses.replace(verdict, tokens=tokens), cache, hidden
+    finite = jnp.pad(jnp.all(jnp.isfinite(logits), axis=-1), ((0, 0), (0, G + 1 - T)),
+                     constant_values=True)
+    return dataclasses.replace(verdict, tokens=tokens, finite=finite), cache, hidden
 
 
 def _synthetic_verdict(plan: Plan, request: Request, logits: Array, drafts: Array,
@@ -365,6 +372,9 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
         verdict = dataclasses.replace(verdict, logprobs=_logprobs(
             plan, request, jnp.take_along_axis(logits, nodes[:, :, None], axis=1),
             verdict.tokens))
+    # the token at each depth was decided by the target at that node (the root, then the path)
+    verdict = dataclasses.replace(verdict, finite=jnp.take_along_axis(
+        jnp.all(jnp.isfinite(logits), axis=-1), nodes, axis=1))
     cache = kv.compact(cache, state.length, verdict.path, verdict.num_accepted)
     if hasattr(plan.proposer, "commit"):  # a proposer with a cache of its own compacts it too
         draft_state = plan.proposer.commit(draft_state, state.length, verdict.path,
@@ -458,18 +468,26 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
     num_proposed = (jnp.full((B,), plan.gamma, jnp.int32) if draft.valid is None
                     else jnp.sum(draft.valid, axis=1, dtype=jnp.int32))
     n_emit, hit_eos, history = _emit(state, verdict.tokens, verdict.num_accepted, request)
+    # a row whose logits were not finite at a token it would emit stops before that token
+    bad = jnp.argmin(verdict.finite, axis=1).astype(jnp.int32)  # the first non-finite position
+    broken = ~jnp.all(verdict.finite, axis=1) & (bad < n_emit)
+    n_emit = jnp.where(broken, bad, n_emit)
+    hit_eos &= ~broken
+    nonfinite = jnp.where(broken & (state.nonfinite < 0), state.num_generated + bad,
+                          state.nonfinite)
     length = state.length + n_emit
     num_generated = state.num_generated + n_emit
     return LoopState(
         history=history, length=length, num_generated=num_generated,
-        done=state.done | hit_eos | (num_generated >= request.max_new_tokens),
+        done=state.done | hit_eos | broken | (num_generated >= request.max_new_tokens),
         cache=cache.rollback(length), draft_state=draft_state,
         counters=state.counters.update(~state.done, verdict.num_accepted, num_proposed,
                                        _emitted_near_ties(verdict, n_emit), draft.predicted,
                                        draft.forwards),
         step=state.step + 1,
         logprobs=None if state.logprobs is None else _write_logprobs(
-            state.logprobs, verdict.logprobs, state.length + 1))
+            state.logprobs, verdict.logprobs, state.length + 1),
+        nonfinite=nonfinite)
 
 
 def decode(plan: Plan, target_params, draft_params, request: Request,
@@ -1110,9 +1128,26 @@ def _decode(tokenizer, ids) -> str:
     return tokenizer.decode(ids)
 
 
+class NonFiniteError(FloatingPointError):
+    """The target's logits became NaN or infinite for some rows (a float16 overflow, a broken
+    checkpoint): those rows stopped before the token that could not be drawn. ``rows`` and
+    ``positions`` (the index of that token among the row's generated tokens) name them;
+    ``generation`` holds the call's result, every row's tokens up to where it stopped."""
+
+    def __init__(self, rows: list[int], positions: list[int], generation: Generation):
+        self.rows, self.positions, self.generation = rows, positions, generation
+        where = ", ".join(f"row {b} at generated token {t}" for b, t in zip(rows, positions))
+        super().__init__(
+            f"the target's logits were not finite (NaN or inf) for {where}: each of those rows "
+            f"stopped there, and its tokens before are valid (this error's .generation holds "
+            f"them). A float16 overflow (try dtype='bfloat16' or 'float32') or a broken "
+            f"checkpoint?")
+
+
 def _result(plan: Plan, state: LoopState, rows, sampling: SamplingParams, timing: Timing, spec,
             tokenizer) -> Generation:
-    """The finished state as the caller's Generation (text when a tokenizer is given)."""
+    """The finished state as the caller's Generation (text when a tokenizer is given); raises
+    NonFiniteError, with that Generation, when a row met non-finite logits."""
     out = collect(plan, state, rows, sampling.max_new_tokens, timing)
     if plan.synthetic:  # said wherever the result goes
         out = dataclasses.replace(out, stats=dataclasses.replace(
@@ -1120,6 +1155,10 @@ def _result(plan: Plan, state: LoopState, rows, sampling: SamplingParams, timing
     if tokenizer is not None:
         text = [_decode(tokenizer, out.tokens[b, :out.lengths[b]]) for b in range(len(rows))]
         out = dataclasses.replace(out, text=text)
+    nonfinite = _fetch(state.nonfinite)[:len(rows)]
+    if (nonfinite >= 0).any():
+        bad = [int(b) for b in np.flatnonzero(nonfinite >= 0)]
+        raise NonFiniteError(bad, [int(nonfinite[b]) for b in bad], out)
     return out
 
 

@@ -44,6 +44,9 @@ class Verdict:
     # SamplingParams.logprobs: for each token of ``tokens``, the target's log-probability of it
     # [B, G+1] and its top-k ids and log-probabilities [B, G+1, K] (engine._logprobs)
     logprobs: tuple[Array, Array, Array] | None = None
+    # [B, G+1] bool: the target's logits that decided each token were finite (the engine stops
+    # a row at its first non-finite one: a NaN or inf must never become a token)
+    finite: Array | None = None
 
 
 def _draft_token_probs(probs: Array, tokens: Array) -> Array:

@@ -113,7 +113,8 @@ def test_inf_and_nan_in_dead_slots_change_nothing(dtype, block):
 
 def test_the_poison_test_catches_values_weighted_by_zero(monkeypatch):
     """Without zeroing unseen values, 0 · inf turns the output into NaN: the test above fails."""
-    monkeypatch.setattr(attention, "_seen_values", lambda v, mask: v)
+    monkeypatch.setattr(attention, "_seen_values", lambda v, mask: (
+        v, jnp.zeros((v.shape[0], v.shape[2], mask.shape[1]), bool)))
     model = tiny_model(seed=4, dtype="float16")
     cache = sj.KVCache.init(model.config, 1, 16)
     _, _, cache = sj.forward(model, jnp.array([[3, 1, 4]]), jnp.arange(3)[None], cache)
@@ -121,6 +122,43 @@ def test_the_poison_test_catches_values_weighted_by_zero(monkeypatch):
     got, _, _ = sj.model._forward.__wrapped__(model, jnp.array([[5]]), jnp.array([[3]]),
                                               poisoned, None, block=256)
     assert np.isnan(np.asarray(got)).any()
+
+
+def _chunk_with_a_broken_value(block, seen_values=None, monkeypatch=None):
+    """A 4-token chunk whose third token's embedding is NaN: (outputs, clean outputs)."""
+    model = tiny_model(seed=4)
+    if seen_values is not None:
+        monkeypatch.setattr(attention, "_seen_values", seen_values)
+    params = dict(model.params)
+    params["embed_tokens"] = {"embedding": model.params["embed_tokens"]["embedding"]
+                              .at[7].set(jnp.nan)}
+    broken = sj.Model(model.config, params)
+    cache = sj.KVCache.init(model.config, 1, 24)
+    _, _, cache = sj.forward(model, jnp.array([[3, 1, 4]]), jnp.arange(3)[None], cache,
+                             block=block)
+    args = (jnp.array([[5, 2, 7, 6]]), jnp.arange(3, 7)[None], cache)
+    got, _, _ = sj.model._forward.__wrapped__(broken, *args, None, block=block)
+    clean, _, _ = sj.model._forward.__wrapped__(model, *args, None, block=block)
+    return np.asarray(got), np.asarray(clean)
+
+
+@pytest.mark.parametrize("block", [256, 4], ids=["dense", "blocked"])
+def test_a_non_finite_value_in_a_chunk_reaches_only_the_queries_that_see_it(block):
+    """A speculative chunk whose third token is broken (its key and value NaN): the first two
+    positions are exactly the clean ones (the causal mask hides it from them), the rest NaN."""
+    got, clean = _chunk_with_a_broken_value(block)
+    np.testing.assert_array_equal(got[0, :2], clean[0, :2])
+    assert np.isnan(got[0, 2:]).all(axis=-1).all()
+
+
+def test_zeroing_only_the_slots_no_query_sees_leaks_nan_backwards(monkeypatch):
+    """The broken variant (values zeroed per row, not per query): the NaN reaches the first
+    positions through 0 · NaN, and the test above fails."""
+    def per_row(v, mask):
+        seen = jnp.any(mask, axis=1)[:, :, None, None]
+        return (jnp.where(seen, v, 0), jnp.zeros((v.shape[0], v.shape[2], mask.shape[1]), bool))
+    got, clean = _chunk_with_a_broken_value(256, per_row, monkeypatch)
+    assert np.isnan(got[0, :2]).any()
 
 
 def test_the_model_is_the_same_blocked_or_dense():
