@@ -53,10 +53,13 @@ class Tokenizer:
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike,
                    model_max_length: int | None = None) -> None:
     """Write ``tokenizer.json`` and a ``tokenizer_config.json`` naming its BOS/EOS tokens into a
-    model folder, so ``transformers.AutoTokenizer`` and ``sj.load_tokenizer`` both read it."""
+    model folder, so ``transformers.AutoTokenizer`` and ``sj.load_tokenizer`` both read it. Each
+    file is replaced atomically (a temporary sibling renamed over it)."""
+    from .files import write_atomic
     folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    write_atomic(folder / "tokenizer.json", b"",
+                 writer=lambda tmp: tokenizer.backend.save(str(tmp)))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     if tokenizer.bos_token_id is not None:
         config["bos_token"] = tokenizer.backend.id_to_token(tokenizer.bos_token_id)
@@ -64,7 +67,7 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike,
         config["eos_token"] = tokenizer.backend.id_to_token(tokenizer.eos_token_ids[0])
     if model_max_length is not None:
         config["model_max_length"] = int(model_max_length)
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_atomic(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
