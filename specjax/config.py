@@ -306,6 +306,12 @@ class SpecConfig:
     # forward, down to none at all. With or without survival_threshold; same methods.
     verify_costs: tuple[float, ...] | None = None
     draft_cost: float | None = None  # None: 0 (with verify_costs)
+    # suffix decoding (specjax/draft/suffix.py), in vLLM's names: the longest suffix matched;
+    # a match of n tokens drafts at most ceil(factor × n) deep; a tree node's least share of its
+    # parent's occurrences. Without a tree, num_speculative_tokens is the draft tree's depth.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self):
         method = _method(self.method)
@@ -337,6 +343,13 @@ class SpecConfig:
         if factor is not None and self.method != "ngram":
             raise ValueError(f"SpecConfig.prompt_lookup_length_factor is for method 'ngram', not "
                              f"{self.method!r}")
+        _require_int(self, "suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth,
+                     1, 31)
+        _require_real(self, "suffix_decoding_max_spec_factor",
+                      self.suffix_decoding_max_spec_factor,
+                      lambda x: math.isfinite(x) and x > 0, "a finite number > 0")
+        _require_real(self, "suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob,
+                      lambda x: 0 <= x <= 1, "in [0, 1]")
         if self.synthetic_acceptance is not None:
             object.__setattr__(self, "synthetic_acceptance", self._synthetic_profile())
         if self.survival_threshold is not None:

@@ -1110,9 +1110,23 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         last = collections.deque(_stream(plan, target, draft_params, inputs, rows, sampling,
                                          spec, tokenizer, None), maxlen=1)[0]
         out = last.generation
-        return out if return_text else dataclasses.replace(out, text=None)
-    state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
-    return _result(plan, state, rows, sampling, timing, spec, tokenizer if return_text else None)
+        out = out if return_text else dataclasses.replace(out, text=None)
+    else:
+        state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
+        out = _result(plan, state, rows, sampling, timing, spec,
+                      tokenizer if return_text else None)
+    _after_call(spec, draft, rows, out)
+    return out
+
+
+def _after_call(spec, draft, rows, out: Generation) -> None:
+    """Let a draft= that learns from calls (suffix decoding's corpus) see this one."""
+    spec = SpecConfig.parse(spec)
+    if spec is None or draft is None:
+        return
+    after = registry.get(spec.method).after_call
+    if after is not None:
+        after(draft, [list(map(int, r)) for r in rows], out)
 
 
 _GENERATE_OPTIONS = {name: p.default for name, p in inspect.signature(generate).parameters.items()
@@ -1278,8 +1292,15 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwa
         target, prompts, options["sampling"], options["spec"], options["draft"],
         options["proposer"], options["key"], tokenizer, bool(options["return_text"]),
         options["mesh"], options["max_cache_len"], options["allow_synthetic"])
-    return _stream(plan, target, draft_params, inputs, rows, sampling, options["spec"],
-                   tokenizer, rounds_per_chunk)
+    chunks = _stream(plan, target, draft_params, inputs, rows, sampling, options["spec"],
+                     tokenizer, rounds_per_chunk)
+
+    def chunks_then_learn():  # (a generator inside: the checks above ran at the call)
+        for chunk in chunks:
+            if chunk.generation is not None:
+                _after_call(options["spec"], options["draft"], rows, chunk.generation)
+            yield chunk
+    return chunks_then_learn()
 
 
 def _stream(plan, target, draft_params, inputs, rows, sampling, spec, tokenizer, rounds):

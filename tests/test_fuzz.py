@@ -31,7 +31,7 @@ CONFIGS = [  # small, and different where it matters to the engine
          o_proj_bias=True),  # a sliding window
 ]
 HEADS = ("medusa", "eagle", "dflash", "mtp")
-METHODS = ("autoregressive", "draft_model", "ngram", *HEADS, "tree")
+METHODS = ("autoregressive", "draft_model", "ngram", "suffix", *HEADS, "tree")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def _request(case, pool):
     elif method != "autoregressive":
         spec = sj.SpecConfig(method=method, num_speculative_tokens=gamma,
                              **({"prompt_lookup_min": 1} if method == "ngram" else {}))
-        draft = drafts.get(method)
+        draft = sj.draft.SuffixCache(64) if method == "suffix" else drafts.get(method)
     wrong = case["wrong"]
     if wrong == "token_past_vocab":
         prompts[0][-1] = V + 3
@@ -138,7 +138,7 @@ def test_the_api_either_refuses_clearly_or_decodes_right(pool, case):
     except ValueError as e:
         assert engine.compiled_programs() == before, f"compiled before refusing: {e}"
         assert str(e), "an error without a message"
-        sliding_tree = (case["method"] == "tree" and CONFIGS[case["config"]].get(
+        sliding_tree = (case["method"] in ("tree", "suffix") and CONFIGS[case["config"]].get(
             "sliding_window") is not None)
         assert case["wrong"] is not None or sliding_tree, f"a valid case was refused: {e}"
         event(f"refused: {case['wrong'] or 'tree on a sliding window'}")

@@ -19,7 +19,7 @@ def test_the_quickstart_notebook_runs_top_to_bottom(tmp_path):
     printed = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                         for o in c.outputs)
     assert "identical to autoregressive decoding: True" in printed
-    for method in ("draft_model", "ngram", "medusa", "eagle", "dflash", "mtp"):
+    for method in ("draft_model", "ngram", "suffix", "medusa", "eagle", "dflash", "mtp"):
         line = next(x for x in printed.splitlines() if x.startswith(f"{method:12} γ="))
         assert line.endswith("identical: True"), line
     assert "8 CPU devices" in printed and "sharded equals one device: True" in printed

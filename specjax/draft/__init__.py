@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from . import dflash, draft_model, mtp, ngram, rider
+from . import dflash, draft_model, mtp, ngram, rider, suffix
 from . import heads as heads_lib
 from .base import Draft, Proposer, Rider, TreeProposer, draw, expand_tree, tree_candidates
 from .dflash import DFlashProposer
@@ -33,6 +33,7 @@ from .mtp import MTPProposer
 from .ngram import NgramProposer
 from .registry import Method, get, names, register, unregister
 from .rider import Features
+from .suffix import SuffixCache, SuffixProposer
 from .vocab import DraftVocab, frequent_tokens
 
 # The built-in methods, one line each.
@@ -45,6 +46,8 @@ register("eagle", rider.build, draft="heads", tree=True, params=heads_lib.progra
          adaptive=True)
 register("dflash", dflash.build, draft="heads", tree=True, params=lambda heads: heads.params)
 register("mtp", mtp.build, draft="heads", params=lambda heads: heads.params)
+register("suffix", suffix.build, draft="corpus", tree=True, params=suffix.corpus,
+         after_call=suffix.after_call)
 
 
 def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> DraftModel:
@@ -58,7 +61,7 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
 __all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
            "restrict_vocab", "NgramProposer", "MedusaProposer", "EagleProposer", "DFlashProposer",
-           "MTPProposer",
+           "MTPProposer", "SuffixCache", "SuffixProposer",
            "Features",
            "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
            "DraftVocab", "frequent_tokens", "Method", "register", "unregister", "get", "names"]

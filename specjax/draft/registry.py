@@ -24,11 +24,15 @@ class Method:
 
     name: str
     build: Callable[[Any, Any, Any], Any]  # (spec, draft, target_config) -> proposer
-    draft: str | None = None  # what draft= must be: "model", "heads", or None (nothing)
+    # what draft= must be: "model", "heads", "corpus" (a SuffixCache, optional), or None
+    draft: str | None = None
     tree: bool = False  # whether SpecConfig.tree is accepted
     adaptive: bool = False  # whether SpecConfig.survival_threshold is accepted (chains)
     # draft= -> the proposer's params (a pytree passed into the compiled program)
     params: Callable[[Any], Any] = _identity
+    # after each generate call: (draft, prompts [token id lists], Generation) -> None, for a
+    # draft= that learns from calls (suffix decoding's corpus)
+    after_call: Callable[[Any, Any, Any], None] | None = None
 
 
 _METHODS: dict[str, Method] = {}
@@ -36,13 +40,14 @@ _METHODS: dict[str, Method] = {}
 
 def register(name: str, build: Callable[[Any, Any, Any], Any], *, draft: str | None = None,
              tree: bool = False, params: Callable[[Any], Any] = _identity,
-             adaptive: bool = False) -> Method:
+             adaptive: bool = False,
+             after_call: Callable[[Any, Any, Any], None] | None = None) -> Method:
     """Make ``SpecConfig(method=name)`` build its proposer with ``build``."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a method name must be an identifier-like string, got {name!r}")
-    if draft not in (None, "model", "heads"):
-        raise ValueError(f"draft must be None, 'model' or 'heads', got {draft!r}")
-    method = Method(name, build, draft, tree, adaptive, params)
+    if draft not in (None, "model", "heads", "corpus"):
+        raise ValueError(f"draft must be None, 'model', 'heads' or 'corpus', got {draft!r}")
+    method = Method(name, build, draft, tree, adaptive, params, after_call)
     _METHODS[name] = method
     return method
 

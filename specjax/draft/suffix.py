@@ -1,0 +1,321 @@
+"""Suffix decoding: drafts from what followed the row's latest tokens, in its own text and in the
+outputs of earlier requests, as a tree weighted by how often each continuation followed.
+
+The corpus is two sources, both searched inside the compiled loop:
+
+* the row's own prompt and generated text (``history``), and
+* a ``SuffixCache``: a fixed-size ring of token ids that the user keeps across calls
+  (``draft=cache``); ``generate`` adds each call's outputs to it (and the prompts, with
+  ``include_prompts=True``), the oldest evicted first. Its size is fixed, so filling it never
+  recompiles anything.
+
+Each round, for every row: every position e of either source where the row's last tokens occur
+ending at e is scored by how many of them match (up to ``max_depth``); the ``candidates``
+best occurrences (longest match first, then most recent; the row's own text counts as newer
+than the corpus) whose match is the longest found are kept, with the tokens that followed each.
+Those continuations fill the static tree (``specjax.tree.Tree``) breadth first: a node of child
+rank r under a parent is the r-th most frequent token at that depth among the occurrences that
+agree with the parent's path (ties: the more recent occurrence first). A node is proposed only
+where its parent is, at least one occurrence supports it, its share of its parent's occurrences
+is at least ``min_token_prob``, and its depth is at most ``max_spec_factor`` × the match length
+(a longer match earns a deeper draft). Drafts are point masses, verified by the tree verifier as
+any tree is, so the output follows the target's distribution exactly, at any temperature.
+
+SuffixDecoding (Oliaro et al., 2024) builds a suffix tree per request and a global one on the
+host; this keeps both as flat token arrays scanned on the device, which costs a comparison per
+corpus token and match length a round, and needs no host round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from ..tree import Tree
+from .base import Draft
+
+SEPARATOR = -1  # ends a document in the corpus (and fills its empty slots)
+
+
+class SuffixCache:
+    """Earlier requests' tokens for suffix decoding: a ring of ``capacity_tokens`` ids on the
+    device (int32, 4 bytes each), documents separated, the oldest overwritten first.
+
+        cache = sj.draft.SuffixCache(capacity_tokens=65536)
+        out = sj.generate(target, prompts, spec={"method": "suffix"}, draft=cache)  # adds outputs
+
+    ``vocab_size``: checked against the target (taken from the first target it is used with when
+    None). ``include_prompts``: also add each call's prompts."""
+
+    def __init__(self, capacity_tokens: int = 32768, *, vocab_size: int | None = None,
+                 include_prompts: bool = False):
+        if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, (int, np.integer)) \
+                or not 16 <= capacity_tokens <= 2**22:
+            raise ValueError(f"SuffixCache capacity_tokens must be an int in [16, 2**22], got "
+                             f"{capacity_tokens!r}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(
+                vocab_size, (int, np.integer)) or vocab_size < 1):
+            raise ValueError(f"SuffixCache vocab_size must be an int >= 1 or None, got "
+                             f"{vocab_size!r}")
+        self.capacity_tokens = int(capacity_tokens)
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        self.include_prompts = bool(include_prompts)
+        self._tokens = np.full(self.capacity_tokens, SEPARATOR, np.int32)
+        self._write = 0  # the next slot to write
+        self._device = None
+
+    @property
+    def tokens(self) -> Array:
+        """The ring as a device array [capacity_tokens] int32 (SEPARATOR where empty)."""
+        if self._device is None:
+            self._device = jnp.asarray(self._tokens)
+        return self._device
+
+    @property
+    def params(self) -> dict:
+        """What the compiled program reads: the ring and its write point (data, so adding to
+        the cache never recompiles)."""
+        return {"tokens": self.tokens, "write": jnp.asarray(self._write, jnp.int32)}
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the corpus holds on the device."""
+        return self._tokens.nbytes
+
+    def __len__(self) -> int:
+        """Token ids held (separators not counted)."""
+        return int(np.sum(self._tokens >= 0))
+
+    def __repr__(self) -> str:
+        return (f"SuffixCache({len(self):,} of {self.capacity_tokens:,} tokens, "
+                f"{self.nbytes / 2**20:.2f} MiB, vocab_size={self.vocab_size})")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a target of another vocabulary (adopting the first one seen)."""
+        if self.vocab_size is None:
+            self.vocab_size = int(vocab_size)
+        elif self.vocab_size != vocab_size:
+            raise ValueError(f"this SuffixCache holds tokens of a {self.vocab_size}-token "
+                             f"vocabulary; the target has {vocab_size}: use a cache per "
+                             f"tokenizer")
+
+    def add(self, sequences) -> None:
+        """Append token sequences (each a document: its tokens, then a separator), evicting the
+        oldest tokens when the ring is full. A sequence longer than the ring keeps its end."""
+        for seq in sequences:
+            ids = np.asarray(seq)
+            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+                raise ValueError(f"SuffixCache.add takes lists of token ids, got {seq!r:.80}")
+            ids = ids[ids >= 0]  # generate pads rows with -1
+            limit = self.vocab_size
+            if limit is not None and ids.size and ids.max() >= limit:
+                raise ValueError(f"token id {int(ids.max())} is outside this SuffixCache's "
+                                 f"vocabulary [0, {limit})")
+            if ids.size == 0:
+                continue
+            ids = ids[-(self.capacity_tokens - 1):].astype(np.int32)
+            if self._write + ids.size + 1 > self.capacity_tokens:  # wrap: never split a document
+                self._tokens[self._write:] = SEPARATOR
+                self._write = 0
+            end = self._write + ids.size
+            self._tokens[self._write:end] = ids
+            self._tokens[end] = SEPARATOR
+            self._write = (end + 1) % self.capacity_tokens
+        self._device = None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the cache to a folder (atomically: ``specjax/files.py``)."""
+        from ..files import replace_folder
+        meta = {"format": "specjax-suffix-cache", "version": 1,
+                "capacity_tokens": self.capacity_tokens, "vocab_size": self.vocab_size,
+                "include_prompts": self.include_prompts, "write": self._write}
+        with replace_folder(path, lambda name: name in ("suffix_cache.json", "tokens.npy")) \
+                as tmp:
+            np.save(tmp / "tokens.npy", self._tokens)
+            (tmp / "suffix_cache.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SuffixCache:
+        """A cache written by ``save``."""
+        folder = pathlib.Path(path)
+        try:
+            meta = json.loads((folder / "suffix_cache.json").read_text())
+            tokens = np.load(folder / "tokens.npy")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{folder} is not a saved SuffixCache ({e})") from None
+        if meta.get("format") != "specjax-suffix-cache" or tokens.shape != (
+                meta.get("capacity_tokens"),) or tokens.dtype != np.int32:
+            raise ValueError(f"{folder} is not a saved SuffixCache (or is damaged)")
+        cache = cls(meta["capacity_tokens"], vocab_size=meta["vocab_size"],
+                    include_prompts=meta["include_prompts"])
+        if tokens.min() < SEPARATOR or (cache.vocab_size is not None
+                                        and tokens.max() >= cache.vocab_size):
+            raise ValueError(f"{folder / 'tokens.npy'} holds ids outside the vocabulary")
+        cache._tokens, cache._write = tokens, int(meta["write"]) % cache.capacity_tokens
+        return cache
+
+
+def default_tree(depth: int) -> Tree:
+    """A chain of ``depth`` most-frequent continuations, with the runner-up token at the first
+    two depths (each continued one more token): depth + 4 nodes (fewer when depth < 2)."""
+    paths = [(0,) * d for d in range(1, depth + 1)]
+    for d in range(1, min(depth, 2) + 1):
+        sibling = (0,) * (d - 1) + (1,)
+        paths += [sibling] + ([sibling + (0,)] if d < depth else [])
+    return Tree(paths)
+
+
+def _runs(source: Array, want: Array, max_depth: int) -> Array:
+    """source [B, L] (or [L], shared), want [B, P] the row's last P tokens (want[:, i]: the
+    i-th last; -1 where the row is shorter) -> [B, L]: how many of them match backwards from
+    each position e (source[e - i] == want[:, i] for i < run)."""
+    src = source if source.ndim == 2 else source[None, :]
+    L = src.shape[1]
+    run = jnp.zeros((want.shape[0], L), jnp.int32)
+    matching = jnp.ones((want.shape[0], L), bool)
+    for i in range(max_depth):
+        shifted = jnp.pad(src[:, :L - i], ((0, 0), (i, 0)), constant_values=SEPARATOR)
+        matching &= (shifted == want[:, i:i + 1]) & (want[:, i:i + 1] >= 0)
+        run += matching.astype(jnp.int32)
+    return run
+
+
+def _following(source: Array, ends: Array, depth: int, stop: Array | None = None) -> Array:
+    """The ``depth`` tokens after each position ends [B, M] of source [B, L] (or [L]): [B, M,
+    depth], SEPARATOR from the first separator (or past ``stop`` [B], a row's last index) on."""
+    L = source.shape[-1]
+    at = ends[:, :, None] + 1 + jnp.arange(depth)[None, None, :]  # [B, M, depth]
+    inside = at < L if stop is None else at <= stop[:, None, None]
+    where = jnp.clip(at, 0, L - 1)
+    tokens = source[where] if source.ndim == 1 else jnp.take_along_axis(
+        source[:, None, :], where, axis=2)
+    tokens = jnp.where(inside, tokens, SEPARATOR)
+    ended = jnp.cumsum(tokens == SEPARATOR, axis=2) > 0
+    return jnp.where(ended, SEPARATOR, tokens)
+
+
+def _ranked(tokens: Array, support: Array, ranks: int) -> tuple[Array, Array]:
+    """The ``ranks`` most frequent tokens [B, M] among the supported occurrences (ties: the
+    earlier occurrence, which is the more recent) -> (token ids [B, ranks], counts [B, ranks])."""
+    M = tokens.shape[1]
+    ok = support & (tokens >= 0)
+    same = (tokens[:, :, None] == tokens[:, None, :]) & ok[:, None, :]  # [B, m, m']
+    freq = jnp.sum(same, axis=2)  # occurrences sharing m's token
+    first = ~jnp.any(same & (jnp.arange(M)[None, None, :] < jnp.arange(M)[None, :, None]), axis=2)
+    key = jnp.where(ok & first, freq * M + (M - 1 - jnp.arange(M))[None, :], -1)
+    top, index = jax.lax.top_k(key, ranks)
+    found = top >= 0
+    ids = jnp.where(found, jnp.take_along_axis(tokens, index, axis=1), 0)
+    return ids, jnp.where(found, top // M, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixProposer:
+    """Suffix-decoding drafts over a static tree (see the module docstring)."""
+
+    tree: Tree
+    max_depth: int = 24  # longest match looked for (vLLM's suffix_decoding_max_tree_depth)
+    max_spec_factor: float = 1.0  # a match of n tokens drafts at most ceil(factor × n) deep
+    min_token_prob: float = 0.1  # a node's least share of its parent's occurrences
+    candidates: int = 64  # occurrences kept a round, the longest matches first
+
+    @property
+    def gamma(self) -> int:
+        return self.tree.num_nodes - 1
+
+    def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int):
+        return None  # the history and the corpus are all it reads
+
+    def propose(self, params, state, history: Array, length: Array, keys: Array,
+                sampling_params, filters) -> tuple[Draft, None]:
+        B, S = history.shape
+        P, D, tree = self.max_depth, self.tree.depth, self.tree
+        rows = jnp.arange(B)
+        back = length[:, None] - jnp.arange(P)[None, :]  # the row's i-th last token's slot
+        want = jnp.where(back >= 0, history[rows[:, None], jnp.clip(back, 0, S - 1)], -1)
+        C = 0 if params is None else params["tokens"].shape[0]
+        span = C + S  # recencies: the corpus in [0, C) by age, the row's own text in [C, C + S)
+        if (P + 1) * span >= 2**31:
+            raise ValueError(f"suffix decoding: a corpus of {C} tokens and a history of {S} "
+                             f"slots with max_depth {P} overflow its int32 scores; use a smaller "
+                             f"SuffixCache or max tree depth")
+        own = _runs(history, want, P)
+        own = jnp.where(jnp.arange(S)[None, :] < length[:, None], own, 0)  # end before the last
+        sources = [(history, own * span + C + jnp.arange(S)[None, :], length)]
+        if params is not None:  # the corpus [C], shared by every row; newest before the write
+            age = (jnp.arange(C) - params["write"]) % C  # C - 1: the slot just written
+            sources.append((params["tokens"], _runs(params["tokens"], want, P) * span
+                            + age[None, :], None))
+        scores = jnp.concatenate([s for _, s, _ in sources], axis=1)
+        top, index = jax.lax.top_k(scores, min(self.candidates, scores.shape[1]))
+        run = top // span
+        longest = run[:, 0]
+        support = (run == longest[:, None]) & (longest[:, None] >= 1)
+        # the continuation of each kept occurrence [B, M, D], from whichever source it lies in
+        cont, offset = None, 0
+        for source, s, stop in sources:
+            n = s.shape[-1]
+            inside = (index >= offset) & (index < offset + n)
+            part = jnp.where(inside[:, :, None],
+                             _following(source, jnp.clip(index - offset, 0, n - 1), D, stop),
+                             SEPARATOR)
+            cont = part if cont is None else jnp.maximum(cont, part)
+            offset += n
+        # fill the tree breadth first (a parent always comes before its children)
+        parents = [int(x) for x in tree.parents]
+        widths = np.zeros(tree.num_nodes, np.int64)
+        for i, path in enumerate(tree.paths, start=1):
+            widths[parents[i]] = max(widths[parents[i]], path[-1] + 1)
+        depth_cap = jnp.ceil(self.max_spec_factor * longest).astype(jnp.int32)
+        agree, count, valid_at, ranked = {0: support}, {0: jnp.sum(support, axis=1)}, \
+            {0: jnp.ones((B,), bool)}, {}
+        tokens, valid = [], []
+        for i, path in enumerate(tree.paths, start=1):
+            d, rank, parent = len(path), path[-1], parents[i]
+            if parent not in ranked:
+                ranked[parent] = _ranked(cont[:, :, d - 1], agree[parent], int(widths[parent]))
+            ids, counts = ranked[parent]
+            token, n = ids[:, rank], counts[:, rank]
+            share = n / jnp.maximum(count[parent], 1)
+            v = (valid_at[parent] & (n > 0) & (share >= self.min_token_prob)
+                 & (d <= depth_cap))
+            agree[i] = agree[parent] & (cont[:, :, d - 1] == token[:, None])
+            count[i], valid_at[i] = n, v
+            tokens.append(jnp.where(v, token, 0))
+            valid.append(v)
+        return Draft(jnp.stack(tokens, 1).astype(jnp.int32), None, jnp.stack(valid, 1)), None
+
+
+def build(spec, draft, target):
+    """The registry's builder for method "suffix": draft is a SuffixCache or None."""
+    if draft is not None and not isinstance(draft, SuffixCache):
+        raise ValueError(f"method 'suffix' takes a sj.draft.SuffixCache (or nothing) as draft=, "
+                         f"got {type(draft).__name__}")
+    if draft is not None:
+        draft.check_vocab(target.vocab_size)
+    tree = Tree(spec.tree) if spec.tree is not None else default_tree(spec.num_speculative_tokens)
+    return SuffixProposer(tree, spec.suffix_decoding_max_tree_depth,
+                          spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+
+
+def corpus(cache: SuffixCache) -> dict:
+    """The registry's params: the ring and its write point, passed into the compiled program."""
+    return cache.params
+
+
+def after_call(cache: SuffixCache, prompts, generation) -> None:
+    """Add a call's outputs (and prompts, if the cache says so) to the corpus."""
+    if cache.include_prompts:
+        cache.add(prompts)
+    cache.add([generation.tokens[b, :generation.lengths[b]]
+               for b in range(len(generation.lengths))])
+
+
+__all__ = ["SuffixCache", "SuffixProposer", "default_tree", "SEPARATOR"]

@@ -1,0 +1,236 @@
+"""Suffix decoding (issue 22): the on-device matching and tree against a plain Python reference
+(random streams, a corpus that evicts), greedy equality with autoregressive decoding, the
+distribution of sampled tokens (and a broken verifier that fails the same test), no
+recompilation as the corpus fills, bad settings, and the corpus's save/load round trip."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+from test_lossless import PROMPT, N, exact_joint, g_test, models  # noqa: F401
+
+import specjax as sj
+from specjax import engine, verify
+from specjax.draft import suffix
+from specjax.tree import Tree
+
+# -- the proposer against a reference -----------------------------------------------------------
+
+
+def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M):
+    """Per row, (tokens, valid) by the rule in specjax/draft/suffix.py, written plainly."""
+    out_tokens, out_valid = [], []
+    C, D = len(corpus), tree.depth
+    for row, last in zip(history, length):
+        S = len(row)
+        want = [row[last - i] if last - i >= 0 else -1 for i in range(P)]
+
+        def run(src, e, want=want):
+            k = 0
+            while k < P and e - k >= 0 and want[k] >= 0 and src[e - k] == want[k]:
+                k += 1
+            return k
+
+        occ = []  # (score, continuation)
+        span = C + S
+        for e in range(S):
+            r = run(row, e) if e < last else 0
+            cont = []
+            for j in range(1, D + 1):
+                if e + j > last or (cont and cont[-1] < 0):
+                    cont.append(-1)
+                else:
+                    cont.append(int(row[e + j]))
+            occ.append((r * span + C + e, r, cont))
+        for e in range(C):
+            r = run(corpus, e)
+            cont, ended = [], False
+            for j in range(1, D + 1):
+                t = int(corpus[e + j]) if e + j < C else -1
+                ended = ended or t < 0
+                cont.append(-1 if ended else t)
+            occ.append((r * span + (e - write) % C, r, cont))
+        occ.sort(key=lambda x: -x[0])
+        occ = occ[:M]
+        longest = occ[0][1]
+        support = [o[1] == longest and longest >= 1 for o in occ]
+        cap = int(np.ceil(factor * longest))
+        agree = {0: support}
+        count = {0: sum(support)}
+        ok = {0: True}
+        tokens, valid = [], []
+        for i, path in enumerate(tree.paths, start=1):
+            d, rank, parent = len(path), path[-1], int(tree.parents[i])
+            freq = {}
+            order = []
+            for m, o in enumerate(occ):
+                t = o[2][d - 1]
+                if agree[parent][m] and t >= 0:
+                    if t not in freq:
+                        order.append((t, m))
+                    freq[t] = freq.get(t, 0) + 1
+            ranked = sorted(order, key=lambda tm: (-freq[tm[0]], tm[1]))
+            if rank < len(ranked):
+                token, n = ranked[rank][0], freq[ranked[rank][0]]
+            else:
+                token, n = 0, 0
+            v = ok[parent] and n > 0 and n / max(count[parent], 1) >= min_prob and d <= cap
+            agree[i] = [agree[parent][m] and occ[m][2][d - 1] == token for m in range(len(occ))]
+            count[i], ok[i] = n, v
+            tokens.append(token if v else 0)
+            valid.append(v)
+        out_tokens.append(tokens)
+        out_valid.append(valid)
+    return np.array(out_tokens), np.array(out_valid)
+
+
+TREES = [((0,), (0, 0), (0, 0, 0)), ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)),
+         tuple(suffix.default_tree(4).paths)]
+
+
+@pytest.mark.parametrize("paths", TREES, ids=["chain", "wide", "default"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_proposer_matches_a_python_reference(paths, seed):
+    rng = np.random.default_rng(seed)
+    V, S, B = 4, 40, 6  # a small vocabulary: many matches, many ties
+    cache = suffix.SuffixCache(48)
+    for _ in range(rng.integers(3, 12)):  # usually more than fits: the oldest are evicted
+        cache.add([rng.integers(0, V, size=rng.integers(1, 14))])
+    history = rng.integers(0, V, size=(B, S)).astype(np.int32)
+    length = rng.integers(0, S, size=B).astype(np.int32)
+    P, factor, min_prob, M = int(rng.integers(1, 6)), float(rng.choice([0.5, 1.0, 2.0])), \
+        float(rng.choice([0.0, 0.2, 0.5])), int(rng.choice([8, 64]))
+    tree = Tree(paths)
+    proposer = suffix.SuffixProposer(tree, P, factor, min_prob, M)
+    use_cache = seed % 2 == 0
+    params = cache.params if use_cache else None
+    draft, _ = jax.jit(lambda p, h, n: proposer.propose(p, None, h, n, None, None, None))(
+        params, jnp.asarray(history), jnp.asarray(length))
+    want_tokens, want_valid = reference(
+        tree, history, length, cache._tokens if use_cache else np.zeros(0, np.int32),
+        cache._write, P, factor, min_prob, M)
+    np.testing.assert_array_equal(np.asarray(draft.valid), want_valid)
+    np.testing.assert_array_equal(np.asarray(draft.tokens), want_tokens)
+    assert want_valid.any()  # the case proposes something
+
+
+def test_the_cache_evicts_the_oldest_and_keeps_documents_whole():
+    cache = suffix.SuffixCache(16, vocab_size=10)
+    cache.add([[1, 2, 3, 4, 5], [6, 7, 8]])  # slots 0-5, 6-9
+    assert list(cache._tokens[:10]) == [1, 2, 3, 4, 5, -1, 6, 7, 8, -1]
+    cache.add([[9, 9, 9, 9, 9, 9, 9]])  # does not fit after slot 10: starts over at 0
+    assert list(cache._tokens[:8]) == [9] * 7 + [-1] and list(cache._tokens[10:]) == [-1] * 6
+    assert cache._tokens[8] == 8  # an older document's tail survives until overwritten
+    cache.add([list(range(10)) * 3])  # longer than the ring: its last 15 tokens
+    assert list(cache._tokens) == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, -1]
+    with pytest.raises(ValueError, match="token id 12 is outside"):
+        cache.add([[1, 12]])
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=3, vocab_size=24, hidden_size=32, layers=2, heads=4, kv_heads=2,
+                      max_pos=256)
+
+
+def test_greedy_suffix_equals_autoregressive_and_never_recompiles(target):
+    prompts = [[1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8], [4, 4, 4, 4, 9]]
+    greedy = sj.SamplingParams(temperature=0, max_new_tokens=40)
+    ar = sj.generate(target, prompts, sampling=greedy)
+    cache = sj.draft.SuffixCache(512)
+    spec = sj.SpecConfig(method="suffix", num_speculative_tokens=5)
+    lengths = []
+    for call in range(4):  # the corpus fills with the outputs; nothing recompiles
+        out = sj.generate(target, prompts, sampling=greedy, spec=spec, draft=cache)
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+        lengths.append(out.stats.mean_accepted_length)
+        if call == 0:
+            compiled = engine.compiled_programs()
+    assert engine.compiled_programs() == compiled
+    assert len(cache) == 3 * 4 * 40
+    assert lengths[1] > lengths[0] + 1  # the earlier outputs are drafted from
+    tree = sj.SpecConfig(method="suffix", tree=((0,), (1,), (0, 0), (0, 0, 0)),
+                         suffix_decoding_min_token_prob=0.0, suffix_decoding_max_spec_factor=3.0)
+    out = sj.generate(target, prompts, sampling=greedy, spec=tree)  # no corpus: own text only
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    streamed = list(sj.stream(target, prompts, sampling=greedy, spec=spec, draft=cache))
+    np.testing.assert_array_equal(streamed[-1].generation.tokens, ar.tokens)
+    end = cache._write - 1  # stream added its outputs too: the last one ends at the write point
+    np.testing.assert_array_equal(cache._tokens[end - 40:end], ar.tokens[2])
+
+
+SUFFIX_TREE = ((0,), (1,), (0, 0), (0, 0, 0), (1, 0))
+
+
+def suffix_samples(target, t, k, p):
+    """N rows of PROMPT, 3 tokens each, drafted from a corpus of the target's own continuations
+    of PROMPT (drafts often right, two candidates at the first steps). The proposer is passed
+    directly (as a custom one would be), with 16 occurrences a round: the same code as
+    method="suffix" (whose SpecConfig route the greedy test runs), cheaper for 40,000 rows."""
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=4)
+    docs = sj.generate(target, [PROMPT] * 12, sampling=sampling, key=99)
+    cache = sj.draft.SuffixCache(128)
+    cache.add([PROMPT + list(map(int, row)) for row in docs.tokens])
+    proposer = suffix.SuffixProposer(Tree(SUFFIX_TREE), max_depth=4, min_token_prob=0.0,
+                                     candidates=16)
+    out = sj.generate(target, [PROMPT] * N, proposer=proposer, draft=cache.params, key=0,
+                      sampling=dataclasses.replace(sampling, max_new_tokens=3),
+                      max_cache_len=len(PROMPT) + 3 + len(SUFFIX_TREE))
+    assert (out.lengths == 3).all()
+    assert out.stats.proposed_tokens > N and out.stats.accepted_tokens > N // 10
+    return out.tokens
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 0.9)], ids=["T1", "T0.7-topk5-topp0.9"])
+def test_first_three_tokens_follow_the_target_with_suffix_drafts(models, t, k, p):  # noqa: F811
+    target, _ = models
+    assert g_test(suffix_samples(target, t, k, p), exact_joint(target, t, k, p)) > 1e-3
+
+
+def test_a_verifier_that_keeps_rejected_siblings_fails_with_suffix_drafts(
+        models, monkeypatch, fresh_programs):  # noqa: F811
+    """The same test with the sibling rule broken (a rejected point-mass sibling's token left in
+    the residual): suffix trees have siblings, and the test catches it."""
+    target, _ = models
+    monkeypatch.setattr(verify, "_remove", lambda p, token, where: p)
+    t, k, p = 1.0, 0, 1.0
+    assert g_test(suffix_samples(target, t, k, p), exact_joint(target, t, k, p)) < 1e-6
+
+
+# -- settings, errors, persistence --------------------------------------------------------------
+
+def test_bad_settings_and_caches_are_refused(target, tmp_path):
+    prompts = [[1, 2, 3]]
+    for key, value, message in [
+            ("suffix_decoding_max_tree_depth", 0, "max_tree_depth must be an int >= 1"),
+            ("suffix_decoding_max_tree_depth", 40, "max_tree_depth=40 is beyond"),
+            ("suffix_decoding_max_spec_factor", 0.0, "max_spec_factor must be a finite"),
+            ("suffix_decoding_min_token_prob", 1.5, "min_token_prob must be in")]:
+        with pytest.raises(ValueError, match=message):
+            sj.SpecConfig(method="suffix", **{key: value})
+    with pytest.raises(ValueError, match="capacity_tokens must be an int in"):
+        sj.draft.SuffixCache(8)
+    other = sj.draft.SuffixCache(64, vocab_size=50000)
+    with pytest.raises(ValueError, match="50000-token vocabulary; the target has 24"):
+        sj.generate(target, prompts, spec={"method": "suffix"}, draft=other)
+    with pytest.raises(ValueError, match="takes a sj.draft.SuffixCache"):
+        sj.generate(target, prompts, spec={"method": "suffix"}, draft=target)
+
+
+def test_the_corpus_survives_a_save_and_load(tmp_path):
+    cache = sj.draft.SuffixCache(32, vocab_size=24, include_prompts=True)
+    cache.add([[1, 2, 3], [4, 5, 6, 7] * 5, [8, 9]])
+    cache.save(tmp_path / "corpus")
+    back = sj.draft.SuffixCache.load(tmp_path / "corpus")
+    np.testing.assert_array_equal(back._tokens, cache._tokens)
+    assert (back._write, back.vocab_size, back.include_prompts) == (cache._write, 24, True)
+    np.save(tmp_path / "corpus" / "tokens.npy", np.full(32, 99, np.int32))
+    with pytest.raises(ValueError, match="ids outside the vocabulary"):
+        sj.draft.SuffixCache.load(tmp_path / "corpus")
+    with pytest.raises(ValueError, match="is not a saved SuffixCache"):
+        sj.draft.SuffixCache.load(tmp_path / "nothing")
