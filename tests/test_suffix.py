@@ -88,10 +88,10 @@ def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M
 
 
 TREES = [((0,), (0, 0), (0, 0, 0)), ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)),
-         tuple(suffix.default_tree(4).paths)]
+         tuple(suffix.branching_tree(4).paths)]
 
 
-@pytest.mark.parametrize("paths", TREES, ids=["chain", "wide", "default"])
+@pytest.mark.parametrize("paths", TREES, ids=["chain", "wide", "branching"])
 @pytest.mark.parametrize("seed", range(4))
 def test_the_proposer_matches_a_python_reference(paths, seed):
     rng = np.random.default_rng(seed)

@@ -13,7 +13,8 @@ Each round, for every row: every position e of either source where the row's las
 ending at e is scored by how many of them match (up to ``max_depth``); the ``candidates``
 best occurrences (longest match first, then most recent; the row's own text counts as newer
 than the corpus) whose match is the longest found are kept, with the tokens that followed each.
-Those continuations fill the static tree (``specjax.tree.Tree``) breadth first: a node of child
+Those continuations fill the static shape (``specjax.tree.Tree``: a chain by default, or
+``SpecConfig.tree``) breadth first: a node of child
 rank r under a parent is the r-th most frequent token at that depth among the occurrences that
 agree with the parent's path (ties: the more recent occurrence first). A node is proposed only
 where its parent is, at least one occurrence supports it, its share of its parent's occurrences
@@ -162,9 +163,15 @@ class SuffixCache:
         return cache
 
 
-def default_tree(depth: int) -> Tree:
+def chain(depth: int) -> Tree:
+    """A chain of ``depth`` most-frequent continuations (the default shape)."""
+    return Tree([(0,) * d for d in range(1, depth + 1)])
+
+
+def branching_tree(depth: int) -> Tree:
     """A chain of ``depth`` most-frequent continuations, with the runner-up token at the first
-    two depths (each continued one more token): depth + 4 nodes (fewer when depth < 2)."""
+    two depths (each continued one more token): depth + 4 nodes (fewer when depth < 2). Worth
+    its wider verify where a verify of more positions costs little (GPUs, TPUs)."""
     paths = [(0,) * d for d in range(1, depth + 1)]
     for d in range(1, min(depth, 2) + 1):
         sibling = (0,) * (d - 1) + (1,)
@@ -218,9 +225,11 @@ def _ranked(tokens: Array, support: Array, ranks: int) -> tuple[Array, Array]:
 
 @dataclasses.dataclass(frozen=True)
 class SuffixProposer:
-    """Suffix-decoding drafts over a static tree (see the module docstring)."""
+    """Suffix-decoding drafts over a static tree (see the module docstring). A chain (every
+    node its parent's first child) is proposed as a chain: verified over only as many positions
+    as the longest row proposes, as n-gram drafts are."""
 
-    tree: Tree
+    shape: Tree
     max_depth: int = 24  # longest match looked for (vLLM's suffix_decoding_max_tree_depth)
     max_spec_factor: float = 1.0  # a match of n tokens drafts at most ceil(factor × n) deep
     min_token_prob: float = 0.1  # a node's least share of its parent's occurrences
@@ -228,7 +237,12 @@ class SuffixProposer:
 
     @property
     def gamma(self) -> int:
-        return self.tree.num_nodes - 1
+        return self.shape.num_nodes - 1
+
+    @property
+    def tree(self) -> Tree | None:
+        """The tree the engine verifies; None for a chain."""
+        return None if all(r == 0 for path in self.shape.paths for r in path) else self.shape
 
     def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int):
         return None  # the history and the corpus are all it reads
@@ -236,38 +250,49 @@ class SuffixProposer:
     def propose(self, params, state, history: Array, length: Array, keys: Array,
                 sampling_params, filters) -> tuple[Draft, None]:
         B, S = history.shape
-        P, D, tree = self.max_depth, self.tree.depth, self.tree
+        P, D, tree = self.max_depth, self.shape.depth, self.shape
         rows = jnp.arange(B)
         back = length[:, None] - jnp.arange(P)[None, :]  # the row's i-th last token's slot
         want = jnp.where(back >= 0, history[rows[:, None], jnp.clip(back, 0, S - 1)], -1)
-        C = 0 if params is None else params["tokens"].shape[0]
-        span = C + S  # recencies: the corpus in [0, C) by age, the row's own text in [C, C + S)
-        if (P + 1) * span >= 2**31:
-            raise ValueError(f"suffix decoding: a corpus of {C} tokens and a history of {S} "
-                             f"slots with max_depth {P} overflow its int32 scores; use a smaller "
-                             f"SuffixCache or max tree depth")
         own = _runs(history, want, P)
         own = jnp.where(jnp.arange(S)[None, :] < length[:, None], own, 0)  # end before the last
-        sources = [(history, own * span + C + jnp.arange(S)[None, :], length)]
-        if params is not None:  # the corpus [C], shared by every row; newest before the write
-            age = (jnp.arange(C) - params["write"]) % C  # C - 1: the slot just written
-            sources.append((params["tokens"], _runs(params["tokens"], want, P) * span
-                            + age[None, :], None))
-        scores = jnp.concatenate([s for _, s, _ in sources], axis=1)
-        top, index = jax.lax.top_k(scores, min(self.candidates, scores.shape[1]))
-        run = top // span
-        longest = run[:, 0]
-        support = (run == longest[:, None]) & (longest[:, None] >= 1)
+        longest = jnp.max(own, axis=1)
+        if params is not None:  # the corpus [C], shared by every row
+            corpus, write = params["tokens"], params["write"]
+            C = corpus.shape[0]
+            other = _runs(corpus, want, P)  # [B, C]
+            longest = jnp.maximum(longest, jnp.max(other, axis=1))
+        # The occurrences whose match is the longest support the draft: the M most recent of
+        # them, the row's own text first (newest first), then the corpus from the slot just
+        # before the ring's write point backwards. Ranked by counting (no sort: a top-k over a
+        # large corpus is slow on a CPU).
+        M = self.candidates
+        hit = (own == longest[:, None]) & (longest[:, None] >= 1)
+        after = jnp.cumsum(hit[:, ::-1], axis=1)[:, ::-1]  # hits at or after each slot
+        rank = jnp.where(hit, after - 1, M)
+        seen = after[:, 0]
+        slots = jnp.arange(S)[None, :]
+        if params is not None:
+            hit_c = (other == longest[:, None]) & (longest[:, None] >= 1)
+            after_c = jnp.cumsum(hit_c[:, ::-1], axis=1)[:, ::-1]  # [B, C]
+            after_c = jnp.pad(after_c, ((0, 0), (0, 1)))  # after_c[:, C] = 0
+            at_write = after_c[:, write]
+            older = after_c[:, 0] - at_write  # hits before the write point (the newer part)
+            e = jnp.arange(C)[None, :]
+            rank_c = jnp.where(e < write, after_c[:, :C] - at_write[:, None] - 1,
+                               older[:, None] + after_c[:, :C] - 1)
+            rank = jnp.concatenate([rank, jnp.where(hit_c, seen[:, None] + rank_c, M)], axis=1)
+            slots = jnp.concatenate([slots, S + jnp.arange(C)[None, :]], axis=1)
+        index = jnp.full((B, M), -1, jnp.int32).at[rows[:, None], rank].set(
+            jnp.broadcast_to(slots, rank.shape).astype(jnp.int32), mode="drop")
+        support = index >= 0
         # the continuation of each kept occurrence [B, M, D], from whichever source it lies in
-        cont, offset = None, 0
-        for source, s, stop in sources:
-            n = s.shape[-1]
-            inside = (index >= offset) & (index < offset + n)
-            part = jnp.where(inside[:, :, None],
-                             _following(source, jnp.clip(index - offset, 0, n - 1), D, stop),
-                             SEPARATOR)
-            cont = part if cont is None else jnp.maximum(cont, part)
-            offset += n
+        cont = _following(history, jnp.clip(index, 0, S - 1), D, length)
+        if params is not None:
+            in_corpus = index >= S
+            cont = jnp.where(in_corpus[:, :, None],
+                             _following(corpus, jnp.clip(index - S, 0, C - 1), D), cont)
+        cont = jnp.where(support[:, :, None], cont, SEPARATOR)
         # fill the tree breadth first (a parent always comes before its children)
         parents = [int(x) for x in tree.parents]
         widths = np.zeros(tree.num_nodes, np.int64)
@@ -300,7 +325,7 @@ def build(spec, draft, target):
                          f"got {type(draft).__name__}")
     if draft is not None:
         draft.check_vocab(target.vocab_size)
-    tree = Tree(spec.tree) if spec.tree is not None else default_tree(spec.num_speculative_tokens)
+    tree = Tree(spec.tree) if spec.tree is not None else chain(spec.num_speculative_tokens)
     return SuffixProposer(tree, spec.suffix_decoding_max_tree_depth,
                           spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
 
@@ -318,4 +343,4 @@ def after_call(cache: SuffixCache, prompts, generation) -> None:
                for b in range(len(generation.lengths))])
 
 
-__all__ = ["SuffixCache", "SuffixProposer", "default_tree", "SEPARATOR"]
+__all__ = ["SuffixCache", "SuffixProposer", "chain", "branching_tree", "SEPARATOR"]
