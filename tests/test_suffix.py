@@ -167,7 +167,7 @@ def test_greedy_suffix_equals_autoregressive_and_never_recompiles(target):
 SUFFIX_TREE = ((0,), (1,), (0, 0), (0, 0, 0), (1, 0))
 
 
-def suffix_samples(target, t, k, p):
+def suffix_samples(target, t, k, p, shape=SUFFIX_TREE):
     """N rows of PROMPT, 3 tokens each, drafted from a corpus of the target's own continuations
     of PROMPT (drafts often right, two candidates at the first steps). The proposer is passed
     directly (as a custom one would be), with 16 occurrences a round: the same code as
@@ -176,20 +176,24 @@ def suffix_samples(target, t, k, p):
     docs = sj.generate(target, [PROMPT] * 12, sampling=sampling, key=99)
     cache = sj.draft.SuffixCache(128)
     cache.add([PROMPT + list(map(int, row)) for row in docs.tokens])
-    proposer = suffix.SuffixProposer(Tree(SUFFIX_TREE), max_depth=4, min_token_prob=0.0,
+    proposer = suffix.SuffixProposer(Tree(shape), max_depth=4, min_token_prob=0.0,
                                      candidates=16)
     out = sj.generate(target, [PROMPT] * N, proposer=proposer, draft=cache.params, key=0,
                       sampling=dataclasses.replace(sampling, max_new_tokens=3),
-                      max_cache_len=len(PROMPT) + 3 + len(SUFFIX_TREE))
+                      max_cache_len=len(PROMPT) + 3 + len(shape))
     assert (out.lengths == 3).all()
     assert out.stats.proposed_tokens > N and out.stats.accepted_tokens > N // 10
     return out.tokens
 
 
-@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 0.9)], ids=["T1", "T0.7-topk5-topp0.9"])
-def test_first_three_tokens_follow_the_target_with_suffix_drafts(models, t, k, p):  # noqa: F811
+@pytest.mark.parametrize("t,k,p,shape", [(1.0, 0, 1.0, SUFFIX_TREE),
+                                         (0.7, 5, 0.9, SUFFIX_TREE),
+                                         (0.7, 5, 0.9, ((0,), (0, 0), (0, 0, 0)))],
+                         ids=["T1-tree", "T0.7-topk5-topp0.9-tree", "T0.7-topk5-topp0.9-chain"])
+def test_first_three_tokens_follow_the_target_with_suffix_drafts(models, t, k, p,  # noqa: F811
+                                                                  shape):
     target, _ = models
-    assert g_test(suffix_samples(target, t, k, p), exact_joint(target, t, k, p)) > 1e-3
+    assert g_test(suffix_samples(target, t, k, p, shape), exact_joint(target, t, k, p)) > 1e-3
 
 
 def test_a_verifier_that_keeps_rejected_siblings_fails_with_suffix_drafts(
