@@ -74,6 +74,7 @@ from .bundle import bundled
 from .config import SamplingParams, SpecConfig
 from .draft import registry
 from .draft.draft_model import as_draft_model
+from .draft.suffix import SuffixCache
 from .engine import cache_capacity, generate, slots_needed
 from .model import Model
 from .timing import forward_timer, memory_bandwidth, round_timers, step_weight_bytes
@@ -325,6 +326,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         variants.update({i: (s, drafts.get(s.method)) for i, s in enumerate(specs)})
 
         def run_all(spec, d, sampling=sampling):
+            if isinstance(d, SuffixCache):  # each pass starts empty and fills as it goes
+                d = d.fresh()
             return [generate(target, g, sampling=sampling, spec=spec, draft=d, key=seed + i,
                              allow_synthetic=True)  # labelled so in every row it touches
                     for i, g in enumerate(groups)]
@@ -621,13 +624,15 @@ def main(args) -> int:
                                   full_vocab=args.full_draft_vocab) if needs_draft else None)
         drafters = {m: load_heads(getattr(args, m, None) or bundled(f"code-{m}"), target)
                     for m in heads}
+    if "suffix" in methods and getattr(args, "suffix_cache", None):
+        drafters["suffix"] = SuffixCache(args.suffix_cache)  # the prompts' outputs, in order
     specs = []
     for m in methods:
         lookup = lookup_options(args) if m == "ngram" else {}
         if synthetic is not None:
             lookup["synthetic_acceptance"] = synthetic if len(synthetic) > 1 else synthetic[0]
         for spec in chain_specs(m, args.gammas, **lookup) if args.gammas else ():
-            limit = drafters[m].config.max_depth if m in drafters else None
+            limit = getattr(getattr(drafters.get(m), "config", None), "max_depth", None)
             if limit is not None and spec.num_speculative_tokens > limit:
                 print(f"skipping {m} chain {spec.num_speculative_tokens}: the drafter drafts at "
                       f"most {limit} deep", file=sys.stderr)
@@ -669,8 +674,9 @@ def main(args) -> int:
         else:
             result["settings"].update(
                 target=str(args.target), draft=str(args.draft) if draft is not None else None,
-                drafters={m: str(getattr(args, m, None) or bundled(f"code-{m}"))
-                          for m in drafters})
+                drafters={m: repr(d) if isinstance(d, SuffixCache) else
+                          str(getattr(args, m, None) or bundled(f"code-{m}"))
+                          for m, d in drafters.items()})
         print(format_table(result), flush=True)
         results.append(result)
     if getattr(args, "plots", None):

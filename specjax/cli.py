@@ -337,6 +337,11 @@ def _add_bench(sub) -> None:
     b.add_argument("--dflash",
                    help="block drafter folder (default: the bundled code-dflash)")
     b.add_argument("--mtp", help="MTP modules folder (default: the bundled code-mtp)")
+    b.add_argument("--suffix-cache", type=int, metavar="TOKENS",
+                   help="suffix: a SuffixCache of this many tokens that each pass over the "
+                        "prompts starts empty and fills with the outputs, in order (default: "
+                        "none, each row's own text only); with --prompts "
+                        "specjax/data/repeat_prompts.json, requests that repeat earlier ones")
     b.add_argument("--gammas", type=_numbers(int, allow_empty=True), default=[2, 4, 6],
                    metavar="G,G,...", help="chains of this many drafts to compare (default "
                                            "2,4,6; '' for none, e.g. with --tree)")

@@ -339,6 +339,28 @@ def test_plot_series():
     assert tpot[0.0]["draft_model chain 4"] == [4.0, 1.1]
 
 
+def test_bench_suffix_with_a_corpus_per_pass(model_folders, capsys, tmp_path, monkeypatch):
+    """--suffix-cache: the suffix variants draft from earlier prompts' outputs through a
+    SuffixCache that each pass (the warm-up and every timed repeat) starts empty."""
+    from specjax.draft import suffix
+    passes = []
+    fresh = suffix.SuffixCache.fresh
+    monkeypatch.setattr(suffix.SuffixCache, "fresh",
+                        lambda self: passes.append(len(self)) or fresh(self))
+    out = tmp_path / "suffix.json"
+    workload = ROOT / "specjax" / "data" / "repeat_prompts.json"
+    assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "suffix",
+                     "--gammas", "3", "--temperatures", "0", "--max-new-tokens", "8",
+                     "--repeats", "2", "--verify-repeats", "1", "--prompts", str(workload),
+                     "--num-prompts", "3", "--max-prompt-tokens", "40", "--suffix-cache", "256",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    row, = result["rows"]
+    assert row["method"] == "suffix" and row["identical_to_autoregressive"]
+    assert result["settings"]["drafters"]["suffix"].startswith("SuffixCache(")
+    assert passes == [0, 0, 0]  # warm-up and two repeats, each from an empty copy
+
+
 def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
     out = tmp_path / "ngram.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "ngram",

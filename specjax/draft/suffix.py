@@ -98,6 +98,11 @@ class SuffixCache:
         return (f"SuffixCache({len(self):,} of {self.capacity_tokens:,} tokens, "
                 f"{self.nbytes / 2**20:.2f} MiB, vocab_size={self.vocab_size})")
 
+    def fresh(self) -> SuffixCache:
+        """An empty cache of the same size and settings (a benchmark's pass starts from one)."""
+        return SuffixCache(self.capacity_tokens, vocab_size=self.vocab_size,
+                           include_prompts=self.include_prompts)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a target of another vocabulary (adopting the first one seen)."""
         if self.vocab_size is None:
