@@ -51,6 +51,9 @@ def pool():
     return out
 
 
+_released = [0]  # engine.PROGRAMS.compiled when the programs were last released
+
+
 @st.composite
 def cases(draw):
     case = dict(
@@ -128,6 +131,13 @@ def _sampling(case, kwargs):
                                  HealthCheck.data_too_large])
 @given(case=cases())
 def test_the_api_either_refuses_clearly_or_decodes_right(pool, case):
+    # Each compiled program holds hundreds of memory mappings and Linux allows a process 65,530
+    # (see conftest._release_compiled_programs): a thousand cases in one test must let go of
+    # them now and then (the on-disk compilation cache reads them back).
+    if engine.PROGRAMS.compiled - _released[0] >= 40:
+        engine.PROGRAMS.clear()
+        jax.clear_caches()
+        _released[0] = engine.PROGRAMS.compiled
     req, target = _request(case, pool)
     V_ = target.config.vocab_size
     before = engine.compiled_programs()
