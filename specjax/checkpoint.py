@@ -104,13 +104,11 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray],
     sibling, renamed into place)."""
     from safetensors.numpy import save_file
     arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        save_file(arrays, tmp, metadata=metadata or {"format": "pt"})
-    except Exception as e:
-        tmp.unlink(missing_ok=True)
+        files.write_atomic(path, b"", writer=lambda tmp: save_file(
+            arrays, tmp, metadata=metadata or {"format": "pt"}))
+    except (ValueError, TypeError, OSError) as e:
         raise ValueError(f"cannot write {path} with safetensors: {e}") from e
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,21 +40,16 @@ def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int,
 
     Candidates are indexed by the slot e where an occurrence ends (e < last, the row's last
     index). ``run[e]`` counts how many of the row's last tokens match backwards from e, capped at
-    n_max: a comparison of the history shifted right by i (a static slice) with the row's i-th
-    last token, for i < n_max, so one pass scores every n at once. The winner maximises (run
-    length, available continuation, e) in that order, packed into one integer for one argmax.
+    n_max (``match_runs``). The winner maximises (run length, available continuation, e) in that
+    order, packed into one integer for one argmax.
     """
     B, S = history.shape
     last = length  # index of the row's last token
     rows = jnp.arange(B)
     ends = jnp.arange(S)[None, :]  # candidate occurrence ends e
-    run = jnp.zeros((B, S), jnp.int32)
-    matching = ends < last[:, None]  # an occurrence ends before the row's last token
-    for i in range(n_max):
-        want = jnp.where(last >= i, history[rows, jnp.clip(last - i, 0, S - 1)], -1)  # [B]
-        shifted = jnp.pad(history[:, :S - i], ((0, 0), (i, 0)), constant_values=-1)  # [b, e - i]
-        matching &= (shifted == want[:, None]) & (want[:, None] >= 0)
-        run += matching.astype(jnp.int32)
+    # an occurrence ends before the row's last token
+    run = jnp.where(ends < last[:, None], match_runs(history, last_tokens(history, length, n_max),
+                                                     n_max), 0)
     available = jnp.clip(last[:, None] - ends, 0, gamma)  # continuation length after e
     score = jnp.where(run >= n_min, (run * (gamma + 1) + available) * S + ends, -1)
     best = jnp.argmax(score, axis=1)  # [B]
@@ -67,6 +62,30 @@ def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int,
                                              0, S - 1)]
     valid = jnp.arange(gamma)[None, :] < count[:, None]
     return jnp.where(valid, tokens, 0), valid
+
+
+def last_tokens(history: Array, length: Array, n: int) -> Array:
+    """Each row's last n tokens, newest first: [B, n] (-1 where the row is shorter)."""
+    S = history.shape[1]
+    back = length[:, None] - jnp.arange(n)[None, :]
+    return jnp.where(back >= 0, jnp.take_along_axis(history, jnp.clip(back, 0, S - 1), axis=1),
+                     -1)
+
+
+def match_runs(source: Array, want: Array, n_max: int) -> Array:
+    """For every position e of source [B, L] (or [L], shared by the rows): how many of the
+    row's last tokens want [B, n_max] (newest first) match backwards from e, capped at n_max:
+    [B, L]. A comparison of the source shifted right by i (a static slice) with the row's i-th
+    last token, for i < n_max, so one pass scores every n at once."""
+    src = source if source.ndim == 2 else source[None, :]
+    L = src.shape[1]
+    run = jnp.zeros((want.shape[0], L), jnp.int32)
+    matching = jnp.ones((want.shape[0], L), bool)
+    for i in range(n_max):
+        shifted = jnp.pad(src[:, :L - i], ((0, 0), (i, 0)), constant_values=-1)
+        matching &= (shifted == want[:, i:i + 1]) & (want[:, i:i + 1] >= 0)
+        run += matching.astype(jnp.int32)
+    return run
 
 
 @dataclasses.dataclass(frozen=True)

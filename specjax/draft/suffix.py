@@ -41,6 +41,7 @@ from jax import Array
 
 from ..tree import Tree
 from .base import Draft
+from .ngram import last_tokens, match_runs
 
 SEPARATOR = -1  # ends a document in the corpus (and fills its empty slots)
 
@@ -184,21 +185,6 @@ def branching_tree(depth: int) -> Tree:
     return Tree(paths)
 
 
-def _runs(source: Array, want: Array, max_depth: int) -> Array:
-    """source [B, L] (or [L], shared), want [B, P] the row's last P tokens (want[:, i]: the
-    i-th last; -1 where the row is shorter) -> [B, L]: how many of them match backwards from
-    each position e (source[e - i] == want[:, i] for i < run)."""
-    src = source if source.ndim == 2 else source[None, :]
-    L = src.shape[1]
-    run = jnp.zeros((want.shape[0], L), jnp.int32)
-    matching = jnp.ones((want.shape[0], L), bool)
-    for i in range(max_depth):
-        shifted = jnp.pad(src[:, :L - i], ((0, 0), (i, 0)), constant_values=SEPARATOR)
-        matching &= (shifted == want[:, i:i + 1]) & (want[:, i:i + 1] >= 0)
-        run += matching.astype(jnp.int32)
-    return run
-
-
 def _following(source: Array, ends: Array, depth: int, stop: Array | None = None) -> Array:
     """The ``depth`` tokens after each position ends [B, M] of source [B, L] (or [L]): [B, M,
     depth], SEPARATOR from the first separator (or past ``stop`` [B], a row's last index) on."""
@@ -257,15 +243,14 @@ class SuffixProposer:
         B, S = history.shape
         P, D, tree = self.max_depth, self.shape.depth, self.shape
         rows = jnp.arange(B)
-        back = length[:, None] - jnp.arange(P)[None, :]  # the row's i-th last token's slot
-        want = jnp.where(back >= 0, history[rows[:, None], jnp.clip(back, 0, S - 1)], -1)
-        own = _runs(history, want, P)
+        want = last_tokens(history, length, P)
+        own = match_runs(history, want, P)
         own = jnp.where(jnp.arange(S)[None, :] < length[:, None], own, 0)  # end before the last
         longest = jnp.max(own, axis=1)
         if params is not None:  # the corpus [C], shared by every row
             corpus, write = params["tokens"], params["write"]
             C = corpus.shape[0]
-            other = _runs(corpus, want, P)  # [B, C]
+            other = match_runs(corpus, want, P)  # [B, C]
             longest = jnp.maximum(longest, jnp.max(other, axis=1))
         # The occurrences whose match is the longest support the draft: the M most recent of
         # them, the row's own text first (newest first), then the corpus from the slot just
