@@ -209,9 +209,15 @@ def chain_specs(method: str, gammas, **options) -> list[SpecConfig]:
 
 
 def lookup_options(args) -> dict:
-    """SpecConfig's n-gram lookup fields from the command line's --prompt-lookup-* flags."""
-    return dict(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-                prompt_lookup_length_factor=args.prompt_lookup_length_factor)
+    """SpecConfig's n-gram lookup fields from the command line's --prompt-lookup-* flags, and
+    lookahead decoding's from --lookahead-window and --lookahead-candidates."""
+    options = dict(prompt_lookup_min=args.prompt_lookup_min,
+                   prompt_lookup_max=args.prompt_lookup_max,
+                   prompt_lookup_length_factor=args.prompt_lookup_length_factor)
+    for name in ("lookahead_window", "lookahead_candidates"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    return options
 
 
 def _lookup(spec: SpecConfig) -> dict | None:
@@ -227,6 +233,13 @@ def _label(spec: SpecConfig) -> str:
         profile = f"{alphas[0]:g}" if len(alphas) == 1 else "/".join(
             f"{a:g}" for a in spec.synthetic_acceptance)
         return f"chain {spec.num_speculative_tokens} synthetic α={profile}"
+    if spec.method == "lookahead":  # W columns, n-grams of N, G candidate chains (or a tree)
+        window = f"W{spec.lookahead_window} "
+        if spec.tree is None:
+            return (f"{window}N{spec.num_speculative_tokens + 1} "
+                    f"G{spec.lookahead_candidates}")
+        tree = Tree(spec.tree)
+        return f"{window}tree {tree.num_nodes - 1}/{tree.depth}"
     if spec.tree is None:
         lookup = _lookup(spec)
         if spec.survival_threshold is not None or spec.verify_costs is not None:
@@ -628,7 +641,7 @@ def main(args) -> int:
         drafters["suffix"] = SuffixCache(args.suffix_cache)  # the prompts' outputs, in order
     specs = []
     for m in methods:
-        lookup = lookup_options(args) if m == "ngram" else {}
+        lookup = lookup_options(args) if m in ("ngram", "lookahead") else {}
         if synthetic is not None:
             lookup["synthetic_acceptance"] = synthetic if len(synthetic) > 1 else synthetic[0]
         for spec in chain_specs(m, args.gammas, **lookup) if args.gammas else ():

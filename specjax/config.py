@@ -312,6 +312,12 @@ class SpecConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # lookahead decoding (specjax/draft/lookahead.py): W, the Jacobi window's columns; G, the
+    # candidate chains verified a round (without a tree); n-grams kept per row. Its n-grams are
+    # num_speculative_tokens + 1 long (the tree's depth + 1 with a tree).
+    lookahead_window: int = 2
+    lookahead_candidates: int = 1
+    lookahead_pool_size: int = 64
 
     def __post_init__(self):
         method = _method(self.method)
@@ -350,6 +356,20 @@ class SpecConfig:
                       lambda x: math.isfinite(x) and x > 0, "a finite number > 0")
         _require_real(self, "suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob,
                       lambda x: 0 <= x <= 1, "in [0, 1]")
+        for name, most in [("lookahead_window", 32), ("lookahead_candidates", 16),
+                           ("lookahead_pool_size", 4096)]:
+            _require_int(self, name, getattr(self, name), 1)
+            if getattr(self, name) > most:
+                raise ValueError(f"SpecConfig.{name} must be at most {most}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.method == "lookahead" and self.tree is None:
+            from .tree import MAX_NODES
+            nodes = self.lookahead_candidates * self.num_speculative_tokens
+            if nodes > MAX_NODES:
+                raise ValueError(f"lookahead verifies lookahead_candidates × "
+                                 f"num_speculative_tokens = {self.lookahead_candidates} × "
+                                 f"{self.num_speculative_tokens} = {nodes} nodes a round; at most "
+                                 f"{MAX_NODES} are supported")
         if self.synthetic_acceptance is not None:
             object.__setattr__(self, "synthetic_acceptance", self._synthetic_profile())
         if self.survival_threshold is not None:

@@ -359,9 +359,20 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
         raise ValueError(f"a tree proposer's Draft.probs must be [B, N, V] = [{B}, "
                          f"{tree.num_nodes}, V] (row i: what node i's children were drawn from), "
                          f"got {tuple(draft.probs.shape)}")
-    positions = state.length[:, None] + jnp.asarray(tree.depths)[None, :]
+    depths, mask, logits_at, N = tree.depths, tree.ancestors, None, tree.num_nodes
+    if draft.lookahead is not None:  # the proposer's own positions ride along (Lookahead)
+        chunk = jnp.concatenate([chunk, draft.lookahead], axis=1)
+        depths, mask = lookahead_layout(tree, plan.proposer)
+        read = draft_base.lookahead_read(plan.proposer)
+        logits_at = tuple(range(N)) + tuple(N + k for k in read)  # no logits for the rest
+    positions = state.length[:, None] + jnp.asarray(depths)[None, :]
     logits, hidden, cache = forward(target, chunk, positions, state.cache.rollback(state.length),
-                                    chunk_mask=jnp.asarray(tree.ancestors), taps=plan.taps)
+                                    chunk_mask=jnp.asarray(mask), taps=plan.taps,
+                                    logits_at=logits_at)
+    if draft.lookahead is not None:
+        draft_state = plan.proposer.observe_lookahead(
+            draft_state, sampling_lib.argmax(logits[:, N:]).astype(jnp.int32))
+        logits, hidden = logits[:, :N], hidden[:, :N]
     target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
     verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid, draft.probs)
     nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)  # root, path
@@ -381,6 +392,18 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
                                            verdict.num_accepted)
     hidden = jnp.take_along_axis(hidden, nodes[:, :, None], axis=1)  # entries past it are stale
     return verdict, cache, hidden, draft_state
+
+
+def lookahead_layout(tree, proposer) -> tuple[np.ndarray, np.ndarray]:
+    """Depths [N + K] and the attention mask [N + K, N + K] of a verify forward that carries a
+    ``Lookahead`` proposer's K positions after the tree's N nodes: the tree's nodes see their
+    ancestors only; the lookahead positions see the root and what ``lookahead_mask`` says."""
+    N, K = tree.num_nodes, draft_base.lookahead_width(proposer)
+    mask = np.zeros((N + K, N + K), bool)
+    mask[:N, :N] = tree.ancestors
+    mask[N:, 0] = True
+    mask[N:, N:] = proposer.lookahead_mask
+    return np.concatenate([tree.depths, proposer.lookahead_depths]).astype(np.int32), mask
 
 
 def stop_ends(window: Array, generated: Array, offered: Array, stop: Array) -> Array:
@@ -873,7 +896,8 @@ def plan_program(target: ModelConfig, proposer, rows: list[np.ndarray], sampling
     padded sizes. Neither the prompt lengths nor max_new_tokens pick the program beyond the
     tier; top_k only by being on, off or above TOP_K_BOUND."""
     longest = max(len(r) for r in rows)
-    gamma = 0 if proposer is None else proposer.gamma
+    # the slots a round writes past the length: the drafts, and a lookahead window's guesses
+    gamma = 0 if proposer is None else proposer.gamma + draft_base.lookahead_width(proposer)
     capacity = cache_capacity(target, gamma, slots_needed(longest, sampling.max_new_tokens, gamma),
                               max_cache_len)
     B_pad = bucket(len(rows), minimum=1)

@@ -217,6 +217,8 @@ class Decoder(nn.Module):
     # in place of the final-norm hidden state (the block drafter reads several,
     # specjax/draft/dflash.py); () for the final-norm hidden state
     taps: tuple[int, ...] = ()
+    # the chunk positions whose logits are computed (logits [B, len, V]); None: all of them
+    logits_at: tuple[int, ...] | None = None
 
     @nn.compact
     def __call__(self, tokens, view, k, v):
@@ -241,16 +243,17 @@ class Decoder(nn.Module):
         if chunks is not None:  # the chunk's keys and values, [L, B, T, K, D], for the caller
             k, v = chunks
         hidden = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
+        head_in = hidden if self.logits_at is None else hidden[:, np.asarray(self.logits_at)]
         # The LM head accumulates and returns float32 whatever the model computes in: bfloat16
         # logits (8 significant bits) tie exactly at a few percent of the bundled target's
         # greedy tokens, where a verify forward and a one-token forward then choose apart.
         if cfg.tie_word_embeddings:
-            logits = jnp.einsum("bte,ve->btv", hidden, embed.embedding,
+            logits = jnp.einsum("bte,ve->btv", head_in, embed.embedding,
                                 preferred_element_type=jnp.float32)
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
                               kernel_init=nn.initializers.normal(self.init_std),
-                              dot_general=_float32_dot, name="lm_head")(hidden)
+                              dot_general=_float32_dot, name="lm_head")(head_in)
         if self.taps:
             hidden = jnp.concatenate(tapped, axis=-1)
         return logits.astype(jnp.float32), hidden, k, v
@@ -316,7 +319,8 @@ def check_taps(config: ModelConfig, taps) -> tuple[int, ...]:
 
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
             chunk_mask: Array | None = None, *, block: int | None = None, write: bool = True,
-            taps: tuple[int, ...] = ()) -> tuple[Array, Array, KVCache]:
+            taps: tuple[int, ...] = (), logits_at: tuple[int, ...] | None = None
+            ) -> tuple[Array, Array, KVCache]:
     """Run a chunk of T tokens through the model, reading and extending the cache.
 
     tokens, positions: [B, T] int32 (positions are per token, so a tree's nodes use their depth).
@@ -337,18 +341,24 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
 
     ``taps`` (layer indices): return, in place of the final-norm hidden states, the residual
     stream after each of those layers, concatenated: [B, T, len(taps) * E].
+
+    ``logits_at`` (chunk indices, static): compute the logits at those positions only, [B,
+    len(logits_at), V] in that order (a lookahead window's inner guesses need none).
     """
     block = attention.current_block() if block is None else block
+    if logits_at is not None:
+        logits_at = tuple(int(i) for i in logits_at)
     return _forward(model, tokens, positions, cache, chunk_mask, block=block, write=write,
-                    taps=check_taps(model.config, taps))
+                    taps=check_taps(model.config, taps), logits_at=logits_at)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "write", "taps"))
+@functools.partial(jax.jit, static_argnames=("block", "write", "taps", "logits_at"))
 def _forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
-             chunk_mask: Array | None, *, block: int, write: bool = True, taps=()
-             ) -> tuple[Array, Array, KVCache | tuple[Array, Array]]:
+             chunk_mask: Array | None, *, block: int, write: bool = True, taps=(),
+             logits_at=None) -> tuple[Array, Array, KVCache | tuple[Array, Array]]:
     T = tokens.shape[1]
-    logits, hidden, k, v = Decoder(model.config, block=block, taps=taps).apply(
+    logits, hidden, k, v = Decoder(model.config, block=block, taps=taps,
+                                   logits_at=logits_at).apply(
         {"params": model.params}, tokens,
         view(cache, positions, chunk_mask, model.config.sliding_window, block, write),
         cache.k, cache.v)

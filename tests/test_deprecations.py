@@ -34,7 +34,8 @@ def test_the_old_drafter_namespace_and_loaders_warn(tmp_path):
     with pytest.warns(DeprecationWarning, match="registry"):
         assert config.METHODS == sj.draft.names()
     with pytest.warns(DeprecationWarning):
-        assert config.TREE_METHODS == ("draft_model", "medusa", "eagle", "dflash", "suffix")
+        assert config.TREE_METHODS == ("draft_model", "medusa", "eagle", "dflash", "suffix",
+                                       "lookahead")
     with pytest.raises(AttributeError):
         sj.no_such_name  # noqa: B018
 

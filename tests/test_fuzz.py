@@ -31,7 +31,7 @@ CONFIGS = [  # small, and different where it matters to the engine
          o_proj_bias=True),  # a sliding window
 ]
 HEADS = ("medusa", "eagle", "dflash", "mtp")
-METHODS = ("autoregressive", "draft_model", "ngram", "suffix", *HEADS, "tree")
+METHODS = ("autoregressive", "draft_model", "ngram", "suffix", "lookahead", *HEADS, "tree")
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +148,8 @@ def test_the_api_either_refuses_clearly_or_decodes_right(pool, case):
     except ValueError as e:
         assert engine.compiled_programs() == before, f"compiled before refusing: {e}"
         assert str(e), "an error without a message"
-        sliding_tree = (case["method"] in ("tree", "suffix") and CONFIGS[case["config"]].get(
-            "sliding_window") is not None)
+        sliding_tree = (case["method"] in ("tree", "suffix", "lookahead")
+                        and CONFIGS[case["config"]].get("sliding_window") is not None)
         assert case["wrong"] is not None or sliding_tree, f"a valid case was refused: {e}"
         event(f"refused: {case['wrong'] or 'tree on a sliding window'}")
         return

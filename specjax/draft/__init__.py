@@ -10,12 +10,14 @@
     dflash.py       the block drafter: its network and proposer (config in heads.py)
     mtp.py          multi-token prediction modules' proposer (network in heads.py)
     rider.py        what Medusa and EAGLE share (the target's features between rounds)
+    suffix.py       suffix decoding: the row's text and earlier requests' outputs
+    lookahead.py    lookahead decoding: the target's own Jacobi window
     vocab.py        draft vocabularies (a cut LM head)
 """
 
 from __future__ import annotations
 
-from . import dflash, draft_model, mtp, ngram, rider, suffix
+from . import dflash, draft_model, lookahead, mtp, ngram, rider, suffix
 from . import heads as heads_lib
 from .base import Draft, Proposer, Rider, TreeProposer, draw, expand_tree, tree_candidates
 from .dflash import DFlashProposer
@@ -28,6 +30,7 @@ from .draft_model import (
 )
 from .eagle import EagleProposer
 from .heads import Heads, HeadsConfig, init_heads, load_heads, save_heads
+from .lookahead import LookaheadProposer
 from .medusa import MedusaProposer
 from .mtp import MTPProposer
 from .ngram import NgramProposer
@@ -48,6 +51,7 @@ register("dflash", dflash.build, draft="heads", tree=True, params=lambda heads: 
 register("mtp", mtp.build, draft="heads", params=lambda heads: heads.params)
 register("suffix", suffix.build, draft="corpus", tree=True, params=suffix.corpus,
          after_call=suffix.after_call)
+register("lookahead", lookahead.build, tree=True)
 
 
 def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> DraftModel:
@@ -61,7 +65,7 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
 __all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
            "restrict_vocab", "NgramProposer", "MedusaProposer", "EagleProposer", "DFlashProposer",
-           "MTPProposer", "SuffixCache", "SuffixProposer",
+           "MTPProposer", "SuffixCache", "SuffixProposer", "LookaheadProposer",
            "Features",
            "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
            "DraftVocab", "frequent_tokens", "Method", "register", "unregister", "get", "names"]

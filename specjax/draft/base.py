@@ -49,6 +49,9 @@ class Draft:
     # [] int32, adaptive chains only: the draft forwards this round really ran (steps skipped
     # once no row drafts are not counted; Stats.draft_calls)
     forwards: Array | None = None
+    # [B, K] int32, ``Lookahead`` proposers only: tokens the target also runs in the verify
+    # forward, at positions and with a mask of the proposer's own, never verified or emitted
+    lookahead: Array | None = None
 
 
 @runtime_checkable
@@ -109,6 +112,37 @@ class Rider(Protocol):
         ...
 
 
+@runtime_checkable
+class Lookahead(Protocol):
+    """A tree proposer that adds positions of its own to the target's verify forward (lookahead
+    decoding's Jacobi window): ``Draft.lookahead`` [B, K] are their tokens, at positions
+    ``length + lookahead_depths`` [K] (static); each sees the cache, the root and the lookahead
+    positions its row of ``lookahead_mask`` [K, K] (static, itself included) names, and no tree
+    node sees them. After verification the engine calls ``observe_lookahead(state, seen [B,
+    R])`` with the target's argmax at the R positions ``lookahead_read`` names (indices into
+    the K, static; all K when the proposer has no ``lookahead_read``): the LM head runs only
+    there. They are written to the cache past the tree and never kept: only the tree's nodes
+    are verified."""
+
+    lookahead_depths: np.ndarray
+    lookahead_mask: np.ndarray
+
+    def observe_lookahead(self, state: Any, seen: Array) -> Any:
+        ...
+
+
+def lookahead_width(proposer) -> int:
+    """K: the positions a ``Lookahead`` proposer adds to each verify forward (0 for others)."""
+    depths = getattr(proposer, "lookahead_depths", None)
+    return 0 if depths is None else len(depths)
+
+
+def lookahead_read(proposer) -> tuple[int, ...]:
+    """The lookahead positions whose argmax a ``Lookahead`` proposer reads (all by default)."""
+    read = getattr(proposer, "lookahead_read", None)
+    return tuple(range(lookahead_width(proposer))) if read is None else tuple(read)
+
+
 def rides_on_target(proposer) -> bool:
     """Whether a proposer is a ``Rider``."""
     return bool(getattr(proposer, "rides_on_target", False))
@@ -141,6 +175,14 @@ def check_proposer(proposer) -> None:
                          f"gamma={gamma}: a tree proposer's gamma is its number of nodes")
     if rides_on_target(proposer) and not callable(getattr(proposer, "observe", None)):
         raise ValueError(f"proposer {name} rides on the target but has no observe() method")
+    K = lookahead_width(proposer)
+    if K:
+        mask = np.asarray(getattr(proposer, "lookahead_mask", None))
+        if tree is None or not callable(getattr(proposer, "observe_lookahead", None)) \
+                or mask.shape != (K, K) or not mask.diagonal().all():
+            raise ValueError(f"proposer {name} has lookahead_depths but is not a Lookahead "
+                             f"tree proposer (a tree, a [K, K] lookahead_mask whose diagonal is "
+                             f"True, and observe_lookahead())")
 
 
 def draw(logits: Array, key: Array, sampling_params: SamplingArrays, filters: Filters,
@@ -235,3 +277,55 @@ def expand_tree(tree, first: tuple[Array, Array | None],
     leaves = tree.num_nodes - sum(x.shape[1] for x in qs)
     q = jnp.concatenate(qs + [jnp.zeros((B, leaves, M), qs[0].dtype)], axis=1)  # [B, N, M]
     return tokens, (q if vocab is None else vocab.widen(q, vocab_size))
+
+
+def rank_by_count(tokens: Array, support: Array, ranks: int) -> tuple[Array, Array]:
+    """The ``ranks`` most frequent tokens among the supported candidates' tokens [B, M] (ties:
+    the earlier candidate) -> (token ids [B, ranks], counts [B, ranks]; 0 and 0 past the
+    distinct tokens found). Negative tokens never count."""
+    M = tokens.shape[1]
+    ok = support & (tokens >= 0)
+    same = (tokens[:, :, None] == tokens[:, None, :]) & ok[:, None, :]  # [B, m, m']
+    freq = jnp.sum(same, axis=2)  # candidates sharing m's token
+    first = ~jnp.any(same & (jnp.arange(M)[None, None, :] < jnp.arange(M)[None, :, None]), axis=2)
+    key = jnp.where(ok & first, freq * M + (M - 1 - jnp.arange(M))[None, :], -1)
+    top, index = jax.lax.top_k(key, ranks)
+    found = top >= 0
+    ids = jnp.where(found, jnp.take_along_axis(tokens, index, axis=1), 0)
+    return ids, jnp.where(found, top // M, 0)
+
+
+def fill_by_count(tree, continuations: Array, support: Array, *, min_share: float = 0.0,
+                  depth_cap: Array | None = None) -> tuple[Array, Array]:
+    """Fill a static tree (specjax.tree.Tree) from candidate continuations [B, M, D] (D >= the
+    tree's depth; negative = none), of which support [B, M] count, best first.
+
+    Breadth first: a node of child rank r is the r-th most frequent token at its depth among
+    the supported candidates that agree with its parent's path (ties: the earlier candidate).
+    It is proposed only where its parent is, at least one candidate supports it, its share of
+    its parent's candidates is at least ``min_share``, and its depth is at most ``depth_cap``
+    [B] (when given). Returns the nodes' tokens [B, N-1] int32 (0 where not proposed) and
+    valid [B, N-1]: the point-mass drafts of suffix decoding and lookahead decoding."""
+    B = continuations.shape[0]
+    parents = [int(x) for x in tree.parents]
+    widths = np.zeros(tree.num_nodes, np.int64)
+    for i, path in enumerate(tree.paths, start=1):
+        widths[parents[i]] = max(widths[parents[i]], path[-1] + 1)
+    agree, count, valid_at, ranked = {0: support}, {0: jnp.sum(support, axis=1)}, \
+        {0: jnp.ones((B,), bool)}, {}
+    tokens, valid = [], []
+    for i, path in enumerate(tree.paths, start=1):
+        d, rank, parent = len(path), path[-1], parents[i]
+        if parent not in ranked:
+            ranked[parent] = rank_by_count(continuations[:, :, d - 1], agree[parent],
+                                           int(widths[parent]))
+        ids, counts = ranked[parent]
+        token, n = ids[:, rank], counts[:, rank]
+        v = valid_at[parent] & (n > 0) & (n / jnp.maximum(count[parent], 1) >= min_share)
+        if depth_cap is not None:
+            v &= d <= depth_cap
+        agree[i] = agree[parent] & (continuations[:, :, d - 1] == token[:, None])
+        count[i], valid_at[i] = n, v
+        tokens.append(jnp.where(v, token, 0))
+        valid.append(v)
+    return jnp.stack(tokens, 1).astype(jnp.int32), jnp.stack(valid, 1)

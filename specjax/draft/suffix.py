@@ -34,13 +34,12 @@ import json
 import os
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
 from ..tree import Tree
-from .base import Draft
+from .base import Draft, fill_by_count
 from .ngram import last_tokens, match_runs
 
 SEPARATOR = -1  # ends a document in the corpus (and fills its empty slots)
@@ -199,21 +198,6 @@ def _following(source: Array, ends: Array, depth: int, stop: Array | None = None
     return jnp.where(ended, SEPARATOR, tokens)
 
 
-def _ranked(tokens: Array, support: Array, ranks: int) -> tuple[Array, Array]:
-    """The ``ranks`` most frequent tokens [B, M] among the supported occurrences (ties: the
-    earlier occurrence, which is the more recent) -> (token ids [B, ranks], counts [B, ranks])."""
-    M = tokens.shape[1]
-    ok = support & (tokens >= 0)
-    same = (tokens[:, :, None] == tokens[:, None, :]) & ok[:, None, :]  # [B, m, m']
-    freq = jnp.sum(same, axis=2)  # occurrences sharing m's token
-    first = ~jnp.any(same & (jnp.arange(M)[None, None, :] < jnp.arange(M)[None, :, None]), axis=2)
-    key = jnp.where(ok & first, freq * M + (M - 1 - jnp.arange(M))[None, :], -1)
-    top, index = jax.lax.top_k(key, ranks)
-    found = top >= 0
-    ids = jnp.where(found, jnp.take_along_axis(tokens, index, axis=1), 0)
-    return ids, jnp.where(found, top // M, 0)
-
-
 @dataclasses.dataclass(frozen=True)
 class SuffixProposer:
     """Suffix-decoding drafts over a static tree (see the module docstring). A chain (every
@@ -283,29 +267,10 @@ class SuffixProposer:
             cont = jnp.where(in_corpus[:, :, None],
                              _following(corpus, jnp.clip(index - S, 0, C - 1), D), cont)
         cont = jnp.where(support[:, :, None], cont, SEPARATOR)
-        # fill the tree breadth first (a parent always comes before its children)
-        parents = [int(x) for x in tree.parents]
-        widths = np.zeros(tree.num_nodes, np.int64)
-        for i, path in enumerate(tree.paths, start=1):
-            widths[parents[i]] = max(widths[parents[i]], path[-1] + 1)
         depth_cap = jnp.ceil(self.max_spec_factor * longest).astype(jnp.int32)
-        agree, count, valid_at, ranked = {0: support}, {0: jnp.sum(support, axis=1)}, \
-            {0: jnp.ones((B,), bool)}, {}
-        tokens, valid = [], []
-        for i, path in enumerate(tree.paths, start=1):
-            d, rank, parent = len(path), path[-1], parents[i]
-            if parent not in ranked:
-                ranked[parent] = _ranked(cont[:, :, d - 1], agree[parent], int(widths[parent]))
-            ids, counts = ranked[parent]
-            token, n = ids[:, rank], counts[:, rank]
-            share = n / jnp.maximum(count[parent], 1)
-            v = (valid_at[parent] & (n > 0) & (share >= self.min_token_prob)
-                 & (d <= depth_cap))
-            agree[i] = agree[parent] & (cont[:, :, d - 1] == token[:, None])
-            count[i], valid_at[i] = n, v
-            tokens.append(jnp.where(v, token, 0))
-            valid.append(v)
-        return Draft(jnp.stack(tokens, 1).astype(jnp.int32), None, jnp.stack(valid, 1)), None
+        tokens, valid = fill_by_count(tree, cont, support, min_share=self.min_token_prob,
+                                      depth_cap=depth_cap)
+        return Draft(tokens, None, valid), None
 
 
 def build(spec, draft, target):
