@@ -6,8 +6,9 @@ prompts without repetition (greedy, and sampled at T = 1 with the same key for b
         [--max-new-tokens 128] [--repeats 3] [--json out.json]
 
 Each setting is gamma,min,max[,length factor] (SpecConfig's num_speculative_tokens,
-prompt_lookup_min, prompt_lookup_max, prompt_lookup_length_factor); all settings and the
-autoregressive baseline run interleaved on each prompt in one process.
+prompt_lookup_min, prompt_lookup_max, prompt_lookup_length_factor), or a JSON speculative config
+of another model-free method ('{"method": "suffix"}', '{"method": "lookahead"}'); all settings
+and the autoregressive baseline run interleaved on each prompt in one process.
 
 The target folder must hold a tokenizer (tokenizer.json). Input-grounded prompts: a function
 followed by the start of the same function with one name changed; a long list of similar lines.
@@ -73,7 +74,10 @@ PROMPT_SETS = {"grounded": (GROUNDED, 0.0), "grounded-check": (GROUNDED_CHECK, 0
 
 
 def setting(text: str) -> sj.SpecConfig:
-    """"γ,min,max" or "γ,min,max,factor" -> an n-gram SpecConfig."""
+    """"γ,min,max" or "γ,min,max,factor" -> an n-gram SpecConfig; a JSON object (vLLM's
+    speculative config, e.g. '{"method": "suffix", "num_speculative_tokens": 4}') -> that."""
+    if text.lstrip().startswith("{"):
+        return sj.SpecConfig.parse(text)
     parts = text.split(",")
     if len(parts) not in (3, 4):
         raise SystemExit(f"--settings {text!r}: want gamma,min,max[,length_factor]")

@@ -73,6 +73,7 @@ from . import stats as stats_lib
 from .bundle import bundled
 from .config import SamplingParams, SpecConfig
 from .draft import registry
+from .draft.base import lookahead_width
 from .draft.draft_model import as_draft_model
 from .draft.suffix import SuffixCache
 from .engine import cache_capacity, generate, slots_needed
@@ -208,6 +209,20 @@ def chain_specs(method: str, gammas, **options) -> list[SpecConfig]:
     return [SpecConfig(method=method, num_speculative_tokens=g, **options) for g in gammas]
 
 
+def _lookahead(spec: SpecConfig):
+    """The proposer of a lookahead spec (its tree and window), else None."""
+    return registry.get("lookahead").build(spec, None, None) if spec.method == "lookahead" \
+        else None
+
+
+def forward_width(spec: SpecConfig) -> int:
+    """Positions a round's verify forward runs: γ + 1, and a lookahead window's guesses."""
+    proposer = _lookahead(spec)
+    if proposer is None:
+        return spec.num_speculative_tokens + 1
+    return proposer.gamma + 1 + lookahead_width(proposer)
+
+
 def lookup_options(args) -> dict:
     """SpecConfig's n-gram lookup fields from the command line's --prompt-lookup-* flags, and
     lookahead decoding's from --lookahead-window and --lookahead-candidates."""
@@ -317,7 +332,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     prompt = sorted(prompts, key=len)[len(prompts) // 2]
     decoded = max_new_tokens // 2
     context = len(prompt) + decoded
-    sizes = sorted({s.num_speculative_tokens + 1 for s in specs})
+    sizes = sorted({forward_width(s) for s in specs})
     capacity = cache_capacity(target.config, max(sizes) - 1,
                               slots_needed(len(prompt), max_new_tokens, max(sizes) - 1))
     timers = {1: forward_timer(target, 1, capacity, context, batch=B)}
@@ -351,7 +366,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             outs = run_all(*v)
             memory[name] = _memory(target, v[1], outs[-1])
         for i, spec in enumerate(specs):
-            g = spec.num_speculative_tokens
+            g = forward_width(spec) - 1
             parts = round_timers(target, prompt, sampling=sampling, spec=spec,
                                  draft=drafts.get(spec.method), decoded=decoded, key=seed,
                                  max_cache_len=cache_capacity(target.config, g, slots_needed(
@@ -369,11 +384,13 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         for i, spec in enumerate(specs):
             sp = runs[i]
             tree = None if spec.tree is None else Tree(spec.tree)
+            if spec.method == "lookahead":  # always a tree (G chains by default)
+                tree = _lookahead(spec).tree
             row = dict(
                 label=_label(spec), method=spec.method, temperature=temperature,
                 gamma=spec.num_speculative_tokens,
                 depth=spec.num_speculative_tokens if tree is None else tree.depth,
-                verify_tokens=spec.num_speculative_tokens + 1,
+                verify_tokens=forward_width(spec),
                 tree=None if tree is None else tree.to_json(), lookup=_lookup(spec),
                 synthetic_acceptance=spec.synthetic_acceptance,
                 survival_threshold=spec.survival_threshold, verify_costs=spec.verify_costs,

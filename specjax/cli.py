@@ -241,7 +241,7 @@ def _add_lookup(parser) -> None:
                         help="ngram: a match of n tokens proposes at most ceil(F x n) drafts "
                              "(default: up to GAMMA)")
     parser.add_argument("--lookahead-window", type=int, default=None, metavar="W",
-                        help="lookahead: the Jacobi window's columns (default 2); its n-grams "
+                        help="lookahead: the Jacobi window's columns (default 1); its n-grams "
                              "are GAMMA + 1 long")
     parser.add_argument("--lookahead-candidates", type=int, default=None, metavar="G",
                         help="lookahead: candidate chains verified a round (default 1)")

@@ -312,10 +312,13 @@ class SpecConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # suffix decoding: the shortest match that drafts anything (ours; as prompt_lookup_min: one
+    # matching token is weak evidence, and its drafts cost more verify than they gain at T > 0)
+    suffix_decoding_min_match_length: int = 2
     # lookahead decoding (specjax/draft/lookahead.py): W, the Jacobi window's columns; G, the
     # candidate chains verified a round (without a tree); n-grams kept per row. Its n-grams are
     # num_speculative_tokens + 1 long (the tree's depth + 1 with a tree).
-    lookahead_window: int = 2
+    lookahead_window: int = 1
     lookahead_candidates: int = 1
     lookahead_pool_size: int = 64
 
@@ -351,6 +354,13 @@ class SpecConfig:
                              f"{self.method!r}")
         _require_int(self, "suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth,
                      1, 31)
+        _require_int(self, "suffix_decoding_min_match_length",
+                     self.suffix_decoding_min_match_length, 1)
+        if self.suffix_decoding_min_match_length > self.suffix_decoding_max_tree_depth:
+            raise ValueError(f"SpecConfig.suffix_decoding_min_match_length="
+                             f"{self.suffix_decoding_min_match_length} is longer than the longest "
+                             f"match looked for (suffix_decoding_max_tree_depth="
+                             f"{self.suffix_decoding_max_tree_depth})")
         _require_real(self, "suffix_decoding_max_spec_factor",
                       self.suffix_decoding_max_spec_factor,
                       lambda x: math.isfinite(x) and x > 0, "a finite number > 0")

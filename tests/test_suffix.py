@@ -20,7 +20,7 @@ from specjax.tree import Tree
 # -- the proposer against a reference -----------------------------------------------------------
 
 
-def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M):
+def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M, min_match=1):
     """Per row, (tokens, valid) by the rule in specjax/draft/suffix.py, written plainly."""
     out_tokens, out_valid = [], []
     C, D = len(corpus), tree.depth
@@ -56,7 +56,7 @@ def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M
         occ.sort(key=lambda x: -x[0])
         occ = occ[:M]
         longest = occ[0][1]
-        support = [o[1] == longest and longest >= 1 for o in occ]
+        support = [o[1] == longest and longest >= min_match for o in occ]
         cap = int(np.ceil(factor * longest))
         agree = {0: support}
         count = {0: sum(support)}
@@ -104,14 +104,15 @@ def test_the_proposer_matches_a_python_reference(paths, seed):
     P, factor, min_prob, M = int(rng.integers(1, 6)), float(rng.choice([0.5, 1.0, 2.0])), \
         float(rng.choice([0.0, 0.2, 0.5])), int(rng.choice([8, 64]))
     tree = Tree(paths)
-    proposer = suffix.SuffixProposer(tree, P, factor, min_prob, M)
+    min_match = min(P, 1 + seed % 3)
+    proposer = suffix.SuffixProposer(tree, P, factor, min_prob, M, min_match)
     use_cache = seed % 2 == 0
     params = cache.params if use_cache else None
     draft, _ = jax.jit(lambda p, h, n: proposer.propose(p, None, h, n, None, None, None))(
         params, jnp.asarray(history), jnp.asarray(length))
     want_tokens, want_valid = reference(
         tree, history, length, cache._tokens if use_cache else np.zeros(0, np.int32),
-        cache._write, P, factor, min_prob, M)
+        cache._write, P, factor, min_prob, M, min_match)
     np.testing.assert_array_equal(np.asarray(draft.valid), want_valid)
     np.testing.assert_array_equal(np.asarray(draft.tokens), want_tokens)
     assert want_valid.any()  # the case proposes something
@@ -214,7 +215,9 @@ def test_bad_settings_and_caches_are_refused(target, tmp_path):
             ("suffix_decoding_max_tree_depth", 0, "max_tree_depth must be an int >= 1"),
             ("suffix_decoding_max_tree_depth", 40, "max_tree_depth=40 is beyond"),
             ("suffix_decoding_max_spec_factor", 0.0, "max_spec_factor must be a finite"),
-            ("suffix_decoding_min_token_prob", 1.5, "min_token_prob must be in")]:
+            ("suffix_decoding_min_token_prob", 1.5, "min_token_prob must be in"),
+            ("suffix_decoding_min_match_length", 0, "min_match_length must be an int >= 1"),
+            ("suffix_decoding_min_match_length", 30, "min_match_length=30 is longer than")]:
         with pytest.raises(ValueError, match=message):
             sj.SpecConfig(method="suffix", **{key: value})
     with pytest.raises(ValueError, match="capacity_tokens must be an int in"):

@@ -62,7 +62,7 @@ class LookaheadProposer:
     pool's most recent matching n-grams counted when filling the shape."""
 
     shape: Tree
-    window: int = 2
+    window: int = 1
     pool_size: int = 64
     candidates: int = 16
 

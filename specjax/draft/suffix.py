@@ -209,6 +209,7 @@ class SuffixProposer:
     max_spec_factor: float = 1.0  # a match of n tokens drafts at most ceil(factor × n) deep
     min_token_prob: float = 0.1  # a node's least share of its parent's occurrences
     candidates: int = 64  # occurrences kept a round, the longest matches first
+    min_match: int = 1  # the shortest match that drafts anything (SpecConfig's default: 2)
 
     @property
     def gamma(self) -> int:
@@ -241,13 +242,13 @@ class SuffixProposer:
         # before the ring's write point backwards. Ranked by counting (no sort: a top-k over a
         # large corpus is slow on a CPU).
         M = self.candidates
-        hit = (own == longest[:, None]) & (longest[:, None] >= 1)
+        hit = (own == longest[:, None]) & (longest[:, None] >= self.min_match)
         after = jnp.cumsum(hit[:, ::-1], axis=1)[:, ::-1]  # hits at or after each slot
         rank = jnp.where(hit, after - 1, M)
         seen = after[:, 0]
         slots = jnp.arange(S)[None, :]
         if params is not None:
-            hit_c = (other == longest[:, None]) & (longest[:, None] >= 1)
+            hit_c = (other == longest[:, None]) & (longest[:, None] >= self.min_match)
             after_c = jnp.cumsum(hit_c[:, ::-1], axis=1)[:, ::-1]  # [B, C]
             after_c = jnp.pad(after_c, ((0, 0), (0, 1)))  # after_c[:, C] = 0
             at_write = after_c[:, write]
@@ -282,7 +283,8 @@ def build(spec, draft, target):
         draft.check_vocab(target.vocab_size)
     tree = Tree(spec.tree) if spec.tree is not None else chain(spec.num_speculative_tokens)
     return SuffixProposer(tree, spec.suffix_decoding_max_tree_depth,
-                          spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+                          spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+                          min_match=spec.suffix_decoding_min_match_length)
 
 
 def corpus(cache: SuffixCache) -> dict:
