@@ -312,9 +312,9 @@ class SpecConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    # suffix decoding: the shortest match that drafts anything (ours; as prompt_lookup_min: one
-    # matching token is weak evidence, and its drafts cost more verify than they gain at T > 0)
-    suffix_decoding_min_match_length: int = 2
+    # suffix decoding: the shortest match that drafts anything (ours, not vLLM's; 2 drafts less
+    # at T = 1 without repetition, and accepts less where text repeats)
+    suffix_decoding_min_match_length: int = 1
     # lookahead decoding (specjax/draft/lookahead.py): W, the Jacobi window's columns; G, the
     # candidate chains verified a round (without a tree); n-grams kept per row. Its n-grams are
     # num_speculative_tokens + 1 long (the tree's depth + 1 with a tree).

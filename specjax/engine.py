@@ -352,8 +352,10 @@ def _verify_chain_any_length(plan: Plan, target: Model, request: Request, state:
 def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, chunk: Array,
                  draft: draft_base.Draft, keys: Array, draft_state):
     """Every node at once: position = length + depth, each node sees its ancestors. The accepted
-    path is compacted in the target's cache and (``commit``) the proposer's. Returns the verdict,
-    cache, hidden states along the accepted path [B, D+1, E] (root first), and draft state."""
+    path is compacted in the target's cache and (``commit``) the proposer's. A ``Lookahead``
+    proposer's positions (``Draft.lookahead``) run in the same forward after the nodes, unseen by
+    them; it observes the target's argmax there. Returns the verdict, cache, hidden states along
+    the accepted path [B, D+1, E] (root first), and draft state."""
     tree, B = plan.tree, chunk.shape[0]
     if draft.probs is not None and draft.probs.shape[:2] != (B, tree.num_nodes):
         raise ValueError(f"a tree proposer's Draft.probs must be [B, N, V] = [{B}, "

@@ -438,3 +438,18 @@ def test_python_dash_m_and_version():
     run = subprocess.run([sys.executable, "-m", "specjax", "--version"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == f"specjax {sj.__version__}"
+
+
+def test_bench_lookahead_counts_the_window_in_its_verify_width(model_folders, tmp_path):
+    """--method lookahead with --lookahead-window/--lookahead-candidates: the row's label, its
+    tree, and a verify width that includes the window's positions (1 + G(N-1) + W(N-1))."""
+    out = tmp_path / "lookahead.json"
+    assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "lookahead",
+                     "--gammas", "2", "--lookahead-window", "3", "--lookahead-candidates", "2",
+                     "--temperatures", "0", "--max-new-tokens", "8", "--repeats", "1",
+                     "--verify-repeats", "1", "--num-prompts", "2", "--max-prompt-tokens", "24",
+                     "--json", str(out)]) == 0
+    row, = json.loads(out.read_text())["rows"]
+    assert row["label"] == "W3 N3 G2" and row["identical_to_autoregressive"]
+    assert row["verify_tokens"] == 1 + 2 * 2 + 3 * 2
+    assert row["tree"] == [[0], [1], [0, 0], [1, 0]]

@@ -209,7 +209,7 @@ class SuffixProposer:
     max_spec_factor: float = 1.0  # a match of n tokens drafts at most ceil(factor × n) deep
     min_token_prob: float = 0.1  # a node's least share of its parent's occurrences
     candidates: int = 64  # occurrences kept a round, the longest matches first
-    min_match: int = 1  # the shortest match that drafts anything (SpecConfig's default: 2)
+    min_match: int = 1  # the shortest match that drafts anything
 
     @property
     def gamma(self) -> int:
