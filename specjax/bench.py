@@ -659,6 +659,10 @@ def main(args) -> int:
     specs = []
     for m in methods:
         lookup = lookup_options(args) if m in ("ngram", "lookahead") else {}
+        if synthetic is not None and m == "lookahead":
+            print("skipping lookahead: synthetic acceptance is for chains, and lookahead "
+                  "verifies a tree", file=sys.stderr)
+            continue
         if synthetic is not None:
             lookup["synthetic_acceptance"] = synthetic if len(synthetic) > 1 else synthetic[0]
         for spec in chain_specs(m, args.gammas, **lookup) if args.gammas else ():

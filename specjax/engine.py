@@ -1080,6 +1080,9 @@ def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, token
     if isinstance(draft_config, ModelConfig):  # a draft model's own context limit
         _check_context("draft", draft_config, rows, sampling.max_new_tokens)
     proposer, draft_params = build_proposer(spec, proposer, draft, target.config)
+    if synthetic is not None and draft_base.is_tree(proposer):
+        raise ValueError(f"SpecConfig.synthetic_acceptance is for chains; method "
+                         f"{spec.method!r} here verifies a tree (lookahead always does)")
     _check_tree_window(proposer, target.config, draft)
     plan, shapes = plan_program(target.config, proposer, rows, sampling, mesh, max_cache_len)
     if synthetic is not None:

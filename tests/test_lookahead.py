@@ -259,3 +259,7 @@ def test_bad_settings_are_refused(target):
         sj.SpecConfig(method="lookahead", lookahead_candidates=5, num_speculative_tokens=16)
     with pytest.raises(ValueError, match="uses no draft model; drop draft="):
         sj.generate(target, [[1, 2]], spec={"method": "lookahead"}, draft=target)
+    with pytest.raises(ValueError, match="synthetic_acceptance is for chains; method "
+                       "'lookahead' here verifies a tree"):
+        sj.generate(target, [[1, 2]], spec={"method": "lookahead", "synthetic_acceptance": 0.8},
+                    allow_synthetic=True)
