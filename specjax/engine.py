@@ -701,10 +701,19 @@ class ProgramCache:
         if program is None:
             program = self._programs[plan] = Program(plan)
         self._programs.move_to_end(plan)
+        dropped = 0
         while (len(self._programs) > 1
                and sum(p.held for p in self._programs.values()) > self.size):
-            self._dropped += self._programs.popitem(last=False)[1].compiled
-        program.trim(self.size)
+            old = self._programs.popitem(last=False)[1]
+            self._dropped += old.compiled
+            dropped += old.held
+        dropped += program.trim(self.size)
+        if dropped:
+            # jax's own caches keep every executable it compiled alive, each with its memory
+            # mappings (about 200 for a small program; Linux allows a process 65,530): without
+            # this, a process that cycles through many request shapes crashes in the end. The
+            # programs still held keep their executables; other jitted code compiles again.
+            jax.clear_caches()
         return program
 
     @property

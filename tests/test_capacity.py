@@ -217,3 +217,30 @@ def test_the_ngram_round_copies_no_cache_buffer(long_pair, monkeypatch, fresh_pr
     monkeypatch.setattr(engine, "_verify_chain_any_length", written_inside)
     jax.clear_caches()
     assert _cache_copies(target, None, "ngram") != []
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_dropped_programs_release_their_memory(long_pair, monkeypatch, fresh_programs):
+    """Programs the cache drops are really freed: jax's own caches kept every executable (and
+    its ~200 memory mappings; Linux allows a process 65,530), so a long-lived process cycling
+    through request shapes crashed in the end. The program still held runs without compiling."""
+    target, _ = long_pair
+    monkeypatch.setattr(engine, "PROGRAMS", engine.ProgramCache(size=4))
+    greedy = sj.SamplingParams(temperature=0, max_new_tokens=4)
+
+    def call(capacity):
+        return sj.generate(target, prompts_of([5]), sampling=greedy,
+                           spec={"method": "ngram"}, max_cache_len=capacity)
+    for capacity in (40, 41):
+        call(capacity)
+    steady = _mappings()
+    for capacity in range(42, 54):  # 12 more plans, 24 more executables
+        call(capacity)
+    assert _mappings() < steady + 1000  # each plan held on would add about 400
+    compiled = engine.compiled_programs()
+    call(53)  # the most recent program is still held
+    assert engine.compiled_programs() == compiled
