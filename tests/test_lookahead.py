@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import tiny_model
 from test_lossless import PROMPT, N, exact_joint, g_test, models  # noqa: F401
+from test_suffix import fill_reference
 
 import specjax as sj
 from specjax import engine
@@ -43,28 +44,6 @@ def test_the_window_is_a_chain_along_level_zero_with_a_stack_on_each_column():
 
 
 # -- the pool and the proposer against a reference ----------------------------------------------
-
-def fill_reference(tree, conts, support):
-    """The breadth-first most-frequent fill (specjax.draft.base.fill_by_count), plainly."""
-    agree, ok, tokens, valid = {0: list(support)}, {0: True}, [], []
-    for i, path in enumerate(tree.paths, start=1):
-        d, rank, parent = len(path), path[-1], int(tree.parents[i])
-        freq, order = {}, []
-        for m, c in enumerate(conts):
-            t = c[d - 1]
-            if agree[parent][m] and t >= 0:
-                if t not in freq:
-                    order.append((t, m))
-                freq[t] = freq.get(t, 0) + 1
-        ranked = sorted(order, key=lambda tm: (-freq[tm[0]], tm[1]))
-        token, n = (ranked[rank][0], freq[ranked[rank][0]]) if rank < len(ranked) else (0, 0)
-        v = ok[parent] and n > 0
-        agree[i] = [agree[parent][m] and conts[m][d - 1] == token for m in range(len(conts))]
-        ok[i] = v
-        tokens.append(token if v else 0)
-        valid.append(v)
-    return tokens, valid
-
 
 class Reference:
     """One row's lookahead state, by the rule in specjax/draft/lookahead.py, written plainly."""

@@ -58,33 +58,34 @@ def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M
         longest = occ[0][1]
         support = [o[1] == longest and longest >= min_match for o in occ]
         cap = int(np.ceil(factor * longest))
-        agree = {0: support}
-        count = {0: sum(support)}
-        ok = {0: True}
-        tokens, valid = [], []
-        for i, path in enumerate(tree.paths, start=1):
-            d, rank, parent = len(path), path[-1], int(tree.parents[i])
-            freq = {}
-            order = []
-            for m, o in enumerate(occ):
-                t = o[2][d - 1]
-                if agree[parent][m] and t >= 0:
-                    if t not in freq:
-                        order.append((t, m))
-                    freq[t] = freq.get(t, 0) + 1
-            ranked = sorted(order, key=lambda tm: (-freq[tm[0]], tm[1]))
-            if rank < len(ranked):
-                token, n = ranked[rank][0], freq[ranked[rank][0]]
-            else:
-                token, n = 0, 0
-            v = ok[parent] and n > 0 and n / max(count[parent], 1) >= min_prob and d <= cap
-            agree[i] = [agree[parent][m] and occ[m][2][d - 1] == token for m in range(len(occ))]
-            count[i], ok[i] = n, v
-            tokens.append(token if v else 0)
-            valid.append(v)
+        tokens, valid = fill_reference(tree, [o[2] for o in occ], support, min_prob, cap)
         out_tokens.append(tokens)
         out_valid.append(valid)
     return np.array(out_tokens), np.array(out_valid)
+
+
+def fill_reference(tree: Tree, conts, support, min_prob=0.0, cap=None):
+    """The breadth-first most-frequent fill (specjax.draft.base.fill_by_count), plainly:
+    candidates' continuations conts [M][D], support [M] -> (tokens, valid) per node."""
+    agree, count, ok, tokens, valid = {0: list(support)}, {0: sum(support)}, {0: True}, [], []
+    for i, path in enumerate(tree.paths, start=1):
+        d, rank, parent = len(path), path[-1], int(tree.parents[i])
+        freq, order = {}, []
+        for m, c in enumerate(conts):
+            t = c[d - 1]
+            if agree[parent][m] and t >= 0:
+                if t not in freq:
+                    order.append((t, m))
+                freq[t] = freq.get(t, 0) + 1
+        ranked = sorted(order, key=lambda tm: (-freq[tm[0]], tm[1]))
+        token, n = (ranked[rank][0], freq[ranked[rank][0]]) if rank < len(ranked) else (0, 0)
+        v = (ok[parent] and n > 0 and n / max(count[parent], 1) >= min_prob
+             and (cap is None or d <= cap))
+        agree[i] = [agree[parent][m] and conts[m][d - 1] == token for m in range(len(conts))]
+        count[i], ok[i] = n, v
+        tokens.append(token if v else 0)
+        valid.append(v)
+    return tokens, valid
 
 
 TREES = [((0,), (0, 0), (0, 0, 0)), ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)),
