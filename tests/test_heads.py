@@ -165,6 +165,39 @@ def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_pa
         heads_lib.init_heads(target, "eagle", jax.random.key(0), intermediate_size=0)
 
 
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_narrow_layer_reads_and_writes_the_target_features(target, tmp_path, method):
+    """An EAGLE or MTP layer narrower than the target (``layer_width``): the fc reads the
+    target's features into it, a projection writes its prediction back, the width survives save
+    and load, and it decodes (chain and tree) exactly as autoregressive greedy."""
+    d = heads_lib.init_heads(target, method, jax.random.key(3), layer_width=16, num_heads=3,
+                             init_std=0.3)
+    E = target.config.hidden_size
+    w = d.params["weights"] if method == "eagle" else d.params["weights"]["0"]
+    assert d.config.layer.hidden_size == 16 < E and d.config.hidden_size == E
+    assert w["fc"]["kernel"].shape == (2 * E, 16) and w["proj"]["kernel"].shape == (16, E)
+    assert w["norm"]["weight"].shape == (E,)
+    assert d.config.layer.num_attention_heads == 16 // target.config.head_dim
+    sj.save_heads(d, tmp_path / "narrow", target)
+    assert json.loads((tmp_path / "narrow" / "drafter.json").read_text())["layer_width"] == 16
+    loaded = sj.load_heads(tmp_path / "narrow", target)
+    assert loaded.config == d.config
+    prompts = [[1, 2, 3, 4, 5], [7, 1]]
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=12)
+    want = sj.generate(target, prompts, sampling=sampling).tokens
+    for spec in [dict(num_speculative_tokens=3)] + [dict(tree=TREE)] * (method == "eagle"):
+        got = sj.generate(target, prompts, sampling=sampling, draft=loaded,
+                          spec=sj.SpecConfig(method=method, **spec)).tokens
+        np.testing.assert_array_equal(got, want)
+    # a full-width head has no projection
+    assert "proj" not in heads_lib.init_heads(target, "eagle", jax.random.key(0)).params["weights"]
+    for bad in (1, 2.5, True):
+        with pytest.raises(ValueError, match=f"layer_width={bad!r}"):
+            heads_lib.init_heads(target, method, jax.random.key(0), layer_width=bad)
+    with pytest.raises(ValueError, match="layer_width=16: only an EAGLE or MTP"):
+        heads_lib.init_heads(target, "medusa", jax.random.key(0), layer_width=16)
+
+
 def test_generate_refuses_bad_drafters(target, draft, trained):
     prompts = [[1, 2, 3]]
     with pytest.raises(ValueError, match="needs draft= an sj.Heads"):

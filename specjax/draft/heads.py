@@ -27,7 +27,8 @@ the target's.
 Parameters::
 
     weights   trainable: medusa {"w": [K, E, E], "b": [K, E]};
-              eagle {"fc": [2E, E], "layer": one DecoderLayer, "norm": [E]};
+              eagle {"fc": [2E, E'], "layer": one DecoderLayer of width E' (E unless
+              narrowed), "proj": [E', E] (only when E' != E), "norm": [E]};
               mtp {"0": .., "K-1": ..}, each eagle's plus "hnorm" [E] and "enorm" [E];
               dflash: see specjax/draft/dflash.py
     vocab     a DraftVocab: ids [M] int32 (into the target's vocabulary) and the target's
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 from typing import Any
@@ -114,9 +116,18 @@ class Heads:
         return self.params["vocab"]
 
 
-def eagle_layer_config(target: ModelConfig) -> ModelConfig:
-    """EAGLE's layer: the target's layer shape, one layer, no sliding window."""
-    return dataclasses.replace(target, num_hidden_layers=1, sliding_window=None)
+def eagle_layer_config(target: ModelConfig, width: int | None = None) -> ModelConfig:
+    """EAGLE's layer: the target's layer shape, one layer, no sliding window. ``width``: a
+    narrower (or wider) layer of that many channels, with the target's head size, as many query
+    heads as fit (at least one) and the largest kv-head count that divides them and the
+    target's."""
+    layer = dataclasses.replace(target, num_hidden_layers=1, sliding_window=None)
+    if width is None or width == target.hidden_size:
+        return layer
+    heads = max(1, width // target.head_dim)
+    return dataclasses.replace(layer, hidden_size=width, num_attention_heads=heads,
+                               num_key_value_heads=math.gcd(heads, target.num_key_value_heads),
+                               head_dim=target.head_dim)
 
 
 def embed(target_params, tokens: Array) -> Array:
@@ -138,12 +149,15 @@ def medusa_heads(weights, h: Array) -> Array:
 class EagleNet(nn.Module):
     """fc([feature ; embedding]) -> one decoder layer -> RMSNorm: the predicted next feature.
     With ``input_norms`` (an MTP module) the feature and the embedding each pass an RMSNorm of
-    their own ("hnorm", "enorm") before the fc."""
+    their own ("hnorm", "enorm") before the fc. A layer narrower than the target's features
+    (``feature_size``) reads them through the fc and writes its prediction back into their space
+    through a projection ("proj") before the norm."""
 
     config: ModelConfig  # the one-layer config
     init_std: float = 0.02
     block: int = BLOCK  # slots per attention block
     input_norms: bool = False
+    feature_size: int | None = None  # E, the target's; None: the layer's own width
 
     @nn.compact
     def __call__(self, feats, embeds, view, k, v):
@@ -159,6 +173,9 @@ class EagleNet(nn.Module):
         cos, sin = rope_tables(view.positions, cfg)
         (x, k, v), _ = DecoderLayer(cfg, self.init_std, self.block, name="layer")(
             (x, k, v), jnp.zeros((), jnp.int32), cos, sin, view)
+        if self.feature_size not in (None, cfg.hidden_size):
+            x = nn.Dense(self.feature_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                         name="proj", kernel_init=nn.initializers.normal(self.init_std))(x)
         return RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x), k, v
 
 
@@ -170,7 +187,8 @@ def eagle_forward(config: HeadsConfig, weights, feats: Array, embeds: Array, pos
     are one module's."""
     T = feats.shape[1]
     block = current_block()
-    out, k, v = EagleNet(config.layer, block=block, input_norms=config.method == "mtp").apply(
+    out, k, v = EagleNet(config.layer, block=block, input_norms=config.method == "mtp",
+                         feature_size=config.hidden_size).apply(
         {"params": weights}, feats, embeds, model_view(cache, positions, chunk_mask, None, block),
         cache.k, cache.v)
     return out, KVCache(k, v, cache.length + T)
@@ -203,10 +221,12 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
                vocab: np.ndarray | None = None, dtype: str = "float32",
                intermediate_size: int | None = None, init_std: float = 0.02,
                num_layers: int = 2, block_size: int = 16,
-               taps: tuple[int, ...] | None = None) -> Heads:
+               taps: tuple[int, ...] | None = None, layer_width: int | None = None) -> Heads:
     """A fresh drafter for ``target``. vocab: the draft vocabulary ids (default: all V).
     intermediate_size: EAGLE's or the block drafter's MLP width (default: the target's); a
-    narrower one makes each draft step cheaper. dflash: ``num_layers`` layers drafting up to
+    narrower one makes each draft step cheaper. layer_width: EAGLE's or MTP's layer width
+    (default: the target's E; see ``eagle_layer_config``), read from and projected back to the
+    target's features. dflash: ``num_layers`` layers drafting up to
     ``block_size`` tokens a block from the outputs of target layers ``taps`` (default: three
     spread to the last, ``default_taps``). mtp: ``num_heads`` modules (the deepest draft).
 
@@ -219,10 +239,16 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
     if intermediate_size is not None and (method == "medusa" or int(intermediate_size) < 1):
         raise ValueError(f"intermediate_size={intermediate_size!r}: only an EAGLE, MTP or "
                          f"dflash drafter has an MLP width, and it must be >= 1")
+    if layer_width is not None and (method not in ("eagle", "mtp") or isinstance(
+            layer_width, bool) or not isinstance(layer_width, int | np.integer)
+            or layer_width < 2):
+        raise ValueError(f"layer_width={layer_width!r}: only an EAGLE or MTP drafter has a "
+                         f"layer width of its own, and it must be an int >= 2")
     E = cfg.hidden_size
     layer = None
     if method in ("eagle", "dflash", "mtp"):
-        layer = eagle_layer_config(dataclasses.replace(target.config, dtype=dtype))
+        layer = eagle_layer_config(dataclasses.replace(target.config, dtype=dtype),
+                                   None if layer_width is None else int(layer_width))
         if intermediate_size is not None:
             layer = dataclasses.replace(layer, intermediate_size=int(intermediate_size))
     if method == "dflash":
@@ -244,7 +270,8 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
         B, T = 1, 1
         cache = KVCache.init(layer, B, T)
         positions = jnp.zeros((B, T), jnp.int32)
-        init = jax.jit(EagleNet(layer, init_std, input_norms=method == "mtp").init)
+        init = jax.jit(EagleNet(layer, init_std, input_norms=method == "mtp",
+                                feature_size=E).init)
         args = (jnp.zeros((B, T, E), dtype), jnp.zeros((B, T, E), dtype),
                 model_view(cache, positions, None, None), cache.k, cache.v)
         if method == "mtp":  # one EAGLE-shaped layer with input norms per module
@@ -324,6 +351,7 @@ def save_heads(drafter: Heads, path: str | os.PathLike, target: Model, *,
     record = {"format_version": FORMAT_VERSION, "method": c.method,
               "num_heads": c.num_heads, "draft_vocab_size": c.draft_vocab_size,
               "intermediate_size": None if c.layer is None else c.layer.intermediate_size,
+              **({"layer_width": c.layer.hidden_size} if c.method in ("eagle", "mtp") else {}),
               **({"num_layers": c.layer.num_hidden_layers, "block_size": c.block_size,
                   "taps": list(c.taps)} if c.method == "dflash" else {}),
               "dtype": str(jax.tree.leaves(weights)[0].dtype), "target": target_record(target),
@@ -375,7 +403,8 @@ def load_heads(path: str | os.PathLike, target: Model) -> Heads:
                        intermediate_size=record.get("intermediate_size"),
                        num_layers=record.get("num_layers", 2),
                        block_size=record.get("block_size", 16),
-                       taps=tuple(record["taps"]) if "taps" in record else None)
+                       taps=tuple(record["taps"]) if "taps" in record else None,
+                       layer_width=record.get("layer_width"))
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, shape.params["weights"])
     with ocp.StandardCheckpointer() as ckpt:
         weights = ckpt.restore(path / "weights", jax.tree.map(

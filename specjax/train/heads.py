@@ -172,12 +172,14 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                 num_heads: int = 4, draft_vocab_size: int | None = None,
                 intermediate_size: int | None = None, num_layers: int = 2,
                 block_size: int = 16, taps: tuple[int, ...] | None = None,
-                heldout: np.ndarray | None = None, progress: bool = True,
+                layer_width: int | None = None, heldout: np.ndarray | None = None,
+                progress: bool = True,
                 on_eval: Callable[[int, float], None] | None = None,
                 max_seconds: float | None = None) -> tuple[Heads, list[dict]]:
     """Train a Medusa (``num_heads`` heads), EAGLE, MTP (``num_heads`` modules) or block
     (dflash: ``num_layers`` layers, blocks of up to ``block_size``, reading target layers
-    ``taps``) drafter for the frozen ``target`` on a token stream, resuming from workdir. The
+    ``taps``; EAGLE and MTP: a layer ``layer_width`` wide, default the target's) drafter for the
+    frozen ``target`` on a token stream, resuming from workdir. The
     draft vocabulary is the ``draft_vocab_size`` most frequent tokens of ``tokens`` (default:
     the whole vocabulary).
     Weights train in float32. Returns the drafter (with the target's LM head columns) and the
@@ -190,7 +192,7 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     fresh = heads_lib.init_heads(target, method, jax.random.key(cfg.seed),
                                  num_heads=num_heads, vocab=vocab,
                                  intermediate_size=intermediate_size, num_layers=num_layers,
-                                 block_size=block_size, taps=taps)
+                                 block_size=block_size, taps=taps, layer_width=layer_width)
     objective = HeadsObjective(fresh.config, target.config)
     aux = {"target": target.params, "vocab": jnp.asarray(vocab)}
     run = {"drafter": dataclasses.asdict(fresh.config), "train": dataclasses.asdict(cfg),
@@ -238,6 +240,10 @@ def heads_main(argv=None) -> int:
                     help="draft from the N most frequent training tokens (default: all)")
     ap.add_argument("--intermediate-size", type=int,
                     help="eagle, mtp, dflash: the MLP width (default: the target's)")
+    ap.add_argument("--layer-width", type=int,
+                    help="eagle, mtp: the layer's width (default: the target's hidden size); "
+                         "a narrower layer reads and writes the target's features through "
+                         "projections")
     ap.add_argument("--num-layers", type=int, default=2, help="dflash: its layers")
     ap.add_argument("--block-size", type=int, default=16,
                     help="dflash: the most drafts a block makes (seq-len must exceed it by 2)")
@@ -270,7 +276,7 @@ def heads_main(argv=None) -> int:
     drafter, history = train_heads(
         target, args.method, tokens, cfg, workdir, num_heads=args.num_heads,
         draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
-        num_layers=args.num_layers, block_size=args.block_size,
+        num_layers=args.num_layers, block_size=args.block_size, layer_width=args.layer_width,
         taps=None if args.taps is None else tuple(int(t) for t in args.taps.split(",")),
         heldout=heldout,
         max_seconds=None if args.minutes is None else args.minutes * 60)
@@ -308,9 +314,13 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                ) -> str:
     """The drafter folder's README.md."""
     c = drafter.config
+    width = (f" {c.layer.hidden_size} wide, projected from and to the target's "
+             f"{c.hidden_size}" if c.layer is not None and c.layer.hidden_size != c.hidden_size
+             else "")
     what = {"medusa": f"{c.num_heads} Medusa heads",
-            "eagle": f"An EAGLE head (one decoder layer, MLP width {c.layer.intermediate_size})",
-            "mtp": f"{c.num_heads} MTP modules (one decoder layer each, MLP width "
+            "eagle": f"An EAGLE head (one decoder layer{width}, MLP width "
+                     f"{c.layer.intermediate_size})",
+            "mtp": f"{c.num_heads} MTP modules (one decoder layer each{width}, MLP width "
                    f"{c.layer.intermediate_size})",
             "dflash": f"A block drafter ({c.layer.num_hidden_layers} decoder layers, MLP width "
                       f"{c.layer.intermediate_size}, blocks of up to {c.block_size} drafts, "
@@ -324,6 +334,7 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                + (f" --draft-vocab-size {args.draft_vocab_size}" if args.draft_vocab_size else "")
                + (f" --intermediate-size {args.intermediate_size}"
                   if args.intermediate_size else "")
+               + (f" --layer-width {args.layer_width}" if args.layer_width else "")
                + (f" --num-layers {args.num_layers} --block-size {args.block_size}"
                   + (f" --taps {args.taps}" if args.taps else "") if c.method == "dflash"
                   else "")
