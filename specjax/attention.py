@@ -128,13 +128,22 @@ def _poison(out: Array, poisoned: Array) -> Array:
     return jnp.where(poisoned[:, :, None, :, None], jnp.nan, out)
 
 
-def dense(q: Array, k: Array, v: Array, mask: Array) -> Array:
+def _scores(q: Array, k: Array, scale: float | None, softcap: float | None) -> Array:
+    """q [B, T, K, G, D] against k [B, n, K, D]: [B, K, G, T, n] float32 scores, times ``scale``
+    (None: D ** -0.5), then soft-capped to (-softcap, softcap) by softcap * tanh(s / softcap)
+    when given (Gemma 2). Masking comes after."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (
+        q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    return scores
+
+
+def dense(q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
+          softcap: float | None = None) -> Array:
     """q [B, T, K, G, D] (G query heads per kv head), k, v [B, S, K, D], mask [B, T, S] ->
-    [B, T, K, G, D] in q's dtype. Softmax in float32."""
-    D = q.shape[-1]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
-                        preferred_element_type=jnp.float32) * (D ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, _NEG)
+    [B, T, K, G, D] in q's dtype. Softmax in float32; scores as ``_scores``."""
+    scores = jnp.where(mask[:, None, None], _scores(q, k, scale, softcap), _NEG)
     # exp(NEG - max) is exactly 0 (every query sees at least its own slot, so max is a real score)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     values, poisoned = _seen_values(v, mask)
@@ -142,12 +151,12 @@ def dense(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return jnp.moveaxis(_poison(out, poisoned), 3, 1)  # [B, T, K, G, D]
 
 
-def _fold(carry, q: Array, k: Array, v: Array, mask: Array):
+def _fold(carry, q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
+          softcap: float | None = None):
     """One online-softmax step: (running peak, total, weighted values) with the keys k and
     values v [B, n, K, D] folded in, of which each query sees those mask [B, T, n] allows."""
     peak, total, acc = carry
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
-                        preferred_element_type=jnp.float32) * (q.shape[-1] ** -0.5)
+    scores = _scores(q, k, scale, softcap)
     visible = mask[:, None, None]
     scores = jnp.where(visible, scores, _NEG)
     new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
@@ -162,7 +171,8 @@ def _fold(carry, q: Array, k: Array, v: Array, mask: Array):
 
 
 def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
-            block: int, chunk: tuple[Array, Array] | None = None) -> Array:
+            block: int, chunk: tuple[Array, Array] | None = None, scale: float | None = None,
+            softcap: float | None = None) -> Array:
     """Attention of q [B, T, K, G, D] over layer ``layer`` of k_all, v_all [L, B, S, K, D],
     block by block up to ``view.live``, then over ``chunk``'s keys and values [B, T, K, D] when
     they are not in the cache. The last block is read ending at slot S when S is not a multiple
@@ -177,14 +187,14 @@ def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
         v = jax.lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
         slots = start + jnp.arange(block, dtype=jnp.int32)
         mask = view.mask(slots) & (slots >= first)[None, None, :]  # [B, T, n]
-        return _fold(carry, q, k, v, mask)
+        return _fold(carry, q, k, v, mask, scale, softcap)
 
     blocks = (view.live + block - 1) // block
     init = (jnp.full((B, K, G, T), _NEG, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, D), jnp.float32))
     carry = jax.lax.fori_loop(0, blocks, body, init)
     if chunk is not None:
-        carry = _fold(carry, q, *chunk, view.chunk_visible())
+        carry = _fold(carry, q, *chunk, view.chunk_visible(), scale, softcap)
     _, total, acc = carry
     # a query sees at least its own slot, unless it is padding written past the capacity (a
     # prefill's last chunk) under a sliding window: its output is never read, but keep it finite
@@ -199,10 +209,12 @@ def uses_dense(capacity: int, T: int, block: int) -> bool:
 
 
 def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
-           block: int, chunk: tuple[Array, Array] | None = None) -> Array:
+           block: int, chunk: tuple[Array, Array] | None = None, *, scale: float | None = None,
+           softcap: float | None = None) -> Array:
     """q [B, T, K, G, D] over layer ``layer`` of the cache k_all, v_all [L, B, S, K, D] (the
     chunk already written, or passed as ``chunk`` = its keys and values [B, T, K, D] when
-    ``view.chunk_in_cache`` is False), by ``view``; dense when ``uses_dense``."""
+    ``view.chunk_in_cache`` is False), by ``view``; dense when ``uses_dense``. Scores are scaled
+    by ``scale`` (None: D ** -0.5) and soft-capped by ``softcap`` (None: not)."""
     S, T = k_all.shape[2], q.shape[1]
     if (chunk is None) != view.chunk_in_cache:
         raise ValueError("pass the chunk's keys and values exactly when the view says they are "
@@ -216,5 +228,5 @@ def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
         if chunk is not None:
             k, v = (jnp.concatenate([x, c.astype(x.dtype)], axis=1) for x, c in zip((k, v), chunk))
             mask = jnp.concatenate([mask, view.chunk_visible()], axis=2)
-        return dense(q, k, v, mask)
-    return blocked(q, k_all, v_all, layer, view, block, chunk)
+        return dense(q, k, v, mask, scale, softcap)
+    return blocked(q, k_all, v_all, layer, view, block, chunk, scale, softcap)

@@ -41,9 +41,25 @@ ORBAX_VERSION = 2
 """specjax.json "version" that save_model writes. Version 1 (specjax 0.1) stacked the layers on a
 leading [L] axis; load_model still reads it."""
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+                "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3"}
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Hugging Face's defaults for keys a family's config.json may leave out
+_FAMILY_DEFAULTS = {
+    "GemmaForCausalLM": dict(head_dim=256, tie_word_embeddings=True, max_position_embeddings=8192),
+    "Gemma2ForCausalLM": dict(head_dim=256, tie_word_embeddings=True, max_position_embeddings=8192,
+                              query_pre_attn_scalar=256, sliding_window=4096,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "Gemma3ForCausalLM": dict(head_dim=256, tie_word_embeddings=True,
+                              max_position_embeddings=131072, query_pre_attn_scalar=256,
+                              sliding_window=4096, final_logit_softcapping=None),
+    "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
+}
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma reads "gelu" as the tanh form
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SPECJAX_FILE = "specjax.json"
@@ -132,24 +148,81 @@ def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
     return theta, RopeScaling(rope_type=kind, **kw)
 
 
+def _gemma3_rope(d: dict, source: str) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3: (global base, global scaling, local base), from ``rope_parameters`` keyed by layer
+    type (transformers 5) or ``rope_theta`` / ``rope_scaling`` (global) and
+    ``rope_local_base_freq`` (older)."""
+    params = d.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise CheckpointError(f"{source}: RoPE scaling on the sliding layers "
+                                  f"({local.get('rope_type', local.get('type'))!r}) is not "
+                                  f"supported")
+        theta, scaling = _rope_from_hf({"rope_parameters": {"rope_theta": 1e6, **full}})
+        return theta, scaling, float(local.get("rope_theta", 1e4))
+    theta, scaling = _rope_from_hf({"rope_theta": 1e6, **d})
+    return theta, scaling, float(d.get("rope_local_base_freq", 1e4))
+
+
+def _layer_types(d: dict, arch: str, layers: int) -> list[str] | None:
+    """Per-layer attention kinds: the config's ``layer_types``, or the family's default pattern
+    (Gemma 2: layers 0, 2, 4, ... slide; Gemma 3: all but every ``sliding_window_pattern``-th
+    (6))."""
+    kinds = d.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != layers or any(
+                k not in ("full_attention", "sliding_attention") for k in kinds):
+            raise CheckpointError(f"layer_types must list full_attention or sliding_attention "
+                                  f"for each of the {layers} layers, got {kinds!r}")
+        return kinds
+    if arch == "Gemma2ForCausalLM":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if arch == "Gemma3ForCausalLM":
+        pattern = d.get("sliding_window_pattern", 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(layers)]
+    return None
+
+
 def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json"
                    ) -> ModelConfig:
     """A ModelConfig from a Hugging Face config.json dict (source names it in errors)."""
     if not isinstance(d, dict):
         raise CheckpointError(f"{source} does not hold a JSON object")
-    archs = d.get("architectures") or []
-    arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None and not archs:  # no architectures list: go by model_type
-        arch = {v: k for k, v in _MODEL_TYPES.items()}.get(d.get("model_type"))
-    if arch is None:
-        raise CheckpointError(f"{source}: unsupported architecture {archs or d.get('model_type')!r}"
-                              f"; supported: {', '.join(ARCHITECTURES)}")
-    act = d.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    arch = hf_config_architecture(d, source)
+    d = {**_FAMILY_DEFAULTS.get(arch, {}), **d}
+    gemma = arch in GEMMAS
+    # Gemma reads hidden_act ("gelu" meaning the tanh form); Gemma 2 and 3 hidden_activation
+    act = d.get("hidden_activation" if arch in GEMMAS[1:] else "hidden_act",
+                "gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and act in _GELU_TANH:
+        act = "gelu_pytorch_tanh"
+    elif gemma or act not in ("silu", "swish"):
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (only silu, and "
+                              f"gelu_pytorch_tanh for Gemma)")
+    else:
+        act = "silu"
     if d.get("mlp_bias"):
         raise CheckpointError(f"{source}: mlp_bias is not supported")
-    theta, scaling = _rope_from_hf(d)
+    if arch == "Phi3ForCausalLM":
+        kind = (d.get("rope_scaling") or d.get("rope_parameters") or {}).get(
+            "rope_type", (d.get("rope_scaling") or {}).get("type", "default"))
+        if kind in ("longrope", "su", "yarn"):
+            raise CheckpointError(f"{source}: Phi-3's long-context RoPE ({kind!r}, the 128k "
+                                  f"models) is not supported; the 4k-context models load")
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise CheckpointError(f"{source}: partial_rotary_factor="
+                                  f"{d['partial_rotary_factor']!r} (RoPE on part of each head) "
+                                  f"is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{source}: use_bidirectional_attention=true is not supported")
+    local_theta = None
+    if arch == "Gemma3ForCausalLM":
+        theta, scaling, local_theta = _gemma3_rope(d, source)
+    else:
+        theta, scaling = _rope_from_hf(d)
     if dtype is None:
         stored = d.get("dtype") or d.get("torch_dtype") or "float32"
         if stored not in _TORCH_DTYPES:
@@ -165,6 +238,21 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
             raise CheckpointError(f"{source}: use_sliding_window=true (sliding attention on some "
                                   f"layers) is not supported")
         window = None
+    layer_types = None
+    if gemma:  # a window per layer kind, kept even when it spans the context (Gemma 3's sliding
+        #        layers have their own RoPE either way)
+        try:
+            layer_types = _layer_types(d, arch, d["num_hidden_layers"])
+        except KeyError as e:
+            raise CheckpointError(f"{source} lacks the key {e.args[0]!r}") from None
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            window = None
+    elif not (window and window < max_pos):
+        window = None
+    if arch == "GemmaForCausalLM":
+        window = None
     try:
         return ModelConfig(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -174,20 +262,81 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
             head_dim=d.get("head_dim"), max_position_embeddings=max_pos, rope_theta=theta,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama, Mistral and Qwen3 put
-            # attention_bias on all four projections.
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama, Mistral, Qwen3 and Gemma
+            # put attention_bias on all four projections.
             attention_bias=True if arch == "Qwen2ForCausalLM" else bias,
             o_proj_bias=False if arch == "Qwen2ForCausalLM" else bias,
-            qk_norm=arch == "Qwen3ForCausalLM", rope_scaling=scaling,
-            sliding_window=window if window and window < max_pos else None, dtype=dtype)
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"), rope_scaling=scaling,
+            sliding_window=window, dtype=dtype, hidden_act=act, scale_embeddings=gemma,
+            norm_unit_offset=gemma, sandwich_norms=arch in GEMMAS[1:],
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
+            # Gemma 3 keeps attn_logit_softcapping in its config but never applies it
+            attn_logit_softcapping=d.get("attn_logit_softcapping")
+            if arch == "Gemma2ForCausalLM" else None,
+            final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
+            layer_types=layer_types if window is not None else None,
+            rope_local_theta=local_theta if window is not None else None)
     except KeyError as e:
         raise CheckpointError(f"{source} lacks the key {e.args[0]!r}") from None
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
 
 
+def hf_config_architecture(d: dict, source: str = "config.json") -> str:
+    """The supported Hugging Face class a config.json dict names (its ``architectures``, else its
+    ``model_type``); CheckpointError naming it if none is supported."""
+    archs = d.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None and not archs:  # no architectures list: go by model_type
+        arch = {v: k for k, v in _MODEL_TYPES.items()}.get(d.get("model_type"))
+    if arch is None:
+        hint = (" (a multimodal Gemma 3: its text_config describes the language model, which "
+                "is not loadable from this folder)" if "Gemma3ForConditionalGeneration" in archs
+                else "")
+        raise CheckpointError(f"{source}: unsupported architecture {archs or d.get('model_type')!r}"
+                              f"{hint}; supported: {', '.join(ARCHITECTURES)}")
+    return arch
+
+
+def _gemma_architecture(cfg: ModelConfig) -> str:
+    """The Gemma class with exactly this config's features; ValueError naming what none has."""
+    if not (cfg.norm_unit_offset and cfg.scale_embeddings
+            and cfg.hidden_act == "gelu_pytorch_tanh"):
+        raise ValueError(f"no Hugging Face class has this mix of features: Gemma's (RMSNorm with "
+                         f"a unit offset, scaled embeddings, GeGLU) come together, this config "
+                         f"has norm_unit_offset={cfg.norm_unit_offset}, scale_embeddings="
+                         f"{cfg.scale_embeddings}, hidden_act={cfg.hidden_act!r}")
+    if cfg.attention_bias != cfg.o_proj_bias:
+        raise ValueError("Gemma puts attention_bias on q/k/v and o_proj together")
+    if not cfg.sandwich_norms:
+        extra = [n for n in ("qk_norm", "query_pre_attn_scalar", "attn_logit_softcapping",
+                             "final_logit_softcapping", "sliding_window", "rope_local_theta")
+                 if getattr(cfg, n)]
+        if extra:
+            raise ValueError(f"GemmaForCausalLM (no sandwich norms) has none of {extra}")
+        return "GemmaForCausalLM"
+    if cfg.qk_norm:
+        if cfg.attn_logit_softcapping is not None:
+            raise ValueError("Gemma3ForCausalLM does not soft-cap attention scores "
+                             "(attn_logit_softcapping must be None)")
+        if cfg.rope_local_theta is None and cfg.rope_scaling is not None \
+                and cfg.sliding_window is not None:
+            raise ValueError("Gemma3ForCausalLM scales only the full layers' RoPE; this config "
+                             "scales the sliding layers' too (rope_local_theta is None)")
+        return "Gemma3ForCausalLM"
+    if cfg.rope_local_theta is not None:
+        raise ValueError("Gemma2ForCausalLM has one RoPE for every layer (rope_local_theta must "
+                         "be None)")
+    return "Gemma2ForCausalLM"
+
+
 def hf_architecture(cfg: ModelConfig) -> str:
     """The Hugging Face class that has exactly this config's features; ValueError if none has."""
+    if (cfg.norm_unit_offset or cfg.scale_embeddings or cfg.sandwich_norms
+            or cfg.hidden_act != "silu" or cfg.query_pre_attn_scalar is not None
+            or cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None
+            or cfg.rope_local_theta is not None):
+        return _gemma_architecture(cfg)
     if cfg.qk_norm:
         arch = "Qwen3ForCausalLM"
     elif cfg.attention_bias and not cfg.o_proj_bias:
@@ -200,9 +349,17 @@ def hf_architecture(cfg: ModelConfig) -> str:
     if cfg.sliding_window and arch != "MistralForCausalLM":
         raise ValueError(f"a sliding window with these features ({arch}) has no Hugging Face "
                          f"equivalent")
+    if cfg.layer_types is not None and "full_attention" in cfg.layer_types:
+        raise ValueError(f"{arch} slides on every layer or none; this config mixes full and "
+                         f"sliding layers (layer_types) without Gemma's features")
     if arch == "MistralForCausalLM" and cfg.attention_bias:
         raise ValueError("MistralForCausalLM has no attention biases")
     return arch
+
+
+def _plain(x: float) -> float | int:
+    """A whole float as an int (transformers' Gemma configs type query_pre_attn_scalar int)."""
+    return int(x) if float(x).is_integer() else x
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -218,7 +375,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "rope_parameters": rope,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": cfg.hidden_act,
         "attention_bias": cfg.o_proj_bias, "dtype": cfg.dtype, "torch_dtype": cfg.dtype,
     }
     if cfg.rope_scaling is not None:
@@ -227,6 +384,20 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         d["sliding_window"] = cfg.sliding_window
     if arch.startswith("Qwen"):
         d["use_sliding_window"] = False
+    if arch in GEMMAS[1:]:
+        L = cfg.num_hidden_layers
+        d.update(hidden_activation=cfg.hidden_act,
+                 query_pre_attn_scalar=_plain(cfg.query_pre_attn_scalar or cfg.head_dim),
+                 attn_logit_softcapping=cfg.attn_logit_softcapping,
+                 final_logit_softcapping=cfg.final_logit_softcapping,
+                 sliding_window=cfg.sliding_window or cfg.max_position_embeddings,
+                 layer_types=list(cfg.layer_types or (
+                     ["sliding_attention"] * L if cfg.sliding_window else ["full_attention"] * L)))
+    if arch == "Gemma3ForCausalLM":
+        del d["rope_theta"]
+        d["rope_parameters"] = {"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}
+        d.pop("rope_scaling", None)
     return d
 
 
@@ -254,6 +425,27 @@ def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
     if path[0] == "lm_head":
         return "lm_head.weight", True
     return f"model.{'.'.join(path[:-1])}.{suffix}", last == "kernel"
+
+
+def _fused_part(path: tuple[str, ...], cfg: ModelConfig
+                ) -> tuple[str, tuple[int, int, int]] | None:
+    """Phi-3 stores q, k, v as one ``qkv_proj`` and gate, up as one ``gate_up_proj`` ([out, in],
+    parts stacked along out in that order): (its name, (our first row, our rows, all rows)) for
+    one of our kernels, None for the others."""
+    if len(path) != 5 or path[-1] != "kernel":
+        return None
+    H, K, D, F = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                  cfg.intermediate_size)
+    prefix = f"model.layers.{path[1]}"
+    parts = {("self_attn", "q_proj"): ("self_attn.qkv_proj", 0, H * D, (H + 2 * K) * D),
+             ("self_attn", "k_proj"): ("self_attn.qkv_proj", H * D, K * D, (H + 2 * K) * D),
+             ("self_attn", "v_proj"): ("self_attn.qkv_proj", (H + K) * D, K * D, (H + 2 * K) * D),
+             ("mlp", "gate_proj"): ("mlp.gate_up_proj", 0, F, 2 * F),
+             ("mlp", "up_proj"): ("mlp.gate_up_proj", F, F, 2 * F)}
+    if (path[2], path[3]) not in parts:
+        return None
+    name, first, rows, total = parts[path[2], path[3]]
+    return f"{prefix}.{name}.weight", (first, rows, total)
 
 
 def _abstract_params(cfg: ModelConfig):
@@ -304,33 +496,47 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
     cfg = config_from_hf(hf_config, dtype, str(config_path))
+    fused = hf_config_architecture(hf_config) == "Phi3ForCausalLM"
     files = {p: SafetensorsFile(p) for p in sorted(set(_weight_files(folder).values()))}
     where = {name: f for f in files.values() for name in f.entries}
     target_dtype = np.dtype(jnp.dtype(cfg.dtype))
     used: set[str] = set()
 
-    def fetcher(name: str, shape: tuple[int, ...], transpose: bool) -> Fetch:
+    def fetcher(name: str, shape: tuple[int, ...], transpose: bool,
+                part: tuple[int, int, int] | None) -> Fetch:
+        """part: (first row, rows, all rows) of a fused [out, in] tensor that is ours."""
         if name not in where:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {folder}")
         f = where[name]
         want = shape[::-1] if transpose else shape
+        if part is not None:
+            want = (part[2],) + tuple(want[1:])
         if f.shape(name) != tuple(want):
             raise CheckpointError(f"tensor {name!r} in {f.path.name} has shape {f.shape(name)}, "
                                   f"expected {tuple(want)}")
         used.add(name)
 
         def fetch(index):
-            if index is None:
+            if index is None and part is None:
                 x = f.get(name)
             else:  # the file holds [out, in] where we hold [in, out]
-                x = f.get_slice(name, tuple(index)[::-1] if transpose else tuple(index))
+                index = tuple(slice(None) for _ in shape) if index is None else tuple(index)
+                index = index[::-1] if transpose else index
+                if part is not None:  # our rows of the fused tensor
+                    rows = range(part[1])[index[0]]
+                    index = (slice(part[0] + rows.start, part[0] + rows.stop),) + index[1:]
+                x = f.get_slice(name, index)
             return (x.T if transpose else x).astype(target_dtype)
         return fetch
 
     params: dict = {}
     for path, leaf in _leaves(_abstract_params(cfg)):
         name, transpose = hf_name(path)
-        _set(params, path, place(path, leaf.shape, fetcher(name, leaf.shape, transpose), cfg))
+        part = _fused_part(path, cfg) if fused else None
+        if part is not None:
+            name, part = part
+        _set(params, path, place(path, leaf.shape, fetcher(name, leaf.shape, transpose, part),
+                                 cfg))
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unused = sorted(n for n in set(where) - used - ignorable
                     if not n.endswith("rotary_emb.inv_freq"))

@@ -56,7 +56,9 @@ def demo_target(key) -> Model:
 def first_layers(model: Model, n: int) -> Model:
     """The model's first n layers with its own embedding, final norm and head: a layer-skip
     (self-speculative) draft that needs no training and no second vocabulary."""
-    config = dataclasses.replace(model.config, num_hidden_layers=n)
+    c = model.config
+    config = dataclasses.replace(c, num_hidden_layers=n, layer_types=None if c.layer_types is None
+                                 else c.layer_types[:n])
     params = dict(model.params)
     params["layers"] = {str(i): params["layers"][str(i)] for i in range(n)}
     return Model(config, params)

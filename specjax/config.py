@@ -55,6 +55,8 @@ def _require_real(owner: Any, name: str, value: Any, ok, allowed: str) -> None:
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,6 +102,20 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None = plain RoPE
     sliding_window: int | None = None  # attend to at most this many latest positions (Mistral)
     dtype: str = "float32"  # parameter and activation dtype; norms, softmax and logits are float32
+    # -- what other families change (defaults: Llama's); docs/families.md
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) in the model dtype (Gemma)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 (Gemma)
+    sandwich_norms: bool = False  # also a norm after attention, before and after the MLP
+    #   (Gemma 2, 3): post_attention_layernorm then normalises the attention's output
+    query_pre_attn_scalar: float | None = None  # scores scaled by this ** -0.5; None: head_dim
+    attn_logit_softcapping: float | None = None  # scores -> c * tanh(scores / c) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2)
+    # per layer "full_attention" or "sliding_attention" (then sliding_window applies); None: every
+    # layer slides when sliding_window is set (Mistral, Phi-3)
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None:
+    #   the same RoPE as the full layers
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -131,11 +147,49 @@ class ModelConfig:
                              f"{self.rope_scaling!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, got "
+                             f"{self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_theta"):
+            if getattr(self, name) is not None:
+                _require_real(self, name, getattr(self, name),
+                              lambda x: 0 < x < math.inf, "a finite number > 0 or None")
+        if self.layer_types is not None:
+            kinds = self.layer_types
+            if isinstance(kinds, str) or not isinstance(kinds, tuple | list) or len(kinds) != \
+                    self.num_hidden_layers or any(k not in LAYER_TYPES for k in kinds):
+                raise ValueError(f"ModelConfig.layer_types must list one of {LAYER_TYPES} for "
+                                 f"each of the {self.num_hidden_layers} layers, got {kinds!r}")
+            object.__setattr__(self, "layer_types", tuple(kinds))
+            if "sliding_attention" in kinds and self.sliding_window is None:
+                raise ValueError("ModelConfig.layer_types has sliding layers but sliding_window "
+                                 "is None")
         if self.num_params > MAX_PARAMS:
             raise ValueError(f"ModelConfig describes {self.num_params:.3g} parameters (hidden_size "
                              f"{self.hidden_size}, intermediate_size {self.intermediate_size}, "
                              f"{self.num_hidden_layers} layers, vocab_size {self.vocab_size}), "
                              f"beyond any real model (at most {MAX_PARAMS:.0e}): a corrupt config?")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to everything before)."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, layer: int) -> ModelConfig:
+        """The config whose RoPE layer ``layer`` uses (Gemma 3's sliding layers have their own
+        base and no scaling)."""
+        if self.rope_local_theta is None or self.layer_window(layer) is None:
+            return self
+        return dataclasses.replace(self, rope_theta=self.rope_local_theta, rope_scaling=None,
+                                   rope_local_theta=None)
+
+    def single_layer(self, **changes) -> ModelConfig:
+        """This config with one layer (a drafter's layer shape): no per-layer kinds, no sliding
+        window."""
+        return dataclasses.replace(self, num_hidden_layers=1, sliding_window=None,
+                                   layer_types=None, rope_local_theta=None, **changes)
 
     @property
     def num_params(self) -> int:
@@ -149,7 +203,7 @@ class ModelConfig:
             attn += E
         if self.qk_norm:
             attn += 2 * D
-        layer = attn + 3 * E * F + 2 * E
+        layer = attn + 3 * E * F + (4 if self.sandwich_norms else 2) * E
         head = 0 if self.tie_word_embeddings else E * V
         return V * E + self.num_hidden_layers * layer + E + head
 

@@ -844,17 +844,6 @@ def build_proposer(spec: SpecConfig | None, proposer, draft, target: ModelConfig
     return proposer, (None if draft is None else method.params(draft))
 
 
-def _check_tree_window(proposer, target: ModelConfig, draft) -> None:
-    if not draft_base.is_tree(proposer):
-        return
-    for name, config in [("target", target), ("draft", getattr(draft, "config", None))]:
-        window = getattr(config, "sliding_window", None)
-        if isinstance(config, ModelConfig) and window is not None:
-            raise ValueError(f"tree drafts are not supported with sliding-window attention "
-                             f"(the {name} has sliding_window={window}); use a chain "
-                             f"(tree=None)")
-
-
 @dataclasses.dataclass(frozen=True)
 class Shapes:
     """The padded sizes of one call."""
@@ -1092,7 +1081,6 @@ def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, token
     if synthetic is not None and draft_base.is_tree(proposer):
         raise ValueError(f"SpecConfig.synthetic_acceptance is for chains; method "
                          f"{spec.method!r} here verifies a tree (lookahead always does)")
-    _check_tree_window(proposer, target.config, draft)
     plan, shapes = plan_program(target.config, proposer, rows, sampling, mesh, max_cache_len)
     if synthetic is not None:
         plan = dataclasses.replace(plan, synthetic=True)

@@ -48,15 +48,28 @@ class Model:
 
 
 class RMSNorm(nn.Module):
+    """Llama's: normalised in float32, cast, times the weight. ``unit_offset`` (Gemma): times
+    (1 + weight) in float32, then cast; the weight starts at 0."""
+
     eps: float
     dtype: Any
+    unit_offset: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + weight.astype(jnp.float32))).astype(self.dtype)
         return (x32.astype(self.dtype) * weight).astype(self.dtype)
+
+
+def norm(config: ModelConfig, name: str) -> RMSNorm:
+    """The config's RMSNorm (Llama's, or Gemma's with a unit offset)."""
+    return RMSNorm(config.rms_norm_eps, jnp.dtype(config.dtype), config.norm_unit_offset,
+                   name=name)
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
@@ -110,20 +123,22 @@ def _dense(config: ModelConfig, init_std: float, features: int, name: str,
 class Attention(nn.Module):
     config: ModelConfig
     init_std: float
+    sliding: bool = True  # False: a full-attention layer, which ignores the view's window
 
     @nn.compact
     def __call__(self, x, cos, sin, view, k_all, v_all, layer, block):
         cfg = self.config
         B, T, _ = x.shape
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        dtype = jnp.dtype(cfg.dtype)
         dense = functools.partial(_dense, cfg, self.init_std, bias=cfg.attention_bias)
         q = dense(H * D, "q_proj")(x).reshape(B, T, H, D)
         k = dense(K * D, "k_proj")(x).reshape(B, T, K, D)
         v = dense(K * D, "v_proj")(x).reshape(B, T, K, D)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, dtype, name="k_norm")(k)
+            q = norm(cfg, "q_norm")(q)
+            k = norm(cfg, "k_norm")(k)
+        if not self.sliding and view.window is not None:
+            view = dataclasses.replace(view, window=None, dense_mask=None)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         chunk = None
         if view.chunk_in_cache:
@@ -135,7 +150,8 @@ class Attention(nn.Module):
             chunk = (k.astype(k_all.dtype), v.astype(v_all.dtype))
         # Query heads grouped by the kv head they share: g indexes the H/K heads of a group.
         out = attention.attend(q.reshape(B, T, K, H // K, D), k_all, v_all, layer, view, block,
-                               chunk)
+                               chunk, scale=(cfg.query_pre_attn_scalar or D) ** -0.5,
+                               softcap=cfg.attn_logit_softcapping)
         out = _dense(cfg, self.init_std, cfg.hidden_size, "o_proj", bias=cfg.o_proj_bias)(
             out.reshape(B, T, H * D))
         return out, k_all, v_all, chunk
@@ -151,7 +167,9 @@ class MLP(nn.Module):
         dense = functools.partial(_dense, cfg, self.init_std)
         gate = dense(cfg.intermediate_size, "gate_proj")(x)
         up = dense(cfg.intermediate_size, "up_proj")(x)
-        return dense(cfg.hidden_size, "down_proj")(nn.silu(gate) * up)
+        act = nn.silu if cfg.hidden_act == "silu" else functools.partial(nn.gelu,
+                                                                         approximate=True)
+        return dense(cfg.hidden_size, "down_proj")(act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -162,17 +180,22 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     init_std: float
     block: int = attention.BLOCK  # slots per attention block
+    sliding: bool = True  # False: full attention whatever the view's window
 
     @nn.compact
     def __call__(self, carry, layer, cos, sin, view):
         x, k_all, v_all = carry
         cfg = self.config
-        dtype = jnp.dtype(cfg.dtype)
-        h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        a, k_all, v_all, chunk = Attention(cfg, self.init_std, name="self_attn")(
+        h = norm(cfg, "input_layernorm")(x)
+        a, k_all, v_all, chunk = Attention(cfg, self.init_std, self.sliding, name="self_attn")(
             h, cos, sin, view, k_all, v_all, layer, self.block)
+        if cfg.sandwich_norms:  # Gemma 2, 3: each block's output is normalised too
+            x = x + norm(cfg, "post_attention_layernorm")(a)
+            h = norm(cfg, "pre_feedforward_layernorm")(x)
+            return (x + norm(cfg, "post_feedforward_layernorm")(
+                MLP(cfg, self.init_std, name="mlp")(h)), k_all, v_all), chunk
         x = x + a
-        h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
+        h = norm(cfg, "post_attention_layernorm")(x)
         x = x + MLP(cfg, self.init_std, name="mlp")(h)
         return (x, k_all, v_all), chunk
 
@@ -185,11 +208,16 @@ class Layers(nn.Module):
     block: int
 
     @nn.compact
-    def __call__(self, carry, cos, sin, view, taps=()):
-        """Also returns the residual stream after each layer in ``taps`` (0-based)."""
+    def __call__(self, carry, rope, view, taps=()):
+        """Also returns the residual stream after each layer in ``taps`` (0-based). rope: the
+        (cos, sin) tables of the full layers, then of the sliding ones (the same when they
+        share a RoPE)."""
         chunks, tapped = [], []
-        for i in range(self.config.num_hidden_layers):
-            carry, chunk = DecoderLayer(self.config, self.init_std, self.block, name=str(i))(
+        cfg = self.config
+        for i in range(cfg.num_hidden_layers):
+            sliding = cfg.layer_window(i) is not None
+            cos, sin = rope[1] if sliding else rope[0]
+            carry, chunk = DecoderLayer(cfg, self.init_std, self.block, sliding, name=str(i))(
                 carry, i, cos, sin, view)
             chunks.append(chunk)
             if i in taps:
@@ -227,6 +255,8 @@ class Decoder(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                          embedding_init=nn.initializers.normal(self.init_std), name="embed_tokens")
         x = embed(tokens)  # [B, T, E]
+        if cfg.scale_embeddings:  # Gemma: by sqrt(E), rounded to the model dtype first
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.float32).astype(dtype)
         cos, sin = rope_tables(view.positions, cfg)
         if self.stacked:
             if self.taps:
@@ -238,11 +268,14 @@ class Decoder(nn.Module):
             (x, k, v), chunks = layers((x, k, v), jnp.arange(cfg.num_hidden_layers), cos, sin,
                                        view)
         else:
+            local = (cos, sin) if cfg.rope_local_theta is None else rope_tables(
+                view.positions, dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta,
+                                                    rope_scaling=None))
             (x, k, v), chunks, tapped = Layers(cfg, self.init_std, self.block, name="layers")(
-                (x, k, v), cos, sin, view, self.taps)
+                (x, k, v), ((cos, sin), local), view, self.taps)
         if chunks is not None:  # the chunk's keys and values, [L, B, T, K, D], for the caller
             k, v = chunks
-        hidden = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
+        hidden = norm(cfg, "norm")(x)
         head_in = hidden if self.logits_at is None else hidden[:, np.asarray(self.logits_at)]
         # The LM head accumulates and returns float32 whatever the model computes in: bfloat16
         # logits (8 significant bits) tie exactly at a few percent of the bundled target's
@@ -254,9 +287,13 @@ class Decoder(nn.Module):
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
                               kernel_init=nn.initializers.normal(self.init_std),
                               dot_general=_float32_dot, name="lm_head")(head_in)
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
         if self.taps:
             hidden = jnp.concatenate(tapped, axis=-1)
-        return logits.astype(jnp.float32), hidden, k, v
+        return logits, hidden, k, v
 
 
 def stack_layers(params: dict, num_layers: int) -> dict:

@@ -5,13 +5,14 @@ exact target distribution is built from sj.logits and the numpy reference of the
 filters. A G-test compares the two; deliberately broken acceptance rules must fail the same test.
 """
 
+import dataclasses
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ref_process, tiny_model
+from conftest import ref_process, tiny_config, tiny_model
 from scipy import stats as scipy_stats
 
 import specjax as sj
@@ -210,6 +211,56 @@ def test_broken_rules_fail_the_same_test(models, monkeypatch, fresh_programs, br
     samples = generate_samples(target, drafts["close"], sampling,
                                sj.SpecConfig(num_speculative_tokens=2))
     assert g_test(samples, exact_joint(target, t, k, p)) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def gemma2_like():
+    """A target with Gemma 2's features: soft-capped attention scores and logits (caps that bite:
+    the weights are large), a 2-token window on its first layer and full attention on its second,
+    sandwich norms with a unit offset, scaled embeddings, GeGLU, its own query scale; and a close
+    draft (the same model perturbed)."""
+    cfg = tiny_config(vocab_size=V, hidden_size=16, layers=2, sliding_window=2,
+                      layer_types=("sliding_attention", "full_attention"),
+                      attn_logit_softcapping=1.5, final_logit_softcapping=2.5,
+                      query_pre_attn_scalar=5.0, sandwich_norms=True, norm_unit_offset=True,
+                      scale_embeddings=True, hidden_act="gelu_pytorch_tanh")
+    target = sj.init_model(cfg, jax.random.key(20), init_std=0.5)
+    leaves, tree = jax.tree.flatten(target.params)
+    keys = jax.random.split(jax.random.key(21), len(leaves))
+    close = sj.Model(cfg, jax.tree.unflatten(
+        tree, [x + 0.02 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    return target, close
+
+
+@pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
+@pytest.mark.parametrize("which", ["close", "ngram", "tree"])
+def test_a_soft_capped_sliding_window_target_is_followed(gemma2_like, t, k, p, which):
+    """Within three tokens of a three-token prompt the window already hides keys, and both caps
+    change every distribution (checked: without them the exact joint differs). The tree is
+    deeper than the window."""
+    target, close = gemma2_like
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    spec = sj.SpecConfig(num_speculative_tokens=2, **(NGRAM if which == "ngram" else {}))
+    if which == "tree":
+        spec = sj.SpecConfig(tree=((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))
+    prompt = ngram_prompt(target) if which == "ngram" else PROMPT
+    joint = exact_joint(target, t, k, p, prompt)
+    plain = sj.Model(dataclasses.replace(target.config, attn_logit_softcapping=None,
+                                         final_logit_softcapping=None, layer_types=None,
+                                         sliding_window=None), target.params)
+    assert np.abs(exact_joint(plain, t, k, p, prompt) - joint).max() > 1e-3
+    samples = generate_samples(target, None if which == "ngram" else close, sampling, spec,
+                               prompt=prompt)
+    assert g_test(samples, joint) > 1e-3
+
+
+def test_a_broken_rule_fails_the_soft_capped_target_test(gemma2_like, monkeypatch,
+                                                         fresh_programs):
+    target, close = gemma2_like
+    monkeypatch.setattr(verify, "acceptance_probs", _sqrt_acceptance)
+    sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=3)
+    samples = generate_samples(target, close, sampling, sj.SpecConfig(num_speculative_tokens=2))
+    assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6
 
 
 # Later tokens: six new tokens need several rounds, so target-cache rollback, the draft's catch-up

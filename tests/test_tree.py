@@ -467,12 +467,27 @@ def test_greedy_tree_equals_autoregressive(greedy_setup, paths, which):
         assert s.accepted_tokens > 0
 
 
+def test_trees_with_sliding_windows_decode_greedy_exactly(greedy_setup):
+    """A target whose window (2) is shorter than the tree is deep (4), its first layer sliding
+    and its second full, and a draft that slides on every layer: the verify forward hides each
+    node's keys by the node's own position, so the output equals plain greedy decoding."""
+    _, _, prompts, sampling, _ = greedy_setup
+    target = tiny_model(seed=3, vocab_size=64, hidden_size=16, layers=2, sliding_window=2,
+                        layer_types=("sliding_attention", "full_attention"))
+    draft = tiny_model(seed=4, vocab_size=64, hidden_size=8, layers=1, sliding_window=2)
+    # breadth first, node (0, 0, 0, 0) sits at slot 8 but position 4 past the root, and its
+    # ancestor (0, 0) at slot 4, position 2: out of the window, though their slots are close
+    wide = ((0,), (1,), (2,), (0, 0), (1, 0), (2, 0), (0, 0, 0), (0, 0, 0, 0))
+    want = sj.generate(target, prompts, sampling=sampling).tokens
+    for d in (draft, target):  # target as its own draft: deep paths are accepted
+        got = sj.generate(target, prompts, sampling=sampling, draft=d,
+                          spec=sj.SpecConfig(tree=wide))
+        np.testing.assert_array_equal(got.tokens, want)
+    assert got.stats.per_position_acceptance[3] > 0.5
+
+
 def test_tree_errors(greedy_setup):
     target, drafts, prompts, sampling, _ = greedy_setup
-    window = tiny_model(seed=2, vocab_size=64, hidden_size=8, layers=1, sliding_window=8)
-    with pytest.raises(ValueError, match="sliding-window"):
-        sj.generate(target, prompts, sampling=sampling, draft=window,
-                    spec=sj.SpecConfig(tree=SEED_EXAMPLE))
     with pytest.raises(ValueError, match="needs a draft model"):
         sj.generate(target, prompts, sampling=sampling, spec=sj.SpecConfig(tree=SEED_EXAMPLE))
 

@@ -88,7 +88,8 @@ class DFlashNet(nn.Module):
         """A block [B, T, E] (embeddings: the last token's, then the mask's) -> its outputs
         [B, T, E] after the final norm, and the cache with the block written at view.length."""
         cos, sin = rope_tables(view.positions, self.config.layer)
-        (x, k, v), _, _ = self.layers((embeds.astype(self.mask.dtype), k, v), cos, sin, view)
+        (x, k, v), _, _ = self.layers((embeds.astype(self.mask.dtype), k, v),
+                                      ((cos, sin), (cos, sin)), view)
         return self.norm(x), k, v
 
     def init_all(self, feats, embeds, view, k, v):
@@ -135,7 +136,8 @@ def inject(config: HeadsConfig, weights, feats: Array, cache: KVCache) -> KVCach
 
 
 def _norm(cfg, params, x):
-    return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.dtype)).apply({"params": params}, x)
+    return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.dtype), cfg.norm_unit_offset).apply(
+        {"params": params}, x)
 
 
 def _dense(params, x):

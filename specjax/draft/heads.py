@@ -121,7 +121,7 @@ def eagle_layer_config(target: ModelConfig, width: int | None = None) -> ModelCo
     narrower (or wider) layer of that many channels, with the target's head size, as many query
     heads as fit (at least one) and the largest kv-head count that divides them and the
     target's."""
-    layer = dataclasses.replace(target, num_hidden_layers=1, sliding_window=None)
+    layer = target.single_layer()
     if width is None or width == target.hidden_size:
         return layer
     heads = max(1, width // target.head_dim)
