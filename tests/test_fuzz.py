@@ -1,7 +1,7 @@
 """The public API, fuzzed (issue 25): random small model configurations (grouped-query ratios,
-head sizes, tied or untied embeddings, biases, q/k norms, sliding windows), random batches and
-prompt lengths, random sampling settings, every method and trees, and inputs that are wrong on
-purpose. Each case either raises a clear ValueError before anything compiles, or returns rows
+head sizes, tied or untied embeddings, biases, q/k norms, sliding windows, Gemma 2's soft-caps
+and local/global layers), random batches and prompt lengths, random sampling settings, every
+method and trees, and inputs that are wrong on purpose. Each case either raises a clear ValueError before anything compiles, or returns rows
 of the right lengths with tokens in the vocabulary, whose greedy output equals autoregressive
 decoding's.
 
@@ -29,6 +29,11 @@ CONFIGS = [  # small, and different where it matters to the engine
          qk_norm=True),  # MHA, q/k/v biases, q/k norms
     dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
          o_proj_bias=True),  # a sliding window
+    dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+         sliding_window=3, layer_types=("sliding_attention", "full_attention"),
+         attn_logit_softcapping=4.0, final_logit_softcapping=6.0, query_pre_attn_scalar=20.0,
+         sandwich_norms=True, norm_unit_offset=True, scale_embeddings=True,
+         hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),  # Gemma 2's features
 ]
 HEADS = ("medusa", "eagle", "dflash", "mtp")
 METHODS = ("autoregressive", "draft_model", "ngram", "suffix", "lookahead", *HEADS, "tree")
