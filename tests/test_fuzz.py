@@ -1,9 +1,9 @@
 """The public API, fuzzed (issue 25): random small model configurations (grouped-query ratios,
 head sizes, tied or untied embeddings, biases, q/k norms, sliding windows, Gemma 2's soft-caps
 and local/global layers), random batches and prompt lengths, random sampling settings, every
-method and trees, and inputs that are wrong on purpose. Each case either raises a clear ValueError before anything compiles, or returns rows
-of the right lengths with tokens in the vocabulary, whose greedy output equals autoregressive
-decoding's.
+method and trees, and inputs that are wrong on purpose. Each case either raises a clear
+ValueError before anything compiles, or returns rows of the right lengths with tokens in the
+vocabulary, whose greedy output equals autoregressive decoding's.
 
 CI runs FUZZ_EXAMPLES cases (default 150); experiments/fuzz_api.py runs many more."""
 
