@@ -50,15 +50,26 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Hugging Face's defaults for keys a family's config.json may leave out
 _FAMILY_DEFAULTS = {
-    "GemmaForCausalLM": dict(head_dim=256, tie_word_embeddings=True, max_position_embeddings=8192),
-    "Gemma2ForCausalLM": dict(head_dim=256, tie_word_embeddings=True, max_position_embeddings=8192,
+    "GemmaForCausalLM": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576,
+                             num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16,
+                             head_dim=256, tie_word_embeddings=True, max_position_embeddings=8192),
+    "Gemma2ForCausalLM": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                              num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                              head_dim=256, tie_word_embeddings=True, max_position_embeddings=8192,
                               query_pre_attn_scalar=256, sliding_window=4096,
                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-    "Gemma3ForCausalLM": dict(head_dim=256, tie_word_embeddings=True,
+    # a multimodal Gemma 3's text_config often lists only what differs from these
+    "Gemma3ForCausalLM": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                              num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                              head_dim=256, tie_word_embeddings=True,
                               max_position_embeddings=131072, query_pre_attn_scalar=256,
                               sliding_window=4096, final_logit_softcapping=None),
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
 }
+MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.",
+                                                 ("vision_tower.", "multi_modal_projector."))}
+"""Multimodal classes whose language model loads alone: (its text class, the prefix of its
+tensor names, the prefixes of the other towers' tensors, which are skipped)."""
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma reads "gelu" as the tanh form
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -191,6 +202,7 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
     """A ModelConfig from a Hugging Face config.json dict (source names it in errors)."""
     if not isinstance(d, dict):
         raise CheckpointError(f"{source} does not hold a JSON object")
+    d, _ = language_model(d, source)
     arch = hf_config_architecture(d, source)
     d = {**_FAMILY_DEFAULTS.get(arch, {}), **d}
     gemma = arch in GEMMAS
@@ -282,6 +294,22 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
         raise CheckpointError(f"{source}: {e}") from None
 
 
+def language_model(d: dict, source: str = "config.json") -> tuple[dict, str]:
+    """A config.json dict of a multimodal model reduced to its language model's (the
+    ``text_config``, with the top level's dtype), and the prefix of that model's tensor names;
+    any other config as it is, with no prefix."""
+    archs = d.get("architectures") or []
+    multimodal = next((a for a in archs if a in MULTIMODAL), None)
+    if multimodal is None:
+        return d, ""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{source}: a {multimodal} config needs a text_config object")
+    arch, prefix, _ = MULTIMODAL[multimodal]
+    dtype = {k: d[k] for k in ("dtype", "torch_dtype") if k in d}
+    return {**dtype, **text, "architectures": [arch]}, prefix
+
+
 def hf_config_architecture(d: dict, source: str = "config.json") -> str:
     """The supported Hugging Face class a config.json dict names (its ``architectures``, else its
     ``model_type``); CheckpointError naming it if none is supported."""
@@ -290,11 +318,8 @@ def hf_config_architecture(d: dict, source: str = "config.json") -> str:
     if arch is None and not archs:  # no architectures list: go by model_type
         arch = {v: k for k, v in _MODEL_TYPES.items()}.get(d.get("model_type"))
     if arch is None:
-        hint = (" (a multimodal Gemma 3: its text_config describes the language model, which "
-                "is not loadable from this folder)" if "Gemma3ForConditionalGeneration" in archs
-                else "")
         raise CheckpointError(f"{source}: unsupported architecture {archs or d.get('model_type')!r}"
-                              f"{hint}; supported: {', '.join(ARCHITECTURES)}")
+                              f"; supported: {', '.join(ARCHITECTURES + tuple(MULTIMODAL))}")
     return arch
 
 
@@ -496,7 +521,10 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
     cfg = config_from_hf(hf_config, dtype, str(config_path))
-    fused = hf_config_architecture(hf_config) == "Phi3ForCausalLM"
+    text_config, prefix = language_model(hf_config)
+    fused = hf_config_architecture(text_config) == "Phi3ForCausalLM"
+    skipped = next((MULTIMODAL[a][2] for a in hf_config.get("architectures") or []
+                    if a in MULTIMODAL), ())
     files = {p: SafetensorsFile(p) for p in sorted(set(_weight_files(folder).values()))}
     where = {name: f for f in files.values() for name in f.entries}
     target_dtype = np.dtype(jnp.dtype(cfg.dtype))
@@ -535,11 +563,11 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
         part = _fused_part(path, cfg) if fused else None
         if part is not None:
             name, part = part
-        _set(params, path, place(path, leaf.shape, fetcher(name, leaf.shape, transpose, part),
-                                 cfg))
-    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        _set(params, path, place(path, leaf.shape,
+                                 fetcher(prefix + name, leaf.shape, transpose, part), cfg))
+    ignorable = {prefix + "lm_head.weight"} if cfg.tie_word_embeddings else set()
     unused = sorted(n for n in set(where) - used - ignorable
-                    if not n.endswith("rotary_emb.inv_freq"))
+                    if not n.endswith("rotary_emb.inv_freq") and not n.startswith(skipped))
     if unused:
         raise CheckpointError(f"{len(unused)} tensors in {folder} have no place in a "
                               f"{hf_architecture(cfg)} with this config, e.g. {unused[:3]}")
@@ -635,7 +663,9 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
     (the platform of ``mesh``'s devices, else JAX's default backend); "stored" keeps the
     checkpoint's dtype; "float32", "bfloat16" or "float16" casts. Sampling and verification
     always work on float32 probabilities, whatever the model computes in.
-    Architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM.
+    Architectures: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, and the language
+    model of a Gemma3ForConditionalGeneration (docs/checkpoints.md).
     mesh: an ``sj.make_mesh`` mesh places the parameters straight into the sharded layout of
     specjax/sharding.py (``replicate=True``: a full copy per device, for drafts): orbax restores
     each device's shards directly; Hugging Face tensors are read one at a time and each device

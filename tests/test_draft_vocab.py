@@ -2,6 +2,8 @@
 tokens of the subset, reports q over the whole vocabulary (zero outside the subset), and decoding
 stays greedy-exact and distribution-exact. A deliberately wrong q fails the same test."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,5 +136,68 @@ def test_a_wrong_q_fails_the_same_test(models, monkeypatch, fresh_programs):
     monkeypatch.setattr(sj.DraftVocab, "widen", _shifted_widen)
     sampling_params = sj.SamplingParams(temperature=1.0, max_new_tokens=3)
     samples = generate_samples(target, restrict_vocab(drafts["close"], V8_VOCAB),
+                               sampling_params, sj.SpecConfig(num_speculative_tokens=3))
+    assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6
+
+
+# -- a draft whose vocabulary is the first ids of the target's (sj.draft.shared_prefix) --------
+
+def first_ids(model, n):
+    """``model`` cut to its first n ids: the embedding's rows and the LM head's columns."""
+    params = dict(model.params)
+    params["embed_tokens"] = {"embedding": params["embed_tokens"]["embedding"][:n]}
+    if "lm_head" in params:
+        params["lm_head"] = {"kernel": params["lm_head"]["kernel"][:, :n]}
+    return sj.Model(dataclasses.replace(model.config, vocab_size=n), params)
+
+
+@pytest.mark.parametrize("spec", [dict(num_speculative_tokens=4),
+                                  dict(tree=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))],
+                         ids=["gamma4", "tree"])
+def test_a_shorter_vocabulary_draft_is_greedy_exact(target, noisy, reference, spec):
+    """A 24-id draft for the 32-id target: drafts only among its ids, reads the target's later
+    ids as the fallback, and decodes exactly as the target alone."""
+    short = first_ids(noisy, 24)
+    emitted = np.asarray(reference.tokens).ravel()
+    assert (emitted >= 24).any()  # the target emits ids the draft does not have
+    for draft in (sj.draft.shared_prefix(short, 32),
+                  sj.draft.shared_prefix(restrict_vocab(short, np.arange(0, 24, 2)), 32)):
+        out = sj.generate(target, PROMPTS, sampling=GREEDY, draft=draft,
+                          spec=sj.SpecConfig(method="draft_model", **spec))
+        np.testing.assert_array_equal(out.tokens, reference.tokens)
+        assert out.stats.accepted_tokens > 0
+
+
+def test_a_shorter_vocabulary_needs_to_be_declared(target, noisy):
+    short = first_ids(noisy, 24)
+    with pytest.raises(ValueError, match=r"share one vocabulary.*shared_prefix\(draft, 32\)"):
+        sj.generate(target, PROMPTS, sampling=GREEDY, draft=short,
+                    spec=sj.SpecConfig(num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="target_vocab_size=16 must be an int >= .* 24"):
+        sj.draft.shared_prefix(short, 16)
+    with pytest.raises(ValueError, match="fallback=24"):
+        sj.draft.shared_prefix(short, 32, fallback=24)
+    with pytest.raises(ValueError, match="made for a target of vocab_size 40"):
+        sj.generate(target, PROMPTS, sampling=GREEDY, draft=sj.draft.shared_prefix(short, 40),
+                    spec=sj.SpecConfig(num_speculative_tokens=2))
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 0.9)], ids=["T1", "T0.7-topk5-topp0.9"])
+@pytest.mark.parametrize("tree", [None, ((0,), (1,), (0, 0), (0, 0, 0))], ids=["chain", "tree"])
+def test_a_shorter_vocabulary_draft_follows_the_target(models, t, k, p, tree):
+    """A 6-id draft for the 8-id target, at T = 1 and with top-k/top-p."""
+    target, drafts = models
+    sampling_params = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    spec = sj.SpecConfig(num_speculative_tokens=3) if tree is None else sj.SpecConfig(tree=tree)
+    samples = generate_samples(target, sj.draft.shared_prefix(first_ids(drafts["close"], 6), 8),
+                               sampling_params, spec)
+    assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+
+
+def test_a_shorter_vocabulary_draft_with_a_wrong_q_fails(models, monkeypatch, fresh_programs):
+    target, drafts = models
+    monkeypatch.setattr(sj.DraftVocab, "widen", _shifted_widen)
+    sampling_params = sj.SamplingParams(temperature=1.0, max_new_tokens=3)
+    samples = generate_samples(target, sj.draft.shared_prefix(first_ids(drafts["close"], 6), 8),
                                sampling_params, sj.SpecConfig(num_speculative_tokens=3))
     assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6

@@ -168,6 +168,34 @@ def test_export_round_trips_through_transformers(family, folders, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_multimodal_gemma3_loads_its_language_model(tmp_path):
+    """Gemma 3 from 4B up ships as Gemma3ForConditionalGeneration: the language model's config
+    is its text_config, its tensors are language_model.*; the vision tower's are skipped. On
+    text alone the logits are transformers' (the vocabulary's image tokens left out)."""
+    text = {**COMMON, "num_hidden_layers": 2, "head_dim": 24, "query_pre_attn_scalar": 20,
+            "sliding_window": 5, "sliding_window_pattern": 2}
+    text.pop("initializer_range")
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=96,
+                                       boi_token_index=94, eoi_token_index=95,
+                                       initializer_range=0.3)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration._from_config(
+        config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.0))
+    model.save_pretrained(tmp_path / "mm")
+    ours = sj.load_model(tmp_path / "mm")
+    assert ours.config.qk_norm and ours.config.sandwich_norms and ours.config.vocab_size == V
+    tokens = TOKENS % 90  # text only
+    want = hf_logits(model.float(), tokens)
+    np.testing.assert_allclose(np.asarray(sj.model.logits(ours, tokens)), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+
+
 def test_phi3_exports_as_an_equivalent_mistral(folders, tmp_path):
     """Phi-3's fused projections are split on load; its export is the same model in Mistral's
     layout (a window on every layer, SwiGLU, Llama's norms), which transformers reads as is."""
@@ -213,7 +241,7 @@ def test_unsupported_variants_are_refused_by_name(folders, tmp_path):
     gemma2 = folders["gemma2"][0]
     with pytest.raises(checkpoint.CheckpointError, match="hidden_act 'relu'"):
         sj.load_model(_edit_config(gemma2, tmp_path / "c", hidden_activation="relu"))
-    with pytest.raises(checkpoint.CheckpointError, match="multimodal Gemma 3"):
+    with pytest.raises(checkpoint.CheckpointError, match="needs a text_config"):
         sj.load_model(_edit_config(folders["gemma3"][0], tmp_path / "d",
                                    architectures=["Gemma3ForConditionalGeneration"]))
     with pytest.raises(checkpoint.CheckpointError, match="layer_types"):

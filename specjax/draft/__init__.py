@@ -27,6 +27,7 @@ from .draft_model import (
     DraftTreeProposer,
     load_draft_model,
     restrict_vocab,
+    shared_prefix,
 )
 from .eagle import EagleProposer
 from .heads import Heads, HeadsConfig, init_heads, load_heads, save_heads
@@ -64,8 +65,8 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
 
 __all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
-           "restrict_vocab", "NgramProposer", "MedusaProposer", "EagleProposer", "DFlashProposer",
-           "MTPProposer", "SuffixCache", "SuffixProposer", "LookaheadProposer",
+           "restrict_vocab", "shared_prefix", "NgramProposer", "MedusaProposer", "EagleProposer",
+           "DFlashProposer", "MTPProposer", "SuffixCache", "SuffixProposer", "LookaheadProposer",
            "Features",
            "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
            "DraftVocab", "frequent_tokens", "Method", "register", "unregister", "get", "names"]

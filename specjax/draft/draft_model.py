@@ -41,11 +41,20 @@ from .vocab import DraftVocab
 class DraftModel:
     """A draft model, the draft vocabulary it proposes from (None: its whole vocabulary) and the
     calibration of its confidence for adaptive draft lengths (None: the identity;
-    specjax/adaptive.py)."""
+    specjax/adaptive.py). ``from_target``: for a draft whose vocabulary is a prefix of the
+    target's (``shared_prefix``), its input id for each target id [V_target] (None: the same
+    ids)."""
 
     model: Model
     vocab: DraftVocab | None = None
     calibration: Calibration | None = None
+    from_target: Array | None = None
+
+    def inputs(self, tokens: Array) -> Array:
+        """Target token ids -> the ids this draft reads (the same unless ``from_target``)."""
+        if self.from_target is None:
+            return tokens
+        return jnp.take(self.from_target, tokens, mode="clip")
 
     @property
     def config(self) -> ModelConfig:
@@ -63,8 +72,8 @@ class DraftModel:
         (``write=False``: the chunk's keys and values instead, as ``model.forward``). With a
         restricted vocabulary the full-vocabulary logits are never used, and the compiler
         drops them."""
-        logits, hidden, cache = forward(self.model, tokens, positions, cache, chunk_mask,
-                                        write=write)
+        logits, hidden, cache = forward(self.model, self.inputs(tokens), positions, cache,
+                                        chunk_mask, write=write)
         if self.vocab is not None:
             logits = self.vocab.logits(hidden)
         return logits, cache
@@ -103,7 +112,37 @@ def restrict_vocab(draft, vocab) -> DraftModel:
         raise ValueError(f"restrict_vocab expects an sj.Model or sj.DraftModel, got "
                          f"{type(draft).__name__}")
     draft = as_draft_model(draft)
-    return DraftModel(draft.model, DraftVocab.of(draft.model, vocab), draft.calibration)
+    return DraftModel(draft.model, DraftVocab.of(draft.model, vocab), draft.calibration,
+                      draft.from_target)
+
+
+def shared_prefix(draft, target_vocab_size: int, *, fallback: int = 0) -> DraftModel:
+    """``draft`` (an sj.Model or sj.DraftModel) for a target whose vocabulary extends the
+    draft's: the draft's ids 0 .. V_d - 1 are the same tokens as the target's (Gemma 3 270M's
+    262,144 ids and the 4B's 262,208, whose extra ids are image tokens; Qwen2.5 0.5B and 7B).
+    Whether the ids mean the same tokens cannot be seen from the weights: check the tokenizers
+    (docs/your-own-pair.md).
+
+    The draft proposes only from its own ids (its draft vocabulary, if it has one); its q is
+    zero on the target's extra ids, so verification is unchanged and the output keeps the
+    target's distribution. A target token past the draft's vocabulary is read by the draft as
+    ``fallback``, which can only cost acceptance."""
+    if not isinstance(draft, (Model, DraftModel)):
+        raise ValueError(f"shared_prefix expects an sj.Model or sj.DraftModel, got "
+                         f"{type(draft).__name__}")
+    draft = as_draft_model(draft)
+    V = draft.config.vocab_size
+    if isinstance(target_vocab_size, bool) or not isinstance(target_vocab_size, int | np.integer) \
+            or target_vocab_size < V:
+        raise ValueError(f"target_vocab_size={target_vocab_size!r} must be an int >= the draft's "
+                         f"vocab_size {V}")
+    if isinstance(fallback, bool) or not isinstance(fallback, int | np.integer) \
+            or not 0 <= fallback < V:
+        raise ValueError(f"fallback={fallback!r} must be a draft token id in [0, {V})")
+    vocab = draft.vocab if draft.vocab is not None else DraftVocab.of(draft.model, np.arange(V))
+    ids = np.arange(int(target_vocab_size), dtype=np.int32)
+    return DraftModel(draft.model, vocab, draft.calibration,
+                      jnp.asarray(np.where(ids < V, ids, int(fallback)), jnp.int32))
 
 
 VOCAB_FILE = "draft_vocab.npy"
@@ -149,10 +188,15 @@ class DraftModelProposer:
     draft forwards stop once no row is still drafting (each later step is a ``lax.cond`` whose
     skipped branch writes nothing of use: those slots lie past every row's proposals)."""
 
-    config: ModelConfig  # the draft model's config (same vocabulary as the target)
+    config: ModelConfig  # the draft model's config
     gamma: int  # drafts per round
     survival_threshold: float | None = None
     budget: Budget | None = None  # the batch's verify budget (adaptive.Budget)
+    vocab_size: int = 0  # the target's V, that q's are widened to; 0: the draft's own
+
+    @property
+    def target_vocab(self) -> int:
+        return self.vocab_size or self.config.vocab_size
 
     @property
     def adaptive(self) -> bool:
@@ -168,7 +212,7 @@ class DraftModelProposer:
         """Prefill the draft cache with the prompts [B, N] (right-padded), chunk by chunk up to
         the longest."""
         cache = KVCache.init(self.config, prompts.shape[0], capacity)
-        return prefill_chunked(params.model, prompts, prompt_lengths, cache)[2]
+        return prefill_chunked(params.model, params.inputs(prompts), prompt_lengths, cache)[2]
 
     def propose(self, params: DraftModel, cache: KVCache, history: Array, length: Array,
                 keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters,
@@ -190,7 +234,7 @@ class DraftModelProposer:
             token, q = draw(logits[:, 0], step_keys[:, i], sampling_params, filters, draft.vocab)
             tokens.append(token)
             probs.append(q)
-        return stack_chain(tokens, probs, draft.vocab, self.config.vocab_size), cache
+        return stack_chain(tokens, probs, draft.vocab, self.target_vocab), cache
 
     def _adaptive(self, draft: DraftModel, cache: KVCache, history: Array, length: Array,
                   step_keys: Array, sampling_params: sampling.SamplingArrays,
@@ -221,7 +265,7 @@ class DraftModelProposer:
             tokens.append(token)
             probs.append(q)
         valid, predicted = control.arrays()
-        chain = stack_chain(tokens, probs, draft.vocab, self.config.vocab_size, valid)
+        chain = stack_chain(tokens, probs, draft.vocab, self.target_vocab, valid)
         return dataclasses.replace(chain, predicted=predicted, forwards=control.forwards), cache
 
 
@@ -244,6 +288,11 @@ class DraftTreeProposer:
 
     config: ModelConfig
     tree: Tree
+    vocab_size: int = 0  # the target's V, that q's are widened to; 0: the draft's own
+
+    @property
+    def target_vocab(self) -> int:
+        return self.vocab_size or self.config.vocab_size
 
     @property
     def gamma(self) -> int:
@@ -280,7 +329,7 @@ class DraftTreeProposer:
             return children(logits, d + 1)
 
         tokens, q = expand_tree(tree, children(logits[:, -1:], 0), expand, draft.vocab,
-                                self.config.vocab_size)
+                                self.target_vocab)
         return Draft(tokens, q), cache
 
     def commit(self, cache: KVCache, start: Array, path: Array, num_accepted: Array) -> KVCache:
@@ -298,15 +347,22 @@ def build(spec: SpecConfig, draft, target: ModelConfig):
         raise ValueError(f"draft must be an sj.Model or sj.DraftModel (sj.init_model, "
                          f"sj.load_draft_model), got {type(draft).__name__}")
     draft = as_draft_model(draft)
-    if draft.config.vocab_size != target.vocab_size:
+    if draft.from_target is not None:
+        if draft.from_target.shape != (target.vocab_size,):
+            raise ValueError(f"the draft was made for a target of vocab_size "
+                             f"{draft.from_target.shape[0]} (sj.draft.shared_prefix), this "
+                             f"target has {target.vocab_size}")
+    elif draft.config.vocab_size != target.vocab_size:
         raise ValueError(
             f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
-            f"{target.vocab_size}: draft and target must share one vocabulary")
+            f"{target.vocab_size}: draft and target must share one vocabulary (a draft whose "
+            f"ids are the first ones of the target's: sj.draft.shared_prefix(draft, "
+            f"{target.vocab_size}))")
     if spec.tree is None:
         return DraftModelProposer(draft.config, spec.num_speculative_tokens,
-                                  spec.survival_threshold, spec.budget)
+                                  spec.survival_threshold, spec.budget, target.vocab_size)
     tree = Tree(spec.tree)
     if int(tree.children.shape[1]) > draft.vocab_size:
         raise ValueError(f"the tree gives a node {int(tree.children.shape[1])} children, "
                          f"more than the draft's {draft.vocab_size}-token draft vocabulary")
-    return DraftTreeProposer(draft.config, tree)
+    return DraftTreeProposer(draft.config, tree, target.vocab_size)
