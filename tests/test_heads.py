@@ -99,6 +99,22 @@ def test_training_resumes_to_the_same_weights(target, trained, method, tmp_path)
                     draft_vocab_size=20, progress=False)
 
 
+def test_a_run_recorded_before_a_config_field_existed_still_resumes(tmp_path):
+    """A run record written before specjax added a config field (here: the family fields of
+    ModelConfig) resumes when the field is at its default, and not when it is set."""
+    from specjax.train.loop import _check_run
+    run = {"drafter": {"layer": {"hidden_size": 32, "hidden_act": "silu", "sandwich_norms": False,
+                                 "layer_types": None}}, "train": {"steps": 6}}
+    older = {"drafter": {"layer": {"hidden_size": 32}}, "train": {"steps": 6}}
+    (tmp_path / "run.json").write_text(json.dumps(older))
+    _check_run(tmp_path, run)  # the new fields at their defaults: the same run
+    changed = {**run, "drafter": {"layer": {**run["drafter"]["layer"], "sandwich_norms": True}}}
+    with pytest.raises(ValueError, match=r"other settings \(drafter.layer.sandwich_norms\)"):
+        _check_run(tmp_path, changed)
+    with pytest.raises(ValueError, match=r"other settings \(drafter.layer.hidden_size\)"):
+        _check_run(tmp_path, {**run, "drafter": {"layer": {"hidden_size": 16}}})
+
+
 def test_draft_vocabulary_is_the_most_frequent_tokens():
     tokens = np.array([5, 5, 5, 2, 2, 7, 1, 1, 1, 1])
     np.testing.assert_array_equal(sj.draft.frequent_tokens(tokens, 10, 3), [1, 2, 5])

@@ -168,18 +168,37 @@ def _check_run(workdir: pathlib.Path, run: dict) -> None:
     path = workdir / "run.json"
     if path.exists():
         old = json.loads(path.read_text())
-        if old != run:
-            changed = _differences(old, run)
+        changed = _differences(old, run)
+        if changed:
             raise ValueError(f"{workdir} holds a run with other settings ({', '.join(changed)}"
                              f"); use a new work directory or the same settings")
     else:
         write_atomic(path, json.dumps(run, indent=1) + "\n")  # never half-written
 
 
+_MISSING = object()
+
+
+def _added_defaults() -> dict:
+    """The defaults of the config fields a run record holds, by field name: a field that a
+    newer specjax added (absent from an older run's record) at its default is the behaviour the
+    run was trained with."""
+    from ..draft.heads import HeadsConfig
+    out = {}
+    for cls in (ModelConfig, HeadsConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out.setdefault(f.name, json.loads(json.dumps(f.default)))
+    return out
+
+
 def _differences(old, new, prefix: str = "") -> list[str]:
-    """Dotted names of the settings that differ between two run records."""
+    """Dotted names of the settings that differ between two run records (a setting the old
+    record lacks counts as the same when the new one holds that field's default)."""
     if isinstance(old, dict) and isinstance(new, dict):
+        defaults = _added_defaults()
         return [name for k in sorted(set(old) | set(new))
+                if k in old or new[k] != defaults.get(k, _MISSING)
                 for name in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
     return [] if old == new else [prefix.rstrip(".")]
 
