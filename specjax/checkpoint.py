@@ -70,7 +70,11 @@ MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_
                                                  ("vision_tower.", "multi_modal_projector."))}
 """Multimodal classes whose language model loads alone: (its text class, the prefix of its
 tensor names, the prefixes of the other towers' tensors, which are skipped)."""
-_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # Gemma reads "gelu" as the tanh form
+# GeGLU's activation names per family: Gemma rewrites "gelu" to the tanh form, Gemma 2 and 3
+# would compute an exact GELU for it (refused)
+_GELU_TANH = {"GemmaForCausalLM": ("gelu_pytorch_tanh", "gelu"),
+              "Gemma2ForCausalLM": ("gelu_pytorch_tanh",),
+              "Gemma3ForCausalLM": ("gelu_pytorch_tanh",)}
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SPECJAX_FILE = "specjax.json"
@@ -192,6 +196,8 @@ def _layer_types(d: dict, arch: str, layers: int) -> list[str] | None:
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     if arch == "Gemma3ForCausalLM":
         pattern = d.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise CheckpointError(f"sliding_window_pattern must be an int >= 1, got {pattern!r}")
         return ["sliding_attention" if (i + 1) % pattern else "full_attention"
                 for i in range(layers)]
     return None
@@ -209,7 +215,7 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
     # Gemma reads hidden_act ("gelu" meaning the tanh form); Gemma 2 and 3 hidden_activation
     act = d.get("hidden_activation" if arch in GEMMAS[1:] else "hidden_act",
                 "gelu_pytorch_tanh" if gemma else "silu")
-    if gemma and act in _GELU_TANH:
+    if gemma and act in _GELU_TANH[arch]:
         act = "gelu_pytorch_tanh"
     elif gemma or act not in ("silu", "swish"):
         raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (only silu, and "

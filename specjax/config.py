@@ -182,6 +182,10 @@ class ModelConfig:
         base and no scaling)."""
         if self.rope_local_theta is None or self.layer_window(layer) is None:
             return self
+        return self.local_rope()
+
+    def local_rope(self) -> ModelConfig:
+        """The config of the sliding layers' RoPE: base ``rope_local_theta``, no scaling."""
         return dataclasses.replace(self, rope_theta=self.rope_local_theta, rope_scaling=None,
                                    rope_local_theta=None)
 

@@ -269,8 +269,7 @@ class Decoder(nn.Module):
                                        view)
         else:
             local = (cos, sin) if cfg.rope_local_theta is None else rope_tables(
-                view.positions, dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta,
-                                                    rope_scaling=None))
+                view.positions, cfg.local_rope())
             (x, k, v), chunks, tapped = Layers(cfg, self.init_std, self.block, name="layers")(
                 (x, k, v), ((cos, sin), local), view, self.taps)
         if chunks is not None:  # the chunk's keys and values, [L, B, T, K, D], for the caller

@@ -246,6 +246,11 @@ def test_unsupported_variants_are_refused_by_name(folders, tmp_path):
                                    architectures=["Gemma3ForConditionalGeneration"]))
     with pytest.raises(checkpoint.CheckpointError, match="layer_types"):
         sj.load_model(_edit_config(gemma2, tmp_path / "e", layer_types=["full_attention"]))
+    with pytest.raises(checkpoint.CheckpointError, match="hidden_act 'gelu'"):  # exact GELU
+        sj.load_model(_edit_config(gemma2, tmp_path / "f", hidden_activation="gelu"))
+    with pytest.raises(checkpoint.CheckpointError, match="sliding_window_pattern must be"):
+        sj.load_model(_edit_config(folders["gemma3"][0], tmp_path / "g", layer_types=None,
+                                   sliding_window_pattern=0))
 
 
 def test_configs_check_the_new_fields():

@@ -99,6 +99,13 @@ def test_training_resumes_to_the_same_weights(target, trained, method, tmp_path)
                     draft_vocab_size=20, progress=False)
 
 
+def test_objective_weights_are_checked(target, trained, tmp_path):
+    for ce, reg in [(-1.0, 1.0), (0.5, float("nan")), (0.0, 0.0)]:
+        with pytest.raises(ValueError, match="must be finite, >= 0 and not both 0"):
+            train_heads(target, "eagle", trained["tokens"], quick(steps=2), tmp_path,
+                        ce_weight=ce, reg_weight=reg, progress=False)
+
+
 def test_a_run_recorded_before_a_config_field_existed_still_resumes(tmp_path):
     """A run record written before specjax added a config field (here: the family fields of
     ModelConfig) resumes when the field is at its default, and not when it is set."""

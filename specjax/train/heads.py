@@ -173,7 +173,7 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                 intermediate_size: int | None = None, num_layers: int = 2,
                 block_size: int = 16, taps: tuple[int, ...] | None = None,
                 layer_width: int | None = None, heldout: np.ndarray | None = None,
-                progress: bool = True,
+                ce_weight: float = 0.5, reg_weight: float = 1.0, progress: bool = True,
                 on_eval: Callable[[int, float], None] | None = None,
                 max_seconds: float | None = None) -> tuple[Heads, list[dict]]:
     """Train a Medusa (``num_heads`` heads), EAGLE, MTP (``num_heads`` modules) or block
@@ -193,10 +193,16 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                                  num_heads=num_heads, vocab=vocab,
                                  intermediate_size=intermediate_size, num_layers=num_layers,
                                  block_size=block_size, taps=taps, layer_width=layer_width)
-    objective = HeadsObjective(fresh.config, target.config)
+    if not (0 <= ce_weight < float("inf") and 0 <= reg_weight < float("inf")
+            and ce_weight + reg_weight > 0):
+        raise ValueError(f"ce_weight={ce_weight!r} and reg_weight={reg_weight!r} must be finite, "
+                         f">= 0 and not both 0")
+    objective = HeadsObjective(fresh.config, target.config, reg_weight, ce_weight)
     aux = {"target": target.params, "vocab": jnp.asarray(vocab)}
     run = {"drafter": dataclasses.asdict(fresh.config), "train": dataclasses.asdict(cfg),
-           "target": heads_lib.target_record(target)}
+           "target": heads_lib.target_record(target),
+           **({"objective": {"ce_weight": ce_weight, "reg_weight": reg_weight}}
+              if method == "eagle" and (ce_weight, reg_weight) != (0.5, 1.0) else {})}
     evaluate_fn = None
     if heldout is not None:
         loss = jax.jit(objective)
@@ -244,6 +250,11 @@ def heads_main(argv=None) -> int:
                     help="eagle, mtp: the layer's width (default: the target's hidden size); "
                          "a narrower layer reads and writes the target's features through "
                          "projections")
+    ap.add_argument("--ce-weight", type=float, default=0.5,
+                    help="eagle: the weight of the cross-entropy against the target's "
+                         "distribution in the objective (default 0.5)")
+    ap.add_argument("--reg-weight", type=float, default=1.0,
+                    help="eagle: the weight of the smooth-L1 feature regression (default 1.0)")
     ap.add_argument("--num-layers", type=int, default=2, help="dflash: its layers")
     ap.add_argument("--block-size", type=int, default=16,
                     help="dflash: the most drafts a block makes (seq-len must exceed it by 2)")
@@ -277,6 +288,7 @@ def heads_main(argv=None) -> int:
         target, args.method, tokens, cfg, workdir, num_heads=args.num_heads,
         draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
         num_layers=args.num_layers, block_size=args.block_size, layer_width=args.layer_width,
+        ce_weight=args.ce_weight, reg_weight=args.reg_weight,
         taps=None if args.taps is None else tuple(int(t) for t in args.taps.split(",")),
         heldout=heldout,
         max_seconds=None if args.minutes is None else args.minutes * 60)
@@ -335,6 +347,8 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                + (f" --intermediate-size {args.intermediate_size}"
                   if args.intermediate_size else "")
                + (f" --layer-width {args.layer_width}" if args.layer_width else "")
+               + (f" --ce-weight {args.ce_weight:g}" if args.ce_weight != 0.5 else "")
+               + (f" --reg-weight {args.reg_weight:g}" if args.reg_weight != 1.0 else "")
                + (f" --num-layers {args.num_layers} --block-size {args.block_size}"
                   + (f" --taps {args.taps}" if args.taps else "") if c.method == "dflash"
                   else "")
