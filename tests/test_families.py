@@ -274,3 +274,20 @@ def test_configs_check_the_new_fields():
             "sliding_attention", "full_attention")))
     with pytest.raises(ValueError, match="Gemma's .* come together"):
         checkpoint.hf_architecture(sj.ModelConfig(**base, norm_unit_offset=True))
+
+
+def test_orbax_round_trip_keeps_the_family_fields(tmp_path):
+    cfg = sj.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, sliding_window=3,
+                         layer_types=("sliding_attention", "full_attention"),
+                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                         query_pre_attn_scalar=12.0, sandwich_norms=True, norm_unit_offset=True,
+                         scale_embeddings=True, hidden_act="gelu_pytorch_tanh",
+                         rope_local_theta=100.0,
+                         rope_scaling=sj.RopeScaling(rope_type="linear", factor=2.0))
+    model = sj.init_model(cfg, jax.random.key(0))
+    sj.save_model(model, tmp_path / "m")
+    back = sj.load_model(tmp_path / "m")
+    assert back.config == cfg
+    np.testing.assert_array_equal(np.asarray(sj.model.logits(back, TOKENS % 32)),
+                                  np.asarray(sj.model.logits(model, TOKENS % 32)))
