@@ -201,3 +201,113 @@ def test_a_shorter_vocabulary_draft_with_a_wrong_q_fails(models, monkeypatch, fr
     samples = generate_samples(target, sj.draft.shared_prefix(first_ids(drafts["close"], 6), 8),
                                sampling_params, sj.SpecConfig(num_speculative_tokens=3))
     assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6
+
+
+# -- a draft with a vocabulary of its own: the shared tokens mapped (sj.draft.map_vocab) ------
+
+def permuted(model, perm, size, seed=0):
+    """A copy of ``model`` speaking its own ids: its id d is the model's id perm[d] for
+    d < len(perm) (the shared tokens); ids len(perm) .. size - 1 are tokens of its own (random
+    rows)."""
+    rng = np.random.default_rng(seed)
+    params = dict(model.params)
+    emb = np.asarray(params["embed_tokens"]["embedding"])
+    extra = size - len(perm)
+    params["embed_tokens"] = {"embedding": jnp.asarray(np.concatenate(
+        [emb[perm], rng.normal(0, emb.std(), (extra, emb.shape[1]))]).astype(emb.dtype))}
+    if "lm_head" in params:
+        head = np.asarray(params["lm_head"]["kernel"])
+        params["lm_head"] = {"kernel": jnp.asarray(np.concatenate(
+            [head[:, perm], rng.normal(0, head.std(), (head.shape[0], extra))], 1
+        ).astype(head.dtype))}
+    return sj.Model(dataclasses.replace(model.config, vocab_size=size), params)
+
+
+@pytest.mark.parametrize("spec", [dict(num_speculative_tokens=4),
+                                  dict(tree=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))],
+                         ids=["gamma4", "tree"])
+def test_a_draft_with_its_own_vocabulary_is_greedy_exact(target, noisy, reference, spec):
+    """A 28-id draft sharing 24 tokens with the 32-id target, in another order."""
+    perm = np.random.default_rng(1).permutation(32)[:24]
+    own = permuted(noisy, perm, 28)
+    pairs = np.stack([np.arange(24), perm], 1)
+    draft = sj.draft.map_vocab(own, 32, pairs)
+    out = sj.generate(target, PROMPTS, sampling=GREEDY, draft=draft,
+                      spec=sj.SpecConfig(method="draft_model", **spec))
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    # the map is what makes it agree: the same draft with its pairs shuffled is read wrongly
+    wrong = sj.draft.map_vocab(own, 32, np.stack([np.arange(24), np.roll(perm, 5)], 1))
+    misread = sj.generate(target, PROMPTS, sampling=GREEDY, draft=wrong,
+                          spec=sj.SpecConfig(method="draft_model", **spec))
+    np.testing.assert_array_equal(misread.tokens, reference.tokens)  # still exact
+    assert out.stats.acceptance_rate > 2 * misread.stats.acceptance_rate, (
+        out.stats.acceptance_rate, misread.stats.acceptance_rate)
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 0.9)], ids=["T1", "T0.7-topk5-topp0.9"])
+def test_a_draft_with_its_own_vocabulary_follows_the_target(models, t, k, p):
+    """A 7-id draft sharing 5 of the 8-id target's tokens, permuted."""
+    target, drafts = models
+    perm = np.array([4, 0, 7, 2, 5])
+    draft = sj.draft.map_vocab(permuted(drafts["close"], perm, 7), 8,
+                               np.stack([np.arange(5), perm], 1))
+    sampling_params = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    samples = generate_samples(target, draft, sampling_params,
+                               sj.SpecConfig(num_speculative_tokens=3))
+    assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+
+
+def test_a_draft_with_its_own_vocabulary_and_a_wrong_q_fails(models, monkeypatch,
+                                                             fresh_programs):
+    target, drafts = models
+    perm = np.array([4, 0, 7, 2, 5])
+    draft = sj.draft.map_vocab(permuted(drafts["close"], perm, 7), 8,
+                               np.stack([np.arange(5), perm], 1))
+    monkeypatch.setattr(sj.DraftVocab, "widen", _shifted_widen)
+    samples = generate_samples(target, draft, sj.SamplingParams(temperature=1.0,
+                                                                max_new_tokens=3),
+                               sj.SpecConfig(num_speculative_tokens=3))
+    assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6
+
+
+def test_bad_vocabulary_maps_are_refused(noisy):
+    own = first_ids(noisy, 24)
+    for pairs, message in [([[0, 1], [0, 2]], "repeat a draft id"),
+                           ([[0, 1], [1, 1]], "repeat a target id"),
+                           ([[24, 1]], r"draft id outside \[0, 24\)"),
+                           ([[0, 32]], r"target id outside \[0, 32\)"),
+                           ([], "non-empty"), ([[0.5, 1.0]], "ints")]:
+        with pytest.raises(ValueError, match=message):
+            sj.draft.map_vocab(own, 32, pairs)
+    mapped = sj.draft.map_vocab(own, 32, [[0, 3], [1, 4]])
+    with pytest.raises(ValueError, match="restrict it first"):
+        restrict_vocab(mapped, [0, 1])
+    with pytest.raises(ValueError, match="already maps"):
+        sj.draft.map_vocab(mapped, 32, [[0, 3]])
+    with pytest.raises(ValueError, match="no pair's draft id"):
+        sj.draft.map_vocab(restrict_vocab(own, [5, 6]), 32, [[0, 3]])
+
+
+def _word_tokenizer(tokens, pre_tokenizer):
+    import tokenizers
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {t: i for i, t in enumerate(tokens)}, unk_token=tokens[0]))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.add_special_tokens(["<eos>"])
+    return sj.Tokenizer(backend, None, ())
+
+
+def test_token_pairs_match_tokens_by_their_bytes():
+    """A byte-level vocabulary (Ġ for a space, byte characters) against a SentencePiece-style one
+    (▁ for a space, <0xNN> byte pieces): the same bytes pair up, whatever the spelling; special
+    tokens pair with special tokens only."""
+    import tokenizers
+    byte_level = _word_tokenizer(["<unk>", "\u0120the", "the", "A", "\u0120x", "<eos>"],
+                                 tokenizers.pre_tokenizers.ByteLevel())
+    piece = _word_tokenizer(["<unk>", "x", "\u2581the", "<0x41>", "the", "q"],
+                            tokenizers.pre_tokenizers.Metaspace())
+    pairs = {tuple(p) for p in sj.draft.token_pairs(piece, byte_level).tolist()}
+    # <unk> (a plain token in both), "▁the" = "Ġthe", "<0x41>" = "A", "the", and the special
+    # <eos> (id 5 of the byte-level one: adding a special token that is already in the
+    # vocabulary keeps its id)
+    assert pairs == {(0, 0), (2, 1), (3, 3), (4, 2), (6, 5)}, pairs

@@ -26,6 +26,7 @@ from .draft_model import (
     DraftModelProposer,
     DraftTreeProposer,
     load_draft_model,
+    map_vocab,
     restrict_vocab,
     shared_prefix,
 )
@@ -38,7 +39,7 @@ from .ngram import NgramProposer
 from .registry import Method, get, names, register, unregister
 from .rider import Features
 from .suffix import SuffixCache, SuffixProposer
-from .vocab import DraftVocab, frequent_tokens
+from .vocab import DraftVocab, frequent_tokens, token_pairs
 
 # The built-in methods, one line each.
 register("draft_model", draft_model.build, draft="model", tree=True,
@@ -65,8 +66,8 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
 
 __all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
-           "restrict_vocab", "shared_prefix", "NgramProposer", "MedusaProposer", "EagleProposer",
-           "DFlashProposer", "MTPProposer", "SuffixCache", "SuffixProposer", "LookaheadProposer",
-           "Features",
+           "restrict_vocab", "shared_prefix", "map_vocab", "token_pairs", "NgramProposer",
+           "MedusaProposer", "EagleProposer", "DFlashProposer", "MTPProposer", "SuffixCache",
+           "SuffixProposer", "LookaheadProposer", "Features",
            "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
            "DraftVocab", "frequent_tokens", "Method", "register", "unregister", "get", "names"]

@@ -33,7 +33,7 @@ from ..config import ModelConfig, SpecConfig
 from ..model import Model, forward, prefill_chunked
 from ..tree import Tree
 from .base import Draft, draw, draw_scored, expand_tree, stack_chain, tree_candidates
-from .vocab import DraftVocab
+from .vocab import DraftVocab, lm_head
 
 
 @jax.tree_util.register_dataclass
@@ -112,8 +112,10 @@ def restrict_vocab(draft, vocab) -> DraftModel:
         raise ValueError(f"restrict_vocab expects an sj.Model or sj.DraftModel, got "
                          f"{type(draft).__name__}")
     draft = as_draft_model(draft)
-    return DraftModel(draft.model, DraftVocab.of(draft.model, vocab), draft.calibration,
-                      draft.from_target)
+    if draft.from_target is not None:
+        raise ValueError("restrict_vocab: the draft already maps the target's vocabulary "
+                         "(shared_prefix, map_vocab); restrict it first, then map it")
+    return DraftModel(draft.model, DraftVocab.of(draft.model, vocab), draft.calibration)
 
 
 def shared_prefix(draft, target_vocab_size: int, *, fallback: int = 0) -> DraftModel:
@@ -121,28 +123,70 @@ def shared_prefix(draft, target_vocab_size: int, *, fallback: int = 0) -> DraftM
     draft's: the draft's ids 0 .. V_d - 1 are the same tokens as the target's (Gemma 3 270M's
     262,144 ids and the 4B's 262,208, whose extra ids are image tokens; Qwen2.5 0.5B and 7B).
     Whether the ids mean the same tokens cannot be seen from the weights: check the tokenizers
-    (docs/your-own-pair.md).
-
-    The draft proposes only from its own ids (its draft vocabulary, if it has one); its q is
-    zero on the target's extra ids, so verification is unchanged and the output keeps the
-    target's distribution. A target token past the draft's vocabulary is read by the draft as
-    ``fallback``, which can only cost acceptance."""
-    if not isinstance(draft, (Model, DraftModel)):
-        raise ValueError(f"shared_prefix expects an sj.Model or sj.DraftModel, got "
-                         f"{type(draft).__name__}")
-    draft = as_draft_model(draft)
+    (docs/your-own-pair.md). ``map_vocab`` with the pairs (i, i)."""
+    draft = _checked_draft(draft, "shared_prefix")
     V = draft.config.vocab_size
-    if isinstance(target_vocab_size, bool) or not isinstance(target_vocab_size, int | np.integer) \
-            or target_vocab_size < V:
+    if _is_int(target_vocab_size) and target_vocab_size < V:
         raise ValueError(f"target_vocab_size={target_vocab_size!r} must be an int >= the draft's "
                          f"vocab_size {V}")
-    if isinstance(fallback, bool) or not isinstance(fallback, int | np.integer) \
-            or not 0 <= fallback < V:
+    ids = np.arange(V, dtype=np.int64)
+    return map_vocab(draft, target_vocab_size, np.stack([ids, ids], axis=1), fallback=fallback)
+
+
+def map_vocab(draft, target_vocab_size: int, pairs, *, fallback: int = 0) -> DraftModel:
+    """``draft`` (an sj.Model or sj.DraftModel) for a target with another vocabulary:
+    ``pairs`` [n, 2] lists (draft id, target id) for the tokens the two share (each id at most
+    once on either side; ``sj.draft.token_pairs`` finds them from the two tokenizers: token-level
+    intersection, as Timor et al. 2025).
+
+    The draft proposes only shared tokens (those of its draft vocabulary, if it has one), from its
+    distribution restricted and renormalised to them, as target ids; its q is zero elsewhere, so
+    verification is unchanged and the output keeps the target's distribution. It reads the
+    target's tokens in its own ids; a target token it does not share is read as ``fallback`` (a
+    draft id), which can only cost acceptance, never change the output."""
+    draft = _checked_draft(draft, "map_vocab")
+    V = draft.config.vocab_size
+    if not _is_int(target_vocab_size) or target_vocab_size < 1:
+        raise ValueError(f"target_vocab_size={target_vocab_size!r} must be an int >= 1")
+    if not _is_int(fallback) or not 0 <= fallback < V:
         raise ValueError(f"fallback={fallback!r} must be a draft token id in [0, {V})")
-    vocab = draft.vocab if draft.vocab is not None else DraftVocab.of(draft.model, np.arange(V))
-    ids = np.arange(int(target_vocab_size), dtype=np.int32)
-    return DraftModel(draft.model, vocab, draft.calibration,
-                      jnp.asarray(np.where(ids < V, ids, int(fallback)), jnp.int32))
+    try:
+        pairs = np.asarray(pairs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"pairs must be an [n, 2] array of token ids: {e}") from None
+    if pairs.ndim != 2 or pairs.shape[1:] != (2,) or not len(pairs) \
+            or not np.issubdtype(pairs.dtype, np.integer):
+        raise ValueError(f"pairs must be a non-empty [n, 2] array of (draft id, target id) ints, "
+                         f"got shape {pairs.shape} of {pairs.dtype}")
+    for side, (column, size) in enumerate(((pairs[:, 0], V), (pairs[:, 1], target_vocab_size))):
+        name = ("draft", "target")[side]
+        if column.min() < 0 or column.max() >= size:
+            raise ValueError(f"pairs hold a {name} id outside [0, {size})")
+        if len(np.unique(column)) != len(column):
+            raise ValueError(f"pairs repeat a {name} id: each token maps to one")
+    if draft.vocab is not None:  # only what the draft vocabulary lets the draft propose
+        pairs = pairs[np.isin(pairs[:, 0], np.asarray(draft.vocab.ids))]
+        if not len(pairs):
+            raise ValueError("no pair's draft id is in the draft's draft vocabulary")
+    head = jnp.take(lm_head(draft.model), jnp.asarray(pairs[:, 0], jnp.int32), axis=1)
+    vocab = DraftVocab(jnp.asarray(pairs[:, 1], jnp.int32), head)
+    from_target = np.full(int(target_vocab_size), int(fallback), np.int32)
+    from_target[pairs[:, 1]] = pairs[:, 0]
+    return DraftModel(draft.model, vocab, draft.calibration, jnp.asarray(from_target))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _checked_draft(draft, name: str) -> DraftModel:
+    if not isinstance(draft, (Model, DraftModel)):
+        raise ValueError(f"{name} expects an sj.Model or sj.DraftModel, got "
+                         f"{type(draft).__name__}")
+    draft = as_draft_model(draft)
+    if draft.from_target is not None:
+        raise ValueError(f"{name}: the draft already maps another vocabulary")
+    return draft
 
 
 VOCAB_FILE = "draft_vocab.npy"

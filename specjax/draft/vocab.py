@@ -88,3 +88,81 @@ class DraftVocab:
         """Probabilities over the draft vocabulary [..., M] -> [..., V], zero elsewhere."""
         full = jnp.zeros(sub.shape[:-1] + (vocab_size,), jnp.float32)
         return full.at[..., self.ids].set(sub)
+
+
+# -- the tokens two tokenizers share (token-level intersection) -------------------------------
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2, Llama 3, Qwen) writes each byte as one printable character: the
+    printable Latin-1 bytes as themselves, the other 68 as 256, 257, ... in byte order. Its
+    inverse: character -> byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _uses(spec, kind: str) -> bool:
+    """Whether a tokenizer.json component tree has a part of type ``kind``."""
+    if isinstance(spec, dict):
+        return spec.get("type") == kind or any(_uses(v, kind) for v in spec.values())
+    if isinstance(spec, list):
+        return any(_uses(v, kind) for v in spec)
+    return False
+
+
+def token_keys(tokenizer) -> list[tuple[str, bytes] | None]:
+    """What each id of ``tokenizer`` (an sj.Tokenizer) stands for, comparable across
+    tokenizers: ("special", its text) for added special tokens, ("bytes", the bytes it writes)
+    for the others: byte-level vocabularies decoded through their byte alphabet, SentencePiece
+    ones with "▁" as a space and byte-fallback pieces (<0xAB>) as their byte. None for an id with
+    no token."""
+    import json
+    import re
+    backend = tokenizer.backend
+    spec = json.loads(backend.to_str())
+    byte_level = _uses(spec.get("pre_tokenizer"), "ByteLevel") or _uses(spec.get("decoder"),
+                                                                         "ByteLevel")
+    alphabet = _byte_level_alphabet() if byte_level else None
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    fallback = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+    out = []
+    for i in range(tokenizer.vocab_size):
+        text = backend.id_to_token(i)
+        if text is None:
+            out.append(None)
+        elif i in special:
+            out.append(("special", text))
+        elif alphabet is not None:
+            try:
+                out.append(("bytes", bytes(alphabet[c] for c in text)))
+            except KeyError:  # an added, not byte-encoded token
+                out.append(("bytes", text.encode()))
+        elif fallback.fullmatch(text):
+            out.append(("bytes", bytes([int(fallback.fullmatch(text).group(1), 16)])))
+        else:
+            out.append(("bytes", text.replace("\u2581", " ").encode()))
+    return out
+
+
+def token_pairs(draft_tokenizer, target_tokenizer) -> np.ndarray:
+    """(draft id, target id) [n, 2] for every token the two tokenizers share: the same bytes
+    (or the same special token), each side's first id when a tokenizer has two for them. For
+    ``sj.draft.map_vocab``."""
+    target = {}
+    for i, key in enumerate(token_keys(target_tokenizer)):
+        if key is not None:
+            target.setdefault(key, i)
+    pairs, seen = [], set()
+    for i, key in enumerate(token_keys(draft_tokenizer)):
+        if key is not None and key in target and key not in seen:
+            seen.add(key)
+            pairs.append((i, target[key]))
+    if not pairs:
+        raise ValueError("the two tokenizers share no token")
+    return np.asarray(pairs, np.int64)
