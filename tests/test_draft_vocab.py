@@ -182,8 +182,9 @@ def test_a_shorter_vocabulary_needs_to_be_declared(target, noisy):
                     spec=sj.SpecConfig(num_speculative_tokens=2))
 
 
-@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 0.9)], ids=["T1", "T0.7-topk5-topp0.9"])
-@pytest.mark.parametrize("tree", [None, ((0,), (1,), (0, 0), (0, 0, 0))], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree,t,k,p", [(None, 1.0, 0, 1.0), (None, 0.7, 5, 0.9),
+                                        (((0,), (1,), (0, 0), (0, 0, 0)), 0.7, 5, 0.9)],
+                         ids=["chain-T1", "chain-T0.7-topk5-topp0.9", "tree-T0.7-topk5-topp0.9"])
 def test_a_shorter_vocabulary_draft_follows_the_target(models, t, k, p, tree):
     """A 6-id draft for the 8-id target, at T = 1 and with top-k/top-p."""
     target, drafts = models

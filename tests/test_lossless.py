@@ -232,8 +232,10 @@ def gemma2_like():
     return target, close
 
 
-@pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
-@pytest.mark.parametrize("which", ["close", "ngram", "tree"])
+@pytest.mark.parametrize("which,t,k,p", [("close", *SETTINGS[0]), ("close", *SETTINGS[1]),
+                                         ("ngram", *SETTINGS[1]), ("tree", *SETTINGS[1])],
+                         ids=["close-T1", "close-T0.7-topk5-topp0.9", "ngram-T0.7-topk5-topp0.9",
+                              "tree-T0.7-topk5-topp0.9"])
 def test_a_soft_capped_sliding_window_target_is_followed(gemma2_like, t, k, p, which):
     """Within three tokens of a three-token prompt the window already hides keys, and both caps
     change every distribution (checked: without them the exact joint differs). The tree is
