@@ -29,7 +29,7 @@ from jax import Array
 from .. import sampling
 from ..adaptive import Budget, Calibration, ChainControl, checked_calibration, load_calibration
 from ..cache import KVCache, compact, write_chunk
-from ..config import ModelConfig, SpecConfig
+from ..config import ModelConfig, SpecConfig, _is_int
 from ..model import Model, forward, prefill_chunked
 from ..tree import Tree
 from .base import Draft, draw, draw_scored, expand_tree, stack_chain, tree_candidates
@@ -173,10 +173,6 @@ def map_vocab(draft, target_vocab_size: int, pairs, *, fallback: int = 0) -> Dra
     from_target = np.full(int(target_vocab_size), int(fallback), np.int32)
     from_target[pairs[:, 1]] = pairs[:, 0]
     return DraftModel(draft.model, vocab, draft.calibration, jnp.asarray(from_target))
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def _checked_draft(draft, name: str) -> DraftModel:
