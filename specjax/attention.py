@@ -78,6 +78,9 @@ class View:
     # chunk_mask is [B, T, T] over the chunk alone. The caller writes them afterwards
     # (``cache.write_chunk``): a write inside a ``lax.switch`` branch made XLA copy the whole cache.
     chunk_in_cache: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    # S, the cache's capacity in virtual slots: a layer's buffer of fewer slots is a ring
+    # (``cache.KVCache.ring_k``); None: no layer has one
+    capacity: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def live(self) -> Array:
@@ -86,17 +89,26 @@ class View:
         return jnp.max(self.length) + (self.chunk_mask.shape[1] if self.chunk_in_cache else 0)
 
     def mask(self, slots: Array) -> Array:
-        """[B, T, n] bool for the cache slot indices ``slots`` [n]."""
+        """[B, T, n] bool for the cache slot indices ``slots`` [n] or per row [B, n]."""
         from . import cache as kv
         if self.chunk_in_cache:
             mask = kv.attention_mask(self.length, self.chunk_mask, slots)
         else:  # the history alone
             B, T = self.positions.shape
-            mask = jnp.broadcast_to((slots[None, :] < self.length[:, None])[:, None, :],
-                                    (B, T, slots.shape[0]))
+            slots = slots if slots.ndim == 2 else slots[None, :]
+            mask = jnp.broadcast_to((slots < self.length[:, None])[:, None, :],
+                                    (B, T, slots.shape[1]))
         if self.window is not None:
             mask &= kv.window_mask(self.length, self.positions, slots, self.window)
         return mask
+
+    def ring_mask(self, slots: Array, size: int) -> Array:
+        """``mask`` for the slots [n] of a ring of ``size`` slots: each read as the virtual slot
+        it holds now (``cache.ring_virtual``); slots never written are hidden."""
+        from . import cache as kv
+        end = self.length + (self.chunk_mask.shape[1] if self.chunk_in_cache else 0)
+        virtual = kv.ring_virtual(slots, end, size)  # [B, n]
+        return self.mask(virtual) & (virtual >= 0)[:, None, :]
 
     def chunk_visible(self) -> Array:
         """[B, T, T]: which of the chunk's own tokens each query sees, when the chunk is passed
@@ -179,6 +191,7 @@ def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
     of ``block``; the slots it shares with the block before are masked out."""
     B, T, K, G, D = q.shape
     S = k_all.shape[2]
+    ring = is_ring(S, view)
 
     def body(i, carry):
         first = i * block
@@ -186,10 +199,12 @@ def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
         k = jax.lax.dynamic_slice(k_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
         v = jax.lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
         slots = start + jnp.arange(block, dtype=jnp.int32)
-        mask = view.mask(slots) & (slots >= first)[None, None, :]  # [B, T, n]
+        mask = view.ring_mask(slots, S) if ring else view.mask(slots)
+        mask &= (slots >= first)[None, None, :]  # [B, T, n]
         return _fold(carry, q, k, v, mask, scale, softcap)
 
-    blocks = (view.live + block - 1) // block
+    # a ring's slots are all live once it has wrapped
+    blocks = ((jnp.minimum(view.live, S) if ring else view.live) + block - 1) // block
     init = (jnp.full((B, K, G, T), _NEG, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32),
             jnp.zeros((B, K, G, T, D), jnp.float32))
     carry = jax.lax.fori_loop(0, blocks, body, init)
@@ -208,13 +223,19 @@ def uses_dense(capacity: int, T: int, block: int) -> bool:
     return capacity <= block or capacity == T
 
 
+def is_ring(slots: int, view: View) -> bool:
+    """Whether a layer buffer of ``slots`` slots is a ring (fewer than the cache's capacity)."""
+    return view.capacity is not None and slots < view.capacity
+
+
 def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
            block: int, chunk: tuple[Array, Array] | None = None, *, scale: float | None = None,
            softcap: float | None = None) -> Array:
     """q [B, T, K, G, D] over layer ``layer`` of the cache k_all, v_all [L, B, S, K, D] (the
     chunk already written, or passed as ``chunk`` = its keys and values [B, T, K, D] when
     ``view.chunk_in_cache`` is False), by ``view``; dense when ``uses_dense``. Scores are scaled
-    by ``scale`` (None: D ** -0.5) and soft-capped by ``softcap`` (None: not)."""
+    by ``scale`` (None: D ** -0.5) and soft-capped by ``softcap`` (None: not). A buffer of fewer
+    slots than ``view.capacity`` is a ring (``View.ring_mask``)."""
     S, T = k_all.shape[2], q.shape[1]
     if (chunk is None) != view.chunk_in_cache:
         raise ValueError("pass the chunk's keys and values exactly when the view says they are "
@@ -223,7 +244,9 @@ def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
         mask = view.dense_mask
-        if mask is None:
+        if is_ring(S, view):
+            mask = view.ring_mask(jnp.arange(S, dtype=jnp.int32), S)
+        elif mask is None:
             mask = view.mask(jnp.arange(S, dtype=jnp.int32))
         if chunk is not None:
             k, v = (jnp.concatenate([x, c.astype(x.dtype)], axis=1) for x, c in zip((k, v), chunk))

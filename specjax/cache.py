@@ -4,6 +4,15 @@ Contract: entries at index >= ``length[b]`` are garbage and invisible to attenti
 except the slots of the chunk being written, which see each other through the intra-chunk mask.
 Rollback is ``length = new_length``; nothing is zeroed or copied. Capacity S is static and chosen
 by the engine, which refuses on the host any request that could write past it.
+
+Sliding-window layers can keep only their window (``KVCache.init(..., span=)``): a ring of
+R = window + span - 1 slots per such layer, where span is the most slots written past a committed
+length before the next rollback (the largest prefill chunk or verify width). Virtual slot s (the
+slot it would have in the full cache) lives at ring slot s mod R; attention maps each ring slot
+back to the latest virtual slot it can hold and masks by that, so masks, rollback by length and
+tree compaction mean what they mean in the full cache. A write never evicts an entry a later
+query can see: the entries it overwrites are at least R slots behind it, and every query from
+then on sits at or after the committed length, more than ``window - 1`` positions ahead of them.
 """
 
 from __future__ import annotations
@@ -20,24 +29,79 @@ from .config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: Array  # [L, B, S, K, D]
-    v: Array  # [L, B, S, K, D]
+    # [L, B, S, K, D]: every layer's keys and values; with rings, the full-attention layers' only
+    # (L may be 0: the array still carries the capacity S in its shape)
+    k: Array
+    v: Array
     length: Array  # [B] int32: valid entries per row
+    ring_k: Array | None = None  # [L_sliding, B, R, K, D]: the sliding layers' rings, or None
+    ring_v: Array | None = None
+    # which layers keep a ring (static), or None: none does
+    rings: tuple[bool, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
-    def init(cls, config: ModelConfig, batch: int, capacity: int) -> KVCache:
-        shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads,
-                 config.head_dim)
-        zeros = jnp.zeros(shape, jnp.dtype(config.dtype))
-        return cls(k=zeros, v=zeros, length=jnp.zeros((batch,), jnp.int32))
+    def init(cls, config: ModelConfig, batch: int, capacity: int,
+             span: int | None = None) -> KVCache:
+        """An empty cache of ``capacity`` slots per row. ``span`` (the most slots written past a
+        committed length before the next rollback): the sliding layers keep rings of
+        ``ring_size`` slots when that is smaller than the capacity."""
+        R = ring_size(config, capacity, span)
+        dtype = jnp.dtype(config.dtype)
+        K, D = config.num_key_value_heads, config.head_dim
+        rings = None if R is None else tuple(config.layer_window(i) is not None
+                                             for i in range(config.num_hidden_layers))
+        full = jnp.zeros((config.num_hidden_layers - sum(rings or ()), batch, capacity, K, D),
+                         dtype)
+        ring = None if R is None else jnp.zeros((sum(rings), batch, R, K, D), dtype)
+        return cls(k=full, v=full, length=jnp.zeros((batch,), jnp.int32), ring_k=ring,
+                   ring_v=ring, rings=rings)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def ring(self) -> int | None:
+        """R, the slots of each sliding layer's ring, or None (every layer keeps S)."""
+        return None if self.ring_k is None else self.ring_k.shape[2]
+
+    def layout(self, num_layers: int) -> tuple[tuple[bool, int], ...]:
+        """``layer_layout`` of this cache's ``rings``."""
+        return layer_layout(self.rings, num_layers)
+
     def rollback(self, length: Array) -> KVCache:
         """Keep the first ``length[b]`` entries of each row. Also used to advance after a write."""
         return dataclasses.replace(self, length=jnp.asarray(length, jnp.int32))
+
+
+def ring_size(config: ModelConfig, capacity: int, span: int | None) -> int | None:
+    """R = window + span - 1 slots for each sliding layer, or None when no layer slides, no span
+    is given, or R would not be smaller than the capacity."""
+    if span is None or not any(config.layer_window(i) is not None
+                               for i in range(config.num_hidden_layers)):
+        return None
+    R = config.sliding_window + int(span) - 1
+    return R if R < capacity else None
+
+
+def layer_layout(rings: tuple[bool, ...] | None, num_layers: int
+                 ) -> tuple[tuple[bool, int], ...]:
+    """Where each of num_layers layers keeps its keys and values: (in a ring, index in that
+    array), in layer order; rings as ``KVCache.rings`` (None: every layer at its own index of the
+    full array)."""
+    out, counts = [], [0, 0]
+    for ring in rings or (False,) * num_layers:
+        out.append((ring, counts[ring]))
+        counts[ring] += 1
+    return tuple(out)
+
+
+def ring_virtual(slots: Array, end: Array, size: int) -> Array:
+    """The virtual slot each ring slot ``slots`` [n] holds when rows have written up to
+    virtual slot end [B] (exclusive): the latest s < end with s = slot mod ``size``; negative
+    where nothing was written there yet. [B, n]."""
+    back = end[:, None] - 1 - slots[None, :]
+    return slots[None, :] + size * jnp.floor_divide(back, size)
 
 
 def write(buffer: Array, new: Array, start: Array) -> Array:
@@ -49,23 +113,33 @@ def write(buffer: Array, new: Array, start: Array) -> Array:
     return _write_rows(buffer, new, start, None)
 
 
-def write_layer(buffer: Array, layer: Array, new: Array, start: Array) -> Array:
-    """``write`` into layer ``layer`` of buffer [L, B, S, ...]."""
-    return _write_rows(buffer, new, start, layer)
+def write_layer(buffer: Array, layer: Array, new: Array, start: Array,
+                capacity: int | None = None) -> Array:
+    """``write`` into layer ``layer`` of buffer [L, B, S, ...]. A buffer of fewer slots than
+    ``capacity`` is a ring: virtual slot s goes to s mod its size, those past the capacity are
+    dropped."""
+    return _write_rows(buffer, new, start, layer, capacity)
 
 
 def write_chunk(cache: KVCache, k: Array, v: Array) -> KVCache:
-    """Write a chunk's keys and values k, v [L, B, T, K, D] (``model.forward(write=False)``) at
-    each row's length, every layer; the returned cache has length + T."""
-    for layer in range(k.shape[0]):
-        cache = dataclasses.replace(cache, k=write_layer(cache.k, layer, k[layer], cache.length),
-                                    v=write_layer(cache.v, layer, v[layer], cache.length))
-    return cache.rollback(cache.length + k.shape[2])
+    """Write a chunk's keys and values k, v [L, B, T, K, D] (``model.forward(write=False)``,
+    every layer in order) at each row's length; the returned cache has length + T."""
+    stores = {False: [cache.k, cache.v], True: [cache.ring_k, cache.ring_v]}
+    for layer, (ring, index) in enumerate(cache.layout(k.shape[0])):
+        store = stores[ring]
+        store[:] = [write_layer(buf, index, new[layer], cache.length, cache.capacity)
+                    for buf, new in zip(store, (k, v))]
+    return dataclasses.replace(cache, k=stores[False][0], v=stores[False][1],
+                               ring_k=stores[True][0], ring_v=stores[True][1],
+                               length=cache.length + k.shape[2])
 
 
-def _write_rows(buffer: Array, new: Array, start: Array, layer: Array | None) -> Array:
+def _write_rows(buffer: Array, new: Array, start: Array, layer: Array | None,
+                capacity: int | None = None) -> Array:
     """buffer [(L,) B, S, ...] with row b's slots start[b] .. start[b] + T - 1 (of layer
-    ``layer`` when given) set to new [B, T, ...]; slots past S dropped.
+    ``layer`` when given) set to new [B, T, ...]; slots past S dropped. A buffer of fewer slots
+    than ``capacity`` is a ring (``KVCache.ring_k``): slot s is written at s mod its size, and
+    slots past the capacity are dropped.
 
     One scatter whose batch dimension is the row: XLA updates the buffer in place, whatever the
     batch, and a mesh that splits the rows moves nothing between devices. (A vmapped
@@ -73,7 +147,12 @@ def _write_rows(buffer: Array, new: Array, start: Array, layer: Array | None) ->
     cache on every write: 12.8x the step at 4096 slots, B = 2, in experiments/capacity_curve.py.)
     """
     B, T = new.shape[:2]
-    slots = (start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+    step = jnp.arange(T, dtype=jnp.int32)[None, :]
+    slots = (start[:, None] + step).astype(jnp.int32)
+    size = buffer.shape[1] if layer is None else buffer.shape[2]
+    ring = capacity is not None and size < capacity
+    if ring:  # each past the capacity to its own slot past the ring, dropped
+        slots = jnp.where(slots < capacity, slots % size, size + step)
     if layer is None:
         index, row, indexed = slots[..., None], 0, (1,)
     else:
@@ -84,17 +163,19 @@ def _write_rows(buffer: Array, new: Array, start: Array, layer: Array | None) ->
         scatter_dims_to_operand_dims=indexed, operand_batching_dims=(row,),
         scatter_indices_batching_dims=(0,))
     return jax.lax.scatter(buffer, index, new.astype(buffer.dtype), dims,
-                           indices_are_sorted=True, unique_indices=True,
+                           indices_are_sorted=not ring, unique_indices=True,
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _slots(slots) -> Array:
-    return jnp.arange(slots, dtype=jnp.int32) if isinstance(slots, int) else slots
+    """[1, n] or [B, n] slot indices from an int S (all of 0 .. S - 1), [n] or [B, n]."""
+    slots = jnp.arange(slots, dtype=jnp.int32) if isinstance(slots, int) else slots
+    return slots if slots.ndim == 2 else slots[None, :]
 
 
 def attention_mask(length: Array, chunk_mask: Array, slots: int | Array) -> Array:
     """Which cache slots each new token may attend to: [B, T, n] bool for the slot indices
-    ``slots`` [n] (an int S: all of 0 .. S - 1).
+    ``slots`` [n] or per row [B, n] (an int S: all of 0 .. S - 1).
 
     The chunk's T tokens are written at slots length[b] .. length[b] + T - 1. chunk_mask is
     [T, W] or [B, T, W] with W >= T: it covers a window of the last W slots ending with the chunk
@@ -113,9 +194,9 @@ def attention_mask(length: Array, chunk_mask: Array, slots: int | Array) -> Arra
     """
     slots = _slots(slots)
     B, T, W = length.shape[0], chunk_mask.shape[-2], chunk_mask.shape[-1]
-    n = slots.shape[0]
+    n = slots.shape[1]
     chunk_mask = jnp.broadcast_to(chunk_mask, (B, T, W))
-    offset = slots[None, :] - (length[:, None] + T - W)  # [B, n]: index inside the window
+    offset = slots - (length[:, None] + T - W)  # [B, n]: index inside the window
     in_window = (offset >= 0) & (offset < W)
     gathered = jnp.take_along_axis(
         chunk_mask, jnp.broadcast_to(jnp.clip(offset, 0, W - 1)[:, None, :], (B, T, n)),
@@ -129,9 +210,9 @@ def window_mask(length: Array, positions: Array, slots: int | Array, window: int
     chunk's slots hold the chunk's own positions."""
     slots = _slots(slots)
     T = positions.shape[1]
-    offset = slots[None, :] - length[:, None]  # [B, n]
+    offset = slots - length[:, None]  # [B, n]
     chunk_pos = jnp.take_along_axis(positions, jnp.clip(offset, 0, T - 1), axis=1)
-    key_pos = jnp.where((offset >= 0) & (offset < T), chunk_pos, slots[None, :])  # [B, n]
+    key_pos = jnp.where((offset >= 0) & (offset < T), chunk_pos, slots)  # [B, n]
     return (positions[:, :, None] - key_pos[:, None, :]) < window
 
 
@@ -148,7 +229,8 @@ def compact(cache: KVCache, start: Array, path: Array, num_accepted: Array) -> K
     start + j holds the entry of path[:, j - 1] for j <= num_accepted, as if the accepted tokens
     had been decoded one after another. The length is left alone (callers set it). Sources are
     never before their destination (a node at depth j has index >= j), and every read happens
-    before any write.
+    before any write. Rings move the same virtual slots (a tree's nodes span fewer slots than
+    a ring holds, so none of them is evicted).
     """
     B, D = path.shape
     depth = jnp.arange(1, D + 1)[None, :]
@@ -156,6 +238,15 @@ def compact(cache: KVCache, start: Array, path: Array, num_accepted: Array) -> K
     src = jnp.where(depth <= num_accepted[:, None], start[:, None] + path, dst)
     rows = jnp.arange(B)[:, None]
 
-    def move(buf):  # [L, B, S, K, D]
-        return buf.at[:, rows, dst].set(buf[:, rows, src])
-    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v))
+    def move(buf, ring=False):  # [L, B, S or R, K, D]
+        to, fro = dst, src
+        if ring:  # virtual slots to ring slots; those past the capacity dropped
+            R = buf.shape[2]
+            to = jnp.where(dst < cache.capacity, dst % R, R + depth)
+            fro = src % R
+        return buf.at[:, rows, to].set(buf[:, rows, fro], mode="drop")
+    out = dataclasses.replace(cache, k=move(cache.k), v=move(cache.v))
+    if cache.ring_k is None:
+        return out
+    return dataclasses.replace(out, ring_k=move(cache.ring_k, True),
+                               ring_v=move(cache.ring_v, True))

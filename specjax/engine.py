@@ -106,6 +106,14 @@ class Plan:
         return self.gamma if self.tree is None else self.tree.depth
 
     @property
+    def span(self) -> int:
+        """The most target-cache slots written past a committed length before the next rollback
+        (a prefill chunk, or a round's γ + 1 and lookahead positions): sliding layers keep rings
+        of window + span - 1 slots (``cache.KVCache.init``)."""
+        return max(self.prefill_chunk,
+                   self.gamma + draft_base.lookahead_width(self.proposer) + 1)
+
+    @property
     def rides(self) -> bool:
         """Whether the proposer drafts from the target's hidden states (Medusa, EAGLE)."""
         return draft_base.rides_on_target(self.proposer)
@@ -201,11 +209,12 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
     draw the first token."""
     B, N = prompts.shape
     S = plan.capacity
-    cache = KVCache.init(plan.target, B, S)
+    cache = KVCache.init(plan.target, B, S, span=plan.span)
     if plan.mesh is not None:  # the target cache: rows over "data", kv heads over "model"
         spec = sharding.cache_spec(plan.target, plan.mesh)
-        cache = dataclasses.replace(cache, k=sharding.constrain(cache.k, plan.mesh, spec),
-                                    v=sharding.constrain(cache.v, plan.mesh, spec))
+        cache = dataclasses.replace(cache, **{
+            name: sharding.constrain(getattr(cache, name), plan.mesh, spec)
+            for name in ("k", "v", "ring_k", "ring_v") if getattr(cache, name) is not None})
     last_logits, hidden, cache = prefill_chunked(
         Model(plan.target, target_params), prompts, prompt_lengths, cache, plan.prefill_chunk,
         keep_hidden=plan.rides, taps=plan.taps)

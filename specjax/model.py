@@ -144,8 +144,8 @@ class Attention(nn.Module):
         if view.chunk_in_cache:
             # Written in place into the whole cache [L, B, S, K, D]: carried through the layers,
             # the cache is never copied, so a step costs nothing per unused slot.
-            k_all = kv.write_layer(k_all, layer, k, view.length)
-            v_all = kv.write_layer(v_all, layer, v, view.length)
+            k_all = kv.write_layer(k_all, layer, k, view.length, view.capacity)
+            v_all = kv.write_layer(v_all, layer, v, view.length, view.capacity)
         else:  # the caller writes them (cache.write_chunk)
             chunk = (k.astype(k_all.dtype), v.astype(v_all.dtype))
         # Query heads grouped by the kv head they share: g indexes the H/K heads of a group.
@@ -208,22 +208,28 @@ class Layers(nn.Module):
     block: int
 
     @nn.compact
-    def __call__(self, carry, rope, view, taps=()):
-        """Also returns the residual stream after each layer in ``taps`` (0-based). rope: the
-        (cos, sin) tables of the full layers, then of the sliding ones (the same when they
-        share a RoPE)."""
+    def __call__(self, carry, rope, view, layout=None, taps=()):
+        """carry: (x, k, v, ring_k, ring_v) as in ``KVCache``; layout: where each layer's keys
+        and values live (``cache.layer_layout``; None: layer i at index i of k, v). Also
+        returns the residual stream after each layer in ``taps`` (0-based). rope: the (cos,
+        sin) tables of the full layers, then of the sliding ones (the same when they share a
+        RoPE)."""
         chunks, tapped = [], []
         cfg = self.config
+        x, *stores = carry
         for i in range(cfg.num_hidden_layers):
             sliding = cfg.layer_window(i) is not None
+            ring, index = (False, i) if layout is None else layout[i]
             cos, sin = rope[1] if sliding else rope[0]
-            carry, chunk = DecoderLayer(cfg, self.init_std, self.block, sliding, name=str(i))(
-                carry, i, cos, sin, view)
+            k, v = stores[2 * ring: 2 * ring + 2]
+            (x, k, v), chunk = DecoderLayer(cfg, self.init_std, self.block, sliding,
+                                            name=str(i))((x, k, v), index, cos, sin, view)
+            stores[2 * ring: 2 * ring + 2] = k, v
             chunks.append(chunk)
             if i in taps:
-                tapped.append(carry[0])
-        return carry, (None if chunks[0] is None else jax.tree.map(lambda *c: jnp.stack(c),
-                                                                   *chunks)), tapped
+                tapped.append(x)
+        return (x, *stores), (None if chunks[0] is None else jax.tree.map(
+            lambda *c: jnp.stack(c), *chunks)), tapped
 
 
 def _float32_dot(*args, **kwargs):
@@ -233,7 +239,8 @@ def _float32_dot(*args, **kwargs):
 
 class Decoder(nn.Module):
     """tokens [B, T] -> logits [B, T, V] (float32), hidden [B, T, E], updated k, v [L, B, S, K,
-    D] (a view with ``chunk_in_cache=False``: the chunk's own k, v [L, B, T, K, D]).
+    D] (a view with ``chunk_in_cache=False``: the chunk's own k, v [L, B, T, K, D]), and the
+    updated rings (ring_k, ring_v) when a ``rings`` layout is given (else None).
     ``stacked``: the layers as one ``nn.scan`` over weights stacked on a leading [L] axis, used
     only by ``init_model`` (so a seed draws the same weights as in specjax 0.1)."""
 
@@ -248,8 +255,11 @@ class Decoder(nn.Module):
     # the chunk positions whose logits are computed (logits [B, len, V]); None: all of them
     logits_at: tuple[int, ...] | None = None
 
+    # which layers keep a ring (``KVCache.rings``), or None
+    rings: tuple[bool, ...] | None = None
+
     @nn.compact
-    def __call__(self, tokens, view, k, v):
+    def __call__(self, tokens, view, k, v, ring_k=None, ring_v=None):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
@@ -270,8 +280,10 @@ class Decoder(nn.Module):
         else:
             local = (cos, sin) if cfg.rope_local_theta is None else rope_tables(
                 view.positions, cfg.local_rope())
-            (x, k, v), chunks, tapped = Layers(cfg, self.init_std, self.block, name="layers")(
-                (x, k, v), ((cos, sin), local), view, self.taps)
+            layout = kv.layer_layout(self.rings, cfg.num_hidden_layers)
+            (x, k, v, ring_k, ring_v), chunks, tapped = Layers(
+                cfg, self.init_std, self.block, name="layers")(
+                (x, k, v, ring_k, ring_v), ((cos, sin), local), view, layout, self.taps)
         if chunks is not None:  # the chunk's keys and values, [L, B, T, K, D], for the caller
             k, v = chunks
         hidden = norm(cfg, "norm")(x)
@@ -292,6 +304,8 @@ class Decoder(nn.Module):
             logits = jnp.tanh(logits / cap) * cap
         if self.taps:
             hidden = jnp.concatenate(tapped, axis=-1)
+        if self.rings is not None:
+            return logits, hidden, k, v, (ring_k, ring_v)
         return logits, hidden, k, v
 
 
@@ -321,7 +335,8 @@ def view(cache: KVCache, positions: Array, chunk_mask: Array | None, window: int
         raise ValueError(f"a chunk kept out of the cache sees only itself: its mask must be "
                          f"[T, T], got {chunk_mask.shape} for T = {T}")
     chunk_mask = jnp.broadcast_to(chunk_mask, (B,) + chunk_mask.shape[-2:])
-    out = attention.View(cache.length, chunk_mask, positions, window, chunk_in_cache=write)
+    out = attention.View(cache.length, chunk_mask, positions, window, chunk_in_cache=write,
+                         capacity=None if cache.rings is None else cache.capacity)
     if attention.uses_dense(cache.capacity, T, block):
         out = dataclasses.replace(out, dense_mask=out.mask(jnp.arange(cache.capacity)))
     return out
@@ -393,12 +408,17 @@ def _forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
              chunk_mask: Array | None, *, block: int, write: bool = True, taps=(),
              logits_at=None) -> tuple[Array, Array, KVCache | tuple[Array, Array]]:
     T = tokens.shape[1]
-    logits, hidden, k, v = Decoder(model.config, block=block, taps=taps,
-                                   logits_at=logits_at).apply(
+    out = Decoder(model.config, block=block, taps=taps, logits_at=logits_at,
+                  rings=cache.rings).apply(
         {"params": model.params}, tokens,
         view(cache, positions, chunk_mask, model.config.sliding_window, block, write),
-        cache.k, cache.v)
-    return logits, hidden, (KVCache(k, v, cache.length + T) if write else (k, v))
+        cache.k, cache.v, cache.ring_k, cache.ring_v)
+    logits, hidden, k, v = out[:4]
+    if not write:
+        return logits, hidden, (k, v)
+    ring_k, ring_v = out[4] if cache.rings is not None else (None, None)
+    return logits, hidden, dataclasses.replace(cache, k=k, v=v, ring_k=ring_k, ring_v=ring_v,
+                                               length=cache.length + T)
 
 
 def prefill(model: Model, tokens: Array, cache: KVCache | None = None
@@ -427,6 +447,13 @@ def over_chunks(fn, init, lengths: Array, chunk: int):
     return jax.lax.fori_loop(0, blocks, lambda i, carry: fn(carry, i * chunk), init)
 
 
+def padding_start(start: Array, lengths: Array) -> Array:
+    """Where each row writes a prefill chunk starting at ``start``: there, or, for a row whose
+    prompt has ended, right after its prompt. Padding written further on would, in a sliding
+    layer's ring, evict entries the row still sees."""
+    return jnp.minimum(start, lengths)
+
+
 def prefill_chunked(model: Model, tokens: Array, lengths: Array, cache: KVCache,
                     chunk: int = PREFILL_CHUNK, keep_hidden: bool = False,
                     taps: tuple[int, ...] = ()) -> tuple[Array, Array | None, KVCache]:
@@ -451,8 +478,7 @@ def prefill_chunked(model: Model, tokens: Array, lengths: Array, cache: KVCache,
         piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         logits, hidden, cache = forward(model, piece, positions,
-                                        cache.rollback(jnp.full((B,), start, jnp.int32)),
-                                        taps=taps)
+                                        cache.rollback(padding_start(start, lengths)), taps=taps)
         index = lengths - 1 - start
         here = (index >= 0) & (index < chunk)
         last = jnp.where(here[:, None], logits[rows, jnp.clip(index, 0, chunk - 1)], last)

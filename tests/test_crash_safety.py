@@ -122,13 +122,13 @@ def test_a_save_interrupted_at_every_step_loses_nothing(trials, kind, tmp_path, 
 
 
 def test_sigkill_during_saves_loses_nothing(trials):
-    """SIGKILL at random moments during a save: 21 trials over the three kinds, three children
+    """SIGKILL at random moments during a save: 12 trials over the three kinds, three children
     at a time (experiments/crash_trials.py runs many more)."""
     from concurrent.futures import ThreadPoolExecutor
-    rngs = [random.Random(trial) for trial in range(21)]
+    rngs = [random.Random(trial) for trial in range(12)]
     with ThreadPoolExecutor(3) as pool:
         outcomes = list(pool.map(lambda t: (h.KINDS[t % 3], trials.kill_trial(
-            h.KINDS[t % 3], t, rngs[t])), range(21)))
+            h.KINDS[t % 3], t, rngs[t])), range(12)))
     counts = {o: sum(1 for _, x in outcomes if x == o) for o in ("old", "new")}
     print("SIGKILL trials:", counts)
     assert counts["old"] > 0, outcomes  # some kills landed before the save was complete
@@ -185,7 +185,7 @@ def test_training_killed_at_random_moments_resumes_to_the_same_parameters(tmp_pa
     seconds = time.perf_counter() - t0  # about what a child's run takes, compiling included
     rng = random.Random(1)
     checkpointed = []
-    for trial in range(3):
+    for trial in range(2):
         workdir = tmp_path / f"killed-{trial}"
         checkpointed.append(h.train_kill_trial(workdir, seconds=seconds, rng=rng))
         resumed = h.train_run(workdir)

@@ -88,8 +88,8 @@ class DFlashNet(nn.Module):
         """A block [B, T, E] (embeddings: the last token's, then the mask's) -> its outputs
         [B, T, E] after the final norm, and the cache with the block written at view.length."""
         cos, sin = rope_tables(view.positions, self.config.layer)
-        (x, k, v), _, _ = self.layers((embeds.astype(self.mask.dtype), k, v),
-                                      ((cos, sin), (cos, sin)), view)
+        (x, k, v, _, _), _, _ = self.layers(
+            (embeds.astype(self.mask.dtype), k, v, None, None), ((cos, sin), (cos, sin)), view)
         return self.norm(x), k, v
 
     def init_all(self, feats, embeds, view, k, v):

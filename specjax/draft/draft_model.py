@@ -30,7 +30,7 @@ from .. import sampling
 from ..adaptive import Budget, Calibration, ChainControl, checked_calibration, load_calibration
 from ..cache import KVCache, compact, write_chunk
 from ..config import ModelConfig, SpecConfig, _is_int
-from ..model import Model, forward, prefill_chunked
+from ..model import PREFILL_CHUNK, Model, forward, prefill_chunked
 from ..tree import Tree
 from .base import Draft, draw, draw_scored, expand_tree, stack_chain, tree_candidates
 from .vocab import DraftVocab, lm_head
@@ -219,6 +219,16 @@ def _catch_up(draft: DraftModel, cache: KVCache, history: Array, length: Array
                         cache.rollback(length - 1))
 
 
+def _prefilled(draft: DraftModel, prompts: Array, prompt_lengths: Array, capacity: int,
+               slots: int) -> KVCache:
+    """The draft cache with the prompts [B, N] (right-padded) prefilled, chunk by chunk up to
+    the longest. A round writes ``slots`` slots from the catch-up's first (length - 1): that
+    or a prefill chunk is the span of the sliding layers' rings (``KVCache.init``)."""
+    cache = KVCache.init(draft.config, prompts.shape[0], capacity,
+                         span=max(PREFILL_CHUNK, slots))
+    return prefill_chunked(draft.model, draft.inputs(prompts), prompt_lengths, cache)[2]
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer:
     """A chain of γ drafts, sampled from the draft model with the request's processing.
@@ -251,8 +261,7 @@ class DraftModelProposer:
              capacity: int) -> KVCache:
         """Prefill the draft cache with the prompts [B, N] (right-padded), chunk by chunk up to
         the longest."""
-        cache = KVCache.init(self.config, prompts.shape[0], capacity)
-        return prefill_chunked(params.model, params.inputs(prompts), prompt_lengths, cache)[2]
+        return _prefilled(params, prompts, prompt_lengths, capacity, self.gamma + 1)
 
     def propose(self, params: DraftModel, cache: KVCache, history: Array, length: Array,
                 keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters,
@@ -344,7 +353,7 @@ class DraftTreeProposer:
 
     def init(self, params: DraftModel, prompts: Array, prompt_lengths: Array,
              capacity: int) -> KVCache:
-        return DraftModelProposer(self.config, 1).init(params, prompts, prompt_lengths, capacity)
+        return _prefilled(params, prompts, prompt_lengths, capacity, self.tree.num_nodes + 1)
 
     def propose(self, params: DraftModel, cache: KVCache, history: Array, length: Array,
                 keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters
