@@ -82,11 +82,15 @@ from .timing import forward_timer, memory_bandwidth, round_timers, step_weight_b
 from .tree import Tree
 
 PROMPTS = pathlib.Path(__file__).parent / "data" / "bench_prompts.json"
+PROMPT_SETS = {"short": PROMPTS, "long": PROMPTS.parent / "long_prompts.json"}
+"""The shipped held-out prompt sets: "short" (15 lines ending with a function definition,
+71-158 tokens) and "long" (300-900 tokens, experiments/make_long_prompts.py)."""
 
 
 def load_prompts(path: str | os.PathLike | None = None) -> list[dict]:
-    """The bench prompts: a JSON file {"prompts": [{"source", "text"}, ...]} (default: the
-    held-out set shipped with specjax)."""
+    """The bench prompts: a JSON file {"prompts": [{"source", "text"}, ...]}, or the name of a
+    shipped set (``PROMPT_SETS``; default "short")."""
+    path = PROMPT_SETS.get(path, path) if isinstance(path, str) else path
     path = pathlib.Path(path) if path is not None else PROMPTS
     try:
         prompts = json.loads(path.read_text())["prompts"]
@@ -174,6 +178,11 @@ def _pooled(outs) -> dict:
         for p, a, n in o.stats.reliability:
             bins[min(int(p * stats_lib.BINS), stats_lib.BINS - 1)] += (n, p * n, a * n)
     pooled = stats_lib.calibration_summary(bins)
+    by_position = np.zeros((len(stats_lib.POSITION_EDGES) + 1, 2))  # row-rounds, emitted
+    edges = (0,) + stats_lib.POSITION_EDGES
+    for o in outs:
+        for lo, _, mean, n in o.stats.accepted_length_by_position:
+            by_position[edges.index(lo)] += (n, mean * n)
     calibration = dict(calibration_error=pooled.get("calibration_error", float("nan")),
                        reliability=[list(b) for b in pooled.get("reliability", ())])
     return dict(acceptance_rate=accepted / proposed if proposed else float("nan"), alpha=alpha,
@@ -181,6 +190,10 @@ def _pooled(outs) -> dict:
                 accepted_length_distribution=[float(x) for x in lengths / rounds],
                 mean_accepted_length=emitted / rounds,
                 per_position_acceptance=[float(x) for x in per_position / rounds],
+                # [first position, end (None: open), mean accepted length, row-rounds] per bin
+                # of the context position the rounds started at
+                accepted_length_by_position=[
+                    list(b) for b in stats_lib.position_summary(by_position)],
                 proposal_rate=sum(o.stats.proposal_rate * o.stats.num_rounds
                                   for o in outs) / rounds,
                 rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted,
@@ -523,6 +536,10 @@ def format_table(result: dict) -> str:
             line += f"  ({r['mean_proposed']:.2f} drafts/round)"
         if r.get("reliability"):
             line += f"  (calibration error {r['calibration_error']:.3f})"
+        if len(r.get("accepted_length_by_position", ())) > 1:
+            line += "  (mean accepted length by context position: " + ", ".join(
+                f"{lo}-{'' if hi is None else hi} {m:.2f}"
+                for lo, hi, m, _ in r["accepted_length_by_position"]) + ")"
         if r.get("identical_to_autoregressive") is False:
             line += "  OUTPUT DIFFERS FROM AUTOREGRESSIVE"
             if r.get("parted_at_near_ties"):

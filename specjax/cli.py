@@ -377,8 +377,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--num-prompts", type=int, help="use only the first N prompts")
     b.add_argument("--max-prompt-tokens", type=int,
                    help="keep only the last N tokens of each prompt (default: whole prompts)")
-    b.add_argument("--prompts", help='a JSON file {"prompts": [{"text": ...}, ...]} '
-                                     "(default: the shipped held-out set)")
+    b.add_argument("--prompts", help='"short" (the default) or "long": the shipped held-out sets '
+                                     "(long: 300-900 tokens); or a JSON file "
+                                     '{"prompts": [{"text": ...}, ...]}')
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     b.add_argument("--roofline", action="store_true",

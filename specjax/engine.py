@@ -517,7 +517,7 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
         cache=cache.rollback(length), draft_state=draft_state,
         counters=state.counters.update(~state.done, verdict.num_accepted, num_proposed,
                                        _emitted_near_ties(verdict, n_emit), draft.predicted,
-                                       draft.forwards),
+                                       draft.forwards, state.length),
         step=state.step + 1,
         logprobs=None if state.logprobs is None else _write_logprobs(
             state.logprobs, verdict.logprobs, state.length + 1),

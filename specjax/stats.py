@@ -10,6 +10,9 @@ import numpy as np
 from jax import Array
 
 BINS = 10  # bins of predicted acceptance for Stats.calibration_error (equal width)
+POSITION_EDGES = (256, 512, 1024)
+"""Where the context-position bins of ``Stats.accepted_length_by_position`` part: 0-256,
+256-512, 512-1024 and beyond (a round counts in the bin of its first verified position)."""
 
 
 @jax.tree_util.register_dataclass
@@ -36,6 +39,9 @@ class Counters:
     rounds_by_row: Array  # [B] int32: rounds each row was active in
     forwards: Array  # [] int32: draft forwards run, where the proposer reports them (adaptive)
     counted_forwards: Array  # [] bool: whether it did
+    # [len(POSITION_EDGES) + 1, 2] int32: per bin of the round's first verified position, the
+    # active row-rounds and the tokens they emitted (num_accepted + 1)
+    by_position: Array
 
     @classmethod
     def zeros(cls, gamma: int, batch: int = 1) -> Counters:
@@ -44,14 +50,16 @@ class Counters:
         return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32),
                    jnp.zeros((gamma + 1,), jnp.int32), z, jnp.zeros((gamma + 1,), jnp.int32),
                    z, jnp.zeros((BINS, 3), jnp.float32), jnp.zeros((batch,), jnp.int32),
-                   jnp.zeros((batch,), jnp.int32), z, jnp.zeros((), bool))
+                   jnp.zeros((batch,), jnp.int32), z, jnp.zeros((), bool),
+                   jnp.zeros((len(POSITION_EDGES) + 1, 2), jnp.int32))
 
     def update(self, active: Array, num_accepted: Array, num_proposed: Array,
                near_ties: Array | int = 0, predicted: Array | None = None,
-               forwards: Array | None = None) -> Counters:
+               forwards: Array | None = None, position: Array | None = None) -> Counters:
         """active [B] bool, num_accepted [B] int32, num_proposed [B] int32; near_ties: the
         round's emitted near-tie tokens, all rows; predicted [B, G]: Draft.predicted;
-        forwards []: Draft.forwards."""
+        forwards []: Draft.forwards; position [B]: the round's first verified position (the
+        row's length), for ``by_position``."""
         G = self.accepted_at.shape[0]
         n = jnp.where(active, num_accepted, 0)
         proposed = jnp.where(active, num_proposed, 0)
@@ -88,7 +96,16 @@ class Counters:
             rounds_by_row=self.rounds_by_row + active.astype(jnp.int32),
             forwards=self.forwards + (0 if forwards is None else forwards),
             counted_forwards=self.counted_forwards | (forwards is not None),
+            by_position=self.by_position if position is None else self.by_position + jnp.einsum(
+                "bn,bc->nc", (position_bin(position)[:, None] == jnp.arange(
+                    len(POSITION_EDGES) + 1)[None, :]).astype(jnp.int32),
+                jnp.stack([active.astype(jnp.int32), jnp.where(active, n + 1, 0)], axis=1)),
         )
+
+
+def position_bin(position: Array) -> Array:
+    """The ``POSITION_EDGES`` bin of each position [B]: how many edges it has reached."""
+    return jnp.sum(position[:, None] >= jnp.asarray(POSITION_EDGES)[None, :], axis=1)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -139,6 +156,10 @@ class Stats:
     # per non-empty bin, (mean predicted, fraction accepted, drafts).
     calibration_error: float = float("nan")
     reliability: tuple[tuple[float, float, int], ...] = ()
+    # Per bin of context position (POSITION_EDGES) that some round started in: (first position,
+    # end position or None for the last bin, mean accepted length, row-rounds): how acceptance
+    # holds up deeper into the context
+    accepted_length_by_position: tuple[tuple[int, int | None, float, int], ...] = ()
 
     def __repr__(self) -> str:
         lines = [f"Stats: {self.generated_tokens} tokens in {self.num_rounds} rounds, "
@@ -152,6 +173,10 @@ class Stats:
                          f"{self.mean_accepted_length:.2f} tokens a round")
             lines.append("  per position " + " ".join(
                 f"{a:.2f}" for a in np.asarray(self.per_position_acceptance)))
+            if len(self.accepted_length_by_position) > 1:
+                lines.append("  mean accepted length by context position " + ", ".join(
+                    f"{lo}-{'' if hi is None else hi}: {m:.2f}"
+                    for lo, hi, m, _ in self.accepted_length_by_position))
         else:
             lines.append("  no drafts proposed (autoregressive, or no draft found)")
         if np.isfinite(self.calibration_error):
@@ -204,7 +229,15 @@ class Stats:
             mean_proposed_by_row=(np.asarray(c.proposed_by_row, np.float64)[:batch]
                                   / np.maximum(np.asarray(c.rounds_by_row)[:batch], 1)),
             **calibration_summary(np.asarray(c.reliability, np.float64)),
+            accepted_length_by_position=position_summary(np.asarray(c.by_position)),
         )
+
+
+def position_summary(by_position: np.ndarray) -> tuple[tuple[int, int | None, float, int], ...]:
+    """``Stats.accepted_length_by_position`` from the [bins, 2] counters (row-rounds, emitted)."""
+    edges = (0,) + POSITION_EDGES + (None,)
+    return tuple((edges[i], edges[i + 1], float(emitted / rounds), int(rounds))
+                 for i, (rounds, emitted) in enumerate(by_position) if rounds > 0)
 
 
 def calibration_summary(bins: np.ndarray) -> dict:

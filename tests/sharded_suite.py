@@ -245,7 +245,8 @@ def test_a_layout_of_the_callers_own_is_kept_and_exact(models):
 def test_sharded_families_load_and_decode_as_one_device(tmp_path, monkeypatch):
     """Phi-3 (fused q/k/v and gate/up tensors: each device reads its part of them) and Gemma 2
     (sandwich norms, soft-caps, local and global layers) from transformers folders: placed on a
-    2 x 4 mesh, the same weights as one device, and the same greedy output."""
+    2 x 4 mesh, the same weights as one device, and the same greedy output, also for a row whose
+    sliding layers' rings (window + 63 slots) wrap."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -280,6 +281,7 @@ def test_sharded_families_load_and_decode_as_one_device(tmp_path, monkeypatch):
             q = sorted({(i[0].start, i[0].stop) for n, i in reads
                         if n == "model.layers.0.self_attn.qkv_proj.weight" and i[0].stop <= 64})
             assert q == [(k * 16, (k + 1) * 16) for k in range(4)], q
-        want = sj.generate(plain, PROMPTS, sampling=sampling).tokens
-        got = sj.generate(sharded, PROMPTS, sampling=sampling, mesh=mesh).tokens
+        prompts = PROMPTS + [[(7 * i) % 64 for i in range(80)]]
+        want = sj.generate(plain, prompts, sampling=sampling).tokens
+        got = sj.generate(sharded, prompts, sampling=sampling, mesh=mesh).tokens
         np.testing.assert_array_equal(got, want, err_msg=name)

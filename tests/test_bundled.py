@@ -47,10 +47,26 @@ def test_model_cards_carry_the_recorded_figures(name):
     info = json.loads((CKPT / name / "training.json").read_text())
     card = (CKPT / name / "README.md").read_text()
     assert f"{info['heldout_loss']:.3f} nats/token" in card
+    assert f"trained on sequences of {info['train']['seq_len']} tokens" in card
+    assert ", ".join(f"{k} {v:.3f}" for k, v in info["heldout_loss_by_position"].items()
+                     if k != "windows") in card
     assert f"{info['steps']} optimizer steps" in card
     greedy = info["acceptance"]["greedy"]["acceptance_rate"]
     assert f"greedy {greedy:.3f}" in card
     assert info["corpus"]["heldout_files"] == len(info["corpus"]["heldout"]) > 0
+
+
+@pytest.mark.parametrize("name,low,high", [("short", 60, 200), ("long", 300, 900)])
+def test_the_shipped_prompt_sets_are_held_out(name, low, high):
+    """`specjax bench --prompts short|long`: ten prompts each, cut from files the pair never saw,
+    of the lengths the docs give."""
+    from specjax import bench
+    prompts = bench.load_prompts(name)
+    heldout = json.loads((CKPT / "code-target" / "training.json").read_text())["corpus"]["heldout"]
+    tokenizer = sj.load_tokenizer(CKPT / "code-target")
+    lengths = [len(tokenizer.encode(p["text"])) for p in prompts]
+    assert len(prompts) == 10 and low <= min(lengths) and max(lengths) <= high, lengths
+    assert all(p["source"].removeprefix("Lib/") in heldout for p in prompts)
 
 
 def test_the_draft_ships_its_draft_vocabulary(bundled):

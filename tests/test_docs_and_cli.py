@@ -178,7 +178,7 @@ BENCH_FIELDS = {
     "ar_tokens_per_second", "spec_tokens_per_second", "speedup",
     "speedup_per_repeat", "ar_ttft_ms", "spec_ttft_ms", "ar_tpot_ms", "spec_tpot_ms",
     "acceptance_rate", "alpha", "accepted_length_distribution", "mean_accepted_length",
-    "per_position_acceptance", "proposal_rate",
+    "per_position_acceptance", "proposal_rate", "accepted_length_by_position",
     "rounds", "proposed_tokens", "accepted_tokens", "c", "verify_cost", "predicted_speedup",
     "predicted_speedup_with_verify_cost", "measured_over_predicted", "propose_ms", "round_ms",
     "round_over_parts", "draft_cost_per_draft"}
@@ -214,6 +214,11 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
     for r in rows:
         assert BENCH_FIELDS <= set(r), BENCH_FIELDS - set(r)
         assert len(r["per_position_acceptance"]) == r["depth"]
+        # prompts of 40 tokens, 10 new: every round starts in the first bin
+        assert [b[:2] + b[3:] for b in r["accepted_length_by_position"]] == [
+            [0, 256, r["rounds"]]]
+        assert r["accepted_length_by_position"][0][2] == pytest.approx(
+            r["mean_accepted_length"])
         assert len(r["speedup_per_repeat"]) == 2
         assert r["ar_tokens_per_second"] > 0 and r["spec_tokens_per_second"] > 0
         assert r["speedup"] == pytest.approx(r["spec_tokens_per_second"]

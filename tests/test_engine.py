@@ -145,6 +145,27 @@ def test_autoregressive_stats(target):
     assert s.generated_tokens == 9 and s.per_position_acceptance.shape == (0,)
 
 
+@pytest.mark.parametrize("spec", [None, "chain"])
+def test_acceptance_by_context_position(spec):
+    """Two rows, one starting at position 20 and one at 300, 30 new tokens each: every round of
+    the first counts in the 0-256 bin, every round of the second in 256-512; the bins add up to
+    the call's row-rounds and mean accepted length."""
+    model = tiny_model(seed=2, vocab_size=32, max_pos=600)
+    prompts = [[1 + i % 30 for i in range(20)], [1 + i % 29 for i in range(300)]]
+    kw = {} if spec is None else dict(spec=sj.SpecConfig(num_speculative_tokens=3),
+                                      draft=tiny_model(seed=3, vocab_size=32, max_pos=600))
+    out = sj.generate(model, prompts, sampling=sj.SamplingParams(temperature=0,
+                                                                 max_new_tokens=30), **kw)
+    bins = out.stats.accepted_length_by_position
+    assert [(lo, hi) for lo, hi, _, _ in bins] == [(0, 256), (256, 512)]
+    if spec is None:  # one token a round: 29 rounds after the prefill's token, per row
+        assert [(m, n) for _, _, m, n in bins] == [(1.0, 29), (1.0, 29)]
+    row_rounds = sum(n for *_, n in bins)
+    emitted = sum(m * n for _, _, m, n in bins)
+    np.testing.assert_allclose(emitted / row_rounds, out.stats.mean_accepted_length)
+    assert ("by context position 0-256: " in str(out.stats)) == (spec is not None)
+
+
 def test_speculative_stats_are_consistent(target, noisy_draft):
     gamma = 4
     out = sj.generate(target, PROMPTS, sampling=sj.SamplingParams(temperature=0.8,

@@ -139,12 +139,29 @@ def test_pair_stages_end_to_end(tmp_path):
     assert out.text[0] == tok.decode(out.tokens[0, :out.lengths[0]])
     assert tok.eos_token_ids == (0,)  # the end-of-text token, recorded by export
     assert (work / "target-evals.jsonl").exists() and (work / "draft-evals.jsonl").exists()
+    # target-long continues the exported target on longer sequences, resumably, from its
+    # weights: at step 0 (no update yet) it is the exported model
+    longer = train.TrainConfig(steps=2, batch_size=2, seq_len=64, checkpoint_every=1,
+                               eval_every=2, eval_batches=1, learning_rate=1e-9, warmup_steps=1)
+    with pytest.raises(SystemExit, match="another model"):
+        pair.stage_target_long(work, None, tmp_path / "out" / "code-draft", target, longer,
+                               progress=False)
+    pair.stage_target_long(work, None, tmp_path / "out" / "code-target", target, longer,
+                           progress=False)
+    continued, step = pair._restore(target, longer, work / "target-long")
+    assert step == 2
+    for a, b in zip(jax.tree.leaves(continued.params), jax.tree.leaves(
+            sj.load_model(tmp_path / "out" / "code-target", dtype="float32").params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     for name in ("code-target", "code-draft"):  # model cards with the measured figures
         info = json.loads((tmp_path / "out" / name / "training.json").read_text())
         assert info["steps"] == 4 and info["corpus"]["heldout_files"] > 0
         assert 0 <= info["acceptance"]["greedy"]["acceptance_rate"] <= 1
         card = (tmp_path / "out" / name / "README.md").read_text()
         assert f"{info['heldout_loss']:.3f} nats/token" in card and "{" not in card
+        by_position = info["heldout_loss_by_position"]  # the tiny context: one bin, cut at 64
+        assert list(by_position) == ["windows", "0-64"] and by_position["windows"] > 0
+        assert f"0-64 {by_position['0-64']:.3f}" in card and "sequences of 16 tokens" in card
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path):

@@ -162,6 +162,40 @@ def evaluate(model: Model, tokens: np.ndarray, batches: int = 8, batch_size: int
     return float(np.mean(losses))
 
 
+POSITION_BINS = ((0, 256), (256, 512), (512, 1024))
+"""The context-position bins of ``loss_by_position`` (those inside the model's context)."""
+
+
+@jax.jit
+def _position_losses(model: Model, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] -> the loss of predicting each next token, [B, T - 1] (float32)."""
+    logits = prefill(model, tokens)[0][:, :-1]
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+
+
+def loss_by_position(model: Model, tokens: np.ndarray, batch_size: int = 4,
+                     windows: int | None = None) -> dict[str, float]:
+    """Mean next-token loss (nats/token) per ``POSITION_BINS`` bin of position within windows
+    as long as the model's context (at most 1,024), cut one after another from a held-out
+    stream (the first ``windows`` of them; None: all): whether quality holds past the lengths
+    it was trained on. Keys "0-256", ... (a bin the context cuts ends there); "windows": how
+    many were read."""
+    length = min(model.config.max_position_embeddings, POSITION_BINS[-1][1], len(tokens))
+    cut = np.asarray(tokens[:len(tokens) // length * length]).reshape(-1, length)
+    cut = cut[:windows].astype(np.int32)
+    if not len(cut):
+        raise ValueError(f"the held-out stream ({len(tokens)} tokens) is shorter than a window "
+                         f"of {length}")
+    sums = np.zeros(length - 1)
+    for i in range(0, len(cut), batch_size):
+        sums += np.asarray(_position_losses(model, jnp.asarray(cut[i:i + batch_size])),
+                           np.float64).sum(0)
+    count = len(cut)
+    per_position = sums / count  # at position t: the loss of predicting token t + 1
+    return {"windows": count, **{f"{lo}-{min(hi, length)}": float(per_position[lo:hi].mean())
+                                 for lo, hi in POSITION_BINS if lo < length - 1}}
+
+
 def _check_run(workdir: pathlib.Path, run: dict) -> None:
     """Record the run's settings in workdir/run.json; refuse to resume with other settings."""
     run = json.loads(json.dumps(run))

@@ -2,11 +2,13 @@
 
     specjax train pair data   --workdir W            corpus split, tokenizer, token streams
     specjax train pair target --workdir W [--minutes M]   train (or continue) the target
+    specjax train pair target-long --workdir W [--from FOLDER] [--minutes M]
+        continue the target (default: the bundled one) on sequences as long as its context
     specjax train pair draft  --workdir W [--minutes M]   distil the draft from the target
     specjax train pair export --workdir W --out checkpoints/   write the two model folders
 
-Each stage reads what the earlier ones left in the work directory; ``target`` and ``draft``
-resume from their latest checkpoint, so a run can be stopped and resumed any number of times. The exact
+Each stage reads what the earlier ones left in the work directory; ``target``, ``target-long``
+and ``draft`` resume from their latest checkpoint, so a run can be stopped and resumed any number of times. The exact
 settings are the constants in specjax/train/pair.py; ``data`` records the corpus manifest
 next to the tokens.
 """
@@ -24,7 +26,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from .data import encode_files, python_corpus, train_tokenizer, write_manifest
-from .loop import TrainConfig, configure_logging, evaluate, train
+from .loop import POSITION_BINS, TrainConfig, configure_logging, evaluate, loss_by_position, train
 
 VOCAB_SIZE = 8192
 # Sizes chosen for this 2-core CPU: a 32M target trained at 550 tokens/s here, too slow to train
@@ -47,6 +49,12 @@ SCHEDULE_NOTES = {"target": " (the schedule was first set for 8000 steps and cut
 DRAFT_TRAINING = TrainConfig(steps=2400, batch_size=16, seq_len=256, learning_rate=2e-3,
                              warmup_steps=100, checkpoint_every=25, eval_every=200, seed=1,
                              distill_ce_weight=0.1)
+# Issue 24: the shipped target was trained on 256-token sequences only. Its training continues
+# from the shipped weights on sequences as long as its context, into workdir/target-long
+# (`specjax train pair target-long`, resumable; a fresh optimizer state, so a warm-up again).
+TARGET_LONG_TRAINING = TrainConfig(steps=3000, batch_size=4, seq_len=1024, learning_rate=5e-4,
+                                   warmup_steps=100, checkpoint_every=25, eval_every=200,
+                                   eval_batches=4, seed=2)
 # The bundled draft drafts from the most frequent tokens of the training stream only (its LM
 # head cut to these columns, `draft_vocab.npy`; see specjax/draft/vocab.py).
 DRAFT_VOCAB_SIZE = 2048
@@ -89,6 +97,25 @@ def stage_target(workdir: pathlib.Path, minutes: float | None, config: ModelConf
                            max_seconds=minutes * 60 if minutes else None)
     print(f"target: held-out loss {history[-1]['heldout_loss']:.4f} at step "
           f"{history[-1]['step']}")
+
+
+def stage_target_long(workdir: pathlib.Path, minutes: float | None, start: pathlib.Path,
+                      config: ModelConfig = TARGET, settings: TrainConfig = TARGET_LONG_TRAINING,
+                      progress: bool = True) -> None:
+    """Continue the target's training on sequences of ``settings.seq_len`` tokens from the model
+    in the folder ``start`` (the shipped target: its stored weights, computed in float32), into
+    workdir/target-long; resumes from its latest checkpoint there (``start`` is then unused)."""
+    from ..checkpoint import load_model
+    tokens, heldout = _tokens(workdir)
+    init = load_model(start, dtype="float32")
+    if dataclasses.replace(init.config, dtype=config.dtype) != config:
+        raise SystemExit(f"{start} holds another model than the target this stage trains "
+                         f"({init.config} against {config})")
+    model, history = train(config, tokens, settings, workdir / "target-long", heldout=heldout,
+                           init=init, progress=progress, on_eval=_log_eval(workdir, "target-long"),
+                           max_seconds=minutes * 60 if minutes else None)
+    print(f"target-long: held-out loss {history[-1]['heldout_loss']:.4f} at step "
+          f"{history[-1]['step']} (sequences of {settings.seq_len})")
 
 
 def _restore(config: ModelConfig, settings: TrainConfig, run: pathlib.Path):
@@ -156,6 +183,7 @@ from scratch on this machine (2-core CPU) on Python source code. {blurb}
 | stored as | bfloat16 safetensors, Hugging Face `LlamaForCausalLM` layout (`sj.load_model` computes in float32 on CPU and in bfloat16 on GPU/TPU by default) |
 | training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{distil}{note} |
 | held-out loss | {loss:.3f} nats/token on held-out files (32 batches, stored bf16 weights) |
+| context | trained on sequences of {seq} tokens, `max_position_embeddings` {ctx}; held-out loss by position in windows of {window} tokens: {by_position} |
 | acceptance (draft vs target, γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}); T = 0.8: {acc_t:.3f} ({len_t:.2f}) |
 {vocab_row}
 **Data.** The CPython {python} standard library (`Lib/**/*.py`, site-packages excluded, files
@@ -206,7 +234,8 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             whole = stored.model if name == "draft" else stored
             info[name] = dict(folder=folder, where=where, model=stored, config=config,
                               settings=settings, step=step,
-                              loss=evaluate(whole, heldout, batches=32))
+                              loss=evaluate(whole, heldout, batches=32),
+                              by_position=loss_by_position(whole, heldout))
             print(f"{folder}: step {step}, held-out loss {info[name]['loss']:.4f}")
         acceptance = {}
         if "target" in info and "draft" in info:
@@ -216,7 +245,8 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
         for name, d in info.items():
             c, s = d["config"], d["settings"]
             (d["where"] / "training.json").write_text(json.dumps(
-                {"steps": d["step"], "heldout_loss": d["loss"], "params": c.num_params,
+                {"steps": d["step"], "heldout_loss": d["loss"],
+                 "heldout_loss_by_position": d["by_position"], "params": c.num_params,
                  "train": dataclasses.asdict(s), "acceptance": acceptance,
                  "corpus": {k: v for k, v in corpus.items() if k != "train"}}, indent=1) + "\n")
             acc = acceptance or {k: {"acceptance_rate": float("nan"),
@@ -236,6 +266,9 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                 lr=s.learning_rate, distil=(", distilled from the target" if name == "draft" else ""),
                 note=SCHEDULE_NOTES.get(name, ""),
                 loss=d["loss"], acc_g=acc["greedy"]["acceptance_rate"],
+                window=min(c.max_position_embeddings, POSITION_BINS[-1][1]),
+                by_position=", ".join(f"{k} {v:.3f}" for k, v in d["by_position"].items()
+                                      if k != "windows"),
                 len_g=acc["greedy"]["mean_accepted_length"], acc_t=acc["t0.8"]["acceptance_rate"],
                 len_t=acc["t0.8"]["mean_accepted_length"], python=corpus.get("python", "?"),
                 train_files=corpus.get("train_files", 0), heldout_files=corpus.get("heldout_files", 0),
@@ -250,10 +283,13 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specjax train pair", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["data", "target", "draft", "export"])
+    ap.add_argument("stage", choices=["data", "target", "target-long", "draft", "export"])
     ap.add_argument("--workdir", type=pathlib.Path, required=True)
     ap.add_argument("--minutes", type=float, help="stop (after a checkpoint) after this long")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("checkpoints"))
+    ap.add_argument("--from", dest="start", type=pathlib.Path, default=None,
+                    help="target-long: the target folder to continue from (default: the "
+                         "bundled code-target)")
     ap.add_argument("--corpus", type=pathlib.Path,
                     help="data: a folder of .py files (default: this Python's standard library)")
     ap.add_argument("--verbose", action="store_true",
@@ -265,6 +301,9 @@ def main(argv=None) -> int:
         stage_data(args.workdir, args.corpus)
     elif args.stage == "target":
         stage_target(args.workdir, args.minutes)
+    elif args.stage == "target-long":
+        from ..bundle import bundled
+        stage_target_long(args.workdir, args.minutes, args.start or bundled("code-target"))
     elif args.stage == "draft":
         stage_draft(args.workdir, args.minutes)
     else:
