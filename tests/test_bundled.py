@@ -69,6 +69,22 @@ def test_the_shipped_prompt_sets_are_held_out(name, low, high):
     assert all(p["source"].removeprefix("Lib/") in heldout for p in prompts)
 
 
+def test_greedy_speculation_is_exact_up_to_the_end_of_the_context(bundled):
+    """A 1,000-token prompt (two long held-out prompts) and 20 new tokens: the rounds reach the
+    context's last position (1,024 with γ = 4), where the bundled pair is weakest; the draft
+    model's output equals autoregressive decoding."""
+    from specjax import bench
+    target, draft, tok = bundled
+    texts = [p["text"] for p in bench.load_prompts("long")]
+    ids = (tok.encode(texts[-1]) + tok.encode(texts[-2]))[-1000:]
+    greedy = sj.SamplingParams(temperature=0, max_new_tokens=20)
+    plain = sj.generate(target, [ids], sampling=greedy)
+    out = sj.generate(target, [ids], sampling=greedy, draft=draft, spec=sj.SpecConfig())
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    assert out.stats.accepted_length_by_position[-1][:2] == (512, 1024)
+    assert out.stats.accepted_tokens > 0
+
+
 def test_the_draft_ships_its_draft_vocabulary(bundled):
     """The bundled draft drafts from the DRAFT_VOCAB_SIZE ids in draft_vocab.npy (the card says
     so); loading it whole is one flag away."""
