@@ -368,6 +368,17 @@ def check_taps(config: ModelConfig, taps) -> tuple[int, ...]:
     return taps
 
 
+def check_span(config: ModelConfig, cache: KVCache, width: int) -> None:
+    """Refuse a chunk spanning ``width`` slots (its tokens, or its mask's window) that is wider
+    than the cache's rings were made for: its writes would evict entries its own queries see."""
+    if cache.ring is not None:
+        span = cache.ring - config.sliding_window + 1
+        if width > span:
+            raise ValueError(f"a chunk spanning {width} slots is wider than this cache's "
+                             f"sliding-window rings allow ({span}): create the cache with "
+                             f"KVCache.init(..., span={width}) or more")
+
+
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
             chunk_mask: Array | None = None, *, block: int | None = None, write: bool = True,
             taps: tuple[int, ...] = (), logits_at: tuple[int, ...] | None = None
@@ -399,6 +410,8 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
     block = attention.current_block() if block is None else block
     if logits_at is not None:
         logits_at = tuple(int(i) for i in logits_at)
+    check_span(model.config, cache, tokens.shape[1] if chunk_mask is None else max(
+        tokens.shape[1], chunk_mask.shape[-1]))
     return _forward(model, tokens, positions, cache, chunk_mask, block=block, write=write,
                     taps=check_taps(model.config, taps), logits_at=logits_at)
 

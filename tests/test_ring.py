@@ -96,9 +96,11 @@ def test_rings_compute_what_the_whole_cache_computes(model, block):
 @pytest.mark.parametrize("broken", ["ring_too_small", "padding_at_start"])
 @pytest.mark.parametrize("block", [256, 8], ids=["dense", "blocked"])
 def test_the_comparison_catches_broken_rings(model, monkeypatch, fresh_programs, block, broken):
-    """A ring one slot smaller than window + span - 1, or a prefill that writes a finished row's
-    padding at the chunk's start (it evicts what the row's next tokens see)."""
+    """A ring one slot smaller than window + span - 1 (let past the check that refuses it), or a
+    prefill that writes a finished row's padding at the chunk's start (it evicts what the row's
+    next tokens see)."""
     if broken == "ring_too_small":
+        monkeypatch.setattr(sj.model, "check_span", lambda *a: None)
         size = kv.ring_size
         monkeypatch.setattr(kv, "ring_size",
                             lambda *a: None if size(*a) is None else size(*a) - 1)
@@ -125,6 +127,14 @@ def test_only_sliding_layers_keep_rings_of_window_plus_span(model):
 
 GREEDY = sj.SamplingParams(temperature=0.0, max_new_tokens=60, logprobs=2)
 SAMPLED = sj.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=60, logprobs=2)
+
+
+def test_a_chunk_wider_than_the_rings_allow_is_refused(model):
+    cache = sj.KVCache.init(model.config, 1, 192, span=4)  # rings of 5 + 4 - 1 = 8
+    tokens = jnp.zeros((1, 5), jnp.int32)
+    with pytest.raises(ValueError, match=r"span=5"):
+        sj.forward(model, tokens, jnp.arange(5)[None], cache)
+    sj.forward(model, tokens[:, :4], jnp.arange(4)[None], cache)  # within the span
 
 
 def _generate(model, draft, spec, monkeypatch, rings: bool, sampling=GREEDY):
@@ -163,10 +173,12 @@ def test_the_engine_with_rings_decodes_as_with_the_whole_cache(model, monkeypatc
 @pytest.mark.parametrize("broken,spec", [("span", "chain"), ("compact", "tree")])
 def test_the_engine_comparison_catches_broken_rings(model, monkeypatch, fresh_programs, broken,
                                                     spec):
-    """Rings sized for a round's writes but not for the prefill chunk's, or a tree commit that
-    leaves the rings alone: the engine's tokens differ from the whole cache's."""
+    """Rings sized for a round's writes but not for the prefill chunk's (let past the check that
+    refuses it), or a tree commit that leaves the rings alone: the engine's tokens differ from the
+    whole cache's."""
     if broken == "span":
         monkeypatch.setattr(engine.Plan, "span", property(lambda plan: plan.gamma + 1))
+        monkeypatch.setattr(sj.model, "check_span", lambda *a: None)
     else:
         compact = kv.compact
         monkeypatch.setattr(kv, "compact", lambda cache, *a: dataclasses.replace(
