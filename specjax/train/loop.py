@@ -26,6 +26,7 @@ import optax
 from ..config import ModelConfig
 from ..files import write_atomic
 from ..model import Model, init_model, prefill
+from ..stats import POSITION_EDGES
 from .data import sample_batch
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,9 @@ def evaluate(model: Model, tokens: np.ndarray, batches: int = 8, batch_size: int
     return float(np.mean(losses))
 
 
-POSITION_BINS = ((0, 256), (256, 512), (512, 1024))
-"""The context-position bins of ``loss_by_position`` (those inside the model's context)."""
+POSITION_BINS = tuple(zip((0,) + POSITION_EDGES[:-1], POSITION_EDGES))
+"""The context-position bins of ``loss_by_position`` (those inside the model's context): the
+bench's acceptance bins (``stats.POSITION_EDGES``) up to the last edge."""
 
 
 @jax.jit
