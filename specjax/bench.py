@@ -514,6 +514,12 @@ def format_table(result: dict) -> str:
              f"median of {s['repeats']} interleaved repeats; {result['machine']['cpu_count']} "
              f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
              ""]
+    cover = s.get("draft_vocab_coverage")
+    if cover:
+        lines[-1:-1] = [f"draft with its own tokenizer: {cover['shared_tokens']} tokens shared "
+                        f"with the target's, carrying {cover['target_mass']:.3f} of the "
+                        f"target's and {cover['draft_mass']:.3f} of the draft's probability on "
+                        f"the prompts"]
     width = max([12] + [len(r["label"]) + 1 for r in result["rows"]])
     head = (f"{'method':<12}{'variant':<{width}}{'T':>4} {'AR tok/s':>9}{'spec tok/s':>11}"
             f"{'speed-up':>9}{'TTFT ms':>8}{'TPOT ms AR/spec':>17}{'accept':>7}{'α':>6}{'len':>6}"
@@ -632,7 +638,8 @@ def shaped_drafters(name: str, target: Model, needs_draft: bool, heads: list[str
 def main(args) -> int:
     """``specjax bench`` (arguments parsed in specjax.cli)."""
     from .checkpoint import load_model
-    from .draft import load_draft_model, load_heads
+    from .draft import load_heads
+    from .draft.draft_model import load_paired_draft
     from .tokenizer import load_tokenizer
     shape = getattr(args, "target_shape", None)
     if shape is not None:
@@ -667,8 +674,8 @@ def main(args) -> int:
     else:
         if needs_draft:
             args.draft = args.draft or str(bundled("code-draft"))
-        draft = (load_draft_model(args.draft, dtype=args.dtype,
-                                  full_vocab=args.full_draft_vocab) if needs_draft else None)
+        draft = (load_paired_draft(args.draft, tok, target.config.vocab_size, args.dtype,
+                                   full_vocab=args.full_draft_vocab) if needs_draft else None)
         drafters = {m: load_heads(getattr(args, m, None) or bundled(f"code-{m}"), target)
                     for m in heads}
     if "suffix" in methods and getattr(args, "suffix_cache", None):
@@ -728,6 +735,9 @@ def main(args) -> int:
                 drafters={m: repr(d) if isinstance(d, SuffixCache) else
                           str(getattr(args, m, None) or bundled(f"code-{m}"))
                           for m, d in drafters.items()})
+        if getattr(draft, "from_target", None) is not None:  # a draft with its own tokenizer
+            from .draft import vocab_coverage
+            result["settings"]["draft_vocab_coverage"] = vocab_coverage(target, draft, prompts)
         print(format_table(result), flush=True)
         results.append(result)
     if getattr(args, "plots", None):

@@ -158,9 +158,10 @@ def _generate(args) -> int:
     tok = load_tokenizer(args.target)
     draft = None
     if spec is not None and spec.needs_draft_model:
-        from .draft import load_draft_model
-        draft = load_draft_model(args.draft or bundled("code-draft"), dtype=args.dtype,
-                                 full_vocab=args.full_draft_vocab)
+        from .draft.draft_model import load_paired_draft
+        draft = load_paired_draft(args.draft or bundled("code-draft"), tok,
+                                  target.config.vocab_size, args.dtype,
+                                  full_vocab=args.full_draft_vocab)
     elif spec is not None and spec.needs_heads:
         from .draft import load_heads
         draft = load_heads(args.draft or bundled(f"code-{spec.method}"), target)
@@ -218,6 +219,15 @@ def _generate(args) -> int:
             line += (f", acceptance rate {st.acceptance_rate:.3f}, mean accepted length "
                      f"{st.mean_accepted_length:.2f}")
         print(line)
+    mapped = getattr(draft, "from_target", None) is not None
+    if mapped:  # how much the tokens the draft shares with the target carry on this text
+        from .draft import vocab_coverage
+        out = results[shown_name]
+        cover = vocab_coverage(target, draft, [tok.encode(args.prompt)
+                                               + [int(t) for t in out.tokens[0, :out.lengths[0]]]])
+        print(f"draft tokenizer: {cover['shared_tokens']} tokens shared with the target's; on "
+              f"this text they carry {cover['target_mass']:.3f} of the target's probability "
+              f"and {cover['draft_mass']:.3f} of the draft's")
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
         same = np.array_equal(ar.tokens, sp.tokens)

@@ -1074,9 +1074,19 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
 
 
 def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, tokenizer,
-             return_text, mesh, max_cache_len, allow_synthetic=False):
+             return_text, mesh, max_cache_len, allow_synthetic=False, draft_tokenizer=None):
     """Every host step before running: checks, proposer, plan, placement, inputs."""
     spec = SpecConfig.parse(spec)
+    if draft_tokenizer is not None:
+        if spec is None or proposer is not None or registry.get(spec.method).draft != "model":
+            raise ValueError(f"draft_tokenizer= is for a draft model (spec method "
+                             f"'draft_model'), got "
+                             f"{'a proposer' if proposer is not None else spec and spec.method}")
+        if tokenizer is None:
+            raise ValueError("draft_tokenizer= pairs the draft's tokens with the target's by "
+                             "their bytes: pass the target's tokenizer= too")
+        from .draft.draft_model import for_tokenizers
+        draft = for_tokenizers(draft, draft_tokenizer, tokenizer, target.config.vocab_size)
     synthetic = None if spec is None else spec.synthetic_acceptance
     if synthetic is not None and not allow_synthetic:
         raise ValueError(f"SpecConfig.synthetic_acceptance={synthetic!r} accepts drafts by a "
@@ -1105,7 +1115,8 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
              proposer: Any = None,
              key: Array | int | None = None,
              tokenizer=None, return_text: bool = False, mesh=None,
-             max_cache_len: int | None = None, allow_synthetic: bool = False) -> Generation:
+             max_cache_len: int | None = None, allow_synthetic: bool = False,
+             draft_tokenizer=None) -> Generation:
     """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` or
     ``proposer`` is given.
 
@@ -1137,10 +1148,15 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
 
     allow_synthetic: run a spec with ``synthetic_acceptance`` (benchmarks only: the output is
     not the target's distribution; ``out.stats.synthetic_acceptance`` says so).
+
+    draft_tokenizer: the draft model's own tokenizer (an sj.Tokenizer), when it is not the
+    target's (``tokenizer=``, needed with it): the draft proposes only the tokens the two share,
+    its distribution renormalised over them (``sj.draft.for_tokenizers``; lossless like every
+    draft; ``sj.draft.vocab_coverage`` says how much probability the shared tokens carry).
     """
     rows, sampling, plan, target, draft_params, inputs = _prepare(
         target, prompts, sampling, spec, draft, proposer, key, tokenizer, return_text, mesh,
-        max_cache_len, allow_synthetic)
+        max_cache_len, allow_synthetic, draft_tokenizer)
     if sampling.stop:  # stop strings: matched on the host between segments of rounds
         last = collections.deque(_stream(plan, target, draft_params, inputs, rows, sampling,
                                          spec, tokenizer, None), maxlen=1)[0]
@@ -1326,7 +1342,8 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwa
     rows, sampling, plan, target, draft_params, inputs = _prepare(
         target, prompts, options["sampling"], options["spec"], options["draft"],
         options["proposer"], options["key"], tokenizer, bool(options["return_text"]),
-        options["mesh"], options["max_cache_len"], options["allow_synthetic"])
+        options["mesh"], options["max_cache_len"], options["allow_synthetic"],
+        options["draft_tokenizer"])
     chunks = _stream(plan, target, draft_params, inputs, rows, sampling, options["spec"],
                      tokenizer, rounds_per_chunk)
 

@@ -58,20 +58,26 @@ def test_first_layers_shares_embedding_and_head():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def model_folders(tmp_path_factory):
-    """A tiny target and draft in HF format with a tokenizer, as `specjax generate` expects."""
+def bpe_tokenizer(vocab_size: int):
+    """A byte-level BPE of ``vocab_size`` tokens trained on a line of Python."""
     import tokenizers
-    from conftest import tiny_model
-
-    import specjax as sj
-    root = tmp_path_factory.mktemp("models")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     tok.train_from_iterator(["def f(x):\n    return x\n"] * 50, tokenizers.trainers.BpeTrainer(
-        vocab_size=280, special_tokens=["<|endoftext|>"], show_progress=False,
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory):
+    """A tiny target and draft in HF format with a tokenizer, as `specjax generate` expects."""
+    from conftest import tiny_model
+
+    import specjax as sj
+    root = tmp_path_factory.mktemp("models")
+    tok = bpe_tokenizer(280)
     sj.save_model(tiny_model(seed=1, vocab_size=300, max_pos=128), root / "t", format="hf",
                   eos_token_id=299)
     sj.save_model(tiny_model(seed=2, vocab_size=300, hidden_size=8, layers=1, max_pos=128),
@@ -153,6 +159,40 @@ def test_a_draft_folder_with_a_draft_vocabulary(model_folders, capsys, tmp_path)
     with pytest.raises(SystemExit):
         cli.main(base)
     assert re.search("draft_vocab.npy: .*repeated token ids", capsys.readouterr().err)
+
+
+def test_generate_command_pairs_a_draft_with_its_own_tokenizer(model_folders, capsys,
+                                                                tmp_path):
+    """A draft folder with a tokenizer.json of its own (a smaller BPE on the same text) drafts
+    the tokens it shares with the target: the output equals plain decoding, and the command
+    says how many tokens are shared and how much probability they carry."""
+    from conftest import tiny_model
+
+    import specjax as sj
+    tok = bpe_tokenizer(262)
+    sj.save_model(tiny_model(seed=3, vocab_size=270, hidden_size=8, layers=1, max_pos=128),
+                  tmp_path / "d", format="hf")
+    tok.save(str(tmp_path / "d" / "tokenizer.json"))
+    assert cli.main(["generate", "--target", str(model_folders / "t"), "--draft",
+                     str(tmp_path / "d"), "--prompt", "def f(x):", "--max-new-tokens", "12",
+                     "--temperature", "0", "--compare", "--repeats", "1", "--no-stream"]) == 0
+    printed = capsys.readouterr().out
+    assert "output identical: True" in printed
+    shared = re.search(r"draft tokenizer: (\d+) tokens shared with the target's; on this text "
+                       r"they carry ([0-9.]+) of the target's probability and ([0-9.]+) of the "
+                       r"draft's", printed)
+    assert shared, printed
+    assert 256 < int(shared.group(1)) <= 262  # the byte alphabet, the special token, merges
+    assert 0 < float(shared.group(2)) <= 1 and 0 < float(shared.group(3)) <= 1
+    # the bench pairs it the same way and reports the coverage on its prompts
+    assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
+                     str(tmp_path / "d"), "--gammas", "2", "--temperatures", "0",
+                     "--max-new-tokens", "8", "--repeats", "1", "--verify-repeats", "1",
+                     "--num-prompts", "2", "--max-prompt-tokens", "30"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"draft with its own tokenizer: \d+ tokens shared with the target's, "
+                     r"carrying [0-9.]+ of the target's and [0-9.]+ of the draft's", printed)
+    assert "identical to autoregressive on every prompt: True" in printed
 
 
 def test_generate_command_errors(model_folders, capsys, tmp_path):

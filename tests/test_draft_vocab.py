@@ -312,3 +312,73 @@ def test_token_pairs_match_tokens_by_their_bytes():
     # <eos> (id 5 of the byte-level one: adding a special token that is already in the
     # vocabulary keeps its id)
     assert pairs == {(0, 0), (2, 1), (3, 3), (4, 2), (6, 5)}, pairs
+
+
+def _plain_word_tokenizer(tokens):
+    """A WordLevel tokenizer over ``tokens`` (id = position), no special tokens, no EOS."""
+    import tokenizers
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {t: i for i, t in enumerate(tokens)}, unk_token=tokens[0]))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return sj.Tokenizer(backend, None, ())
+
+
+def test_generate_pairs_a_draft_with_its_own_tokenizer(target, noisy, reference):
+    """generate(..., draft_tokenizer=) maps the draft by its tokenizer: the same output and
+    acceptance as map_vocab with the true pairs; refused without the target's tokenizer or for
+    a method without a draft model; the target's own tokenizer leaves the draft as it is."""
+    perm = np.random.default_rng(1).permutation(32)[:24]
+    words = [f"w{i}" for i in range(32)]
+    target_tok = _plain_word_tokenizer(words)
+    draft_tok = _plain_word_tokenizer([words[i] for i in perm] + [f"own{i}" for i in range(4)])
+    own = permuted(noisy, perm, 28)
+    spec = sj.SpecConfig(method="draft_model", num_speculative_tokens=4)
+    out = sj.generate(target, PROMPTS, sampling=GREEDY, draft=own, spec=spec,
+                      tokenizer=target_tok, draft_tokenizer=draft_tok)
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    by_hand = sj.generate(target, PROMPTS, sampling=GREEDY, spec=spec,
+                          draft=sj.draft.map_vocab(own, 32, np.stack([np.arange(24), perm], 1)))
+    assert out.stats.acceptance_rate == by_hand.stats.acceptance_rate > 0.1
+    assert sj.draft.for_tokenizers(own, draft_tok, target_tok, 32) is \
+        sj.draft.for_tokenizers(own, draft_tok, target_tok, 32)  # paired once
+    assert sj.draft.for_tokenizers(noisy, target_tok, target_tok, 32) is not None
+    assert isinstance(sj.draft.for_tokenizers(noisy, target_tok, target_tok, 32), sj.DraftModel)
+    assert sj.draft.for_tokenizers(noisy, target_tok, target_tok, 32).from_target is None
+    with pytest.raises(ValueError, match="pass the target's tokenizer="):
+        sj.generate(target, PROMPTS, sampling=GREEDY, draft=own, spec=spec,
+                    draft_tokenizer=draft_tok)
+    with pytest.raises(ValueError, match="draft_tokenizer= is for a draft model.*ngram"):
+        sj.generate(target, PROMPTS, sampling=GREEDY, spec=sj.SpecConfig(method="ngram"),
+                    tokenizer=target_tok, draft_tokenizer=draft_tok)
+    with pytest.raises(ValueError, match="must be an sj.Tokenizer"):
+        sj.generate(target, PROMPTS, sampling=GREEDY, draft=own, spec=spec,
+                    tokenizer=target_tok, draft_tokenizer="gpt2")
+    with pytest.raises(ValueError, match="share no token"):
+        sj.generate(target, PROMPTS, sampling=GREEDY, draft=own, spec=spec, tokenizer=target_tok,
+                    draft_tokenizer=_plain_word_tokenizer([f"x{i}" for i in range(28)]))
+
+
+def test_vocab_coverage_is_the_mass_on_the_shared_tokens(target, noisy):
+    """The two masses against a plain numpy computation over the models' full logits."""
+    perm = np.random.default_rng(1).permutation(32)[:24]
+    own = permuted(noisy, perm, 28)
+    draft = sj.draft.map_vocab(own, 32, np.stack([np.arange(24), perm], 1))
+    sequences = [[1, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6]]
+    got = sj.draft.vocab_coverage(target, draft, sequences)
+
+    def mass(model, ids, shared):
+        logits = np.asarray(sj.model.logits(model, np.asarray([ids])), np.float64)[0]
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        return (p[:, shared].sum(-1) / p.sum(-1)).sum()
+    inverse = {int(t): d for d, t in enumerate(perm)}
+    want_t = sum(mass(target, s, perm) for s in sequences) / 12
+    want_d = sum(mass(own, [inverse.get(t, 0) for t in s], np.arange(24)) for s in sequences) / 12
+    assert got["positions"] == 12 and got["shared_tokens"] == 24
+    np.testing.assert_allclose([got["target_mass"], got["draft_mass"]], [want_t, want_d],
+                               rtol=1e-4)
+    assert 0.3 < got["target_mass"] < 0.99 and 0.3 < got["draft_mass"] < 0.99
+    whole = sj.draft.shared_prefix(noisy, 32)  # every token shared: all the mass
+    np.testing.assert_allclose(list(sj.draft.vocab_coverage(target, whole, sequences).values())[:2],
+                               [1.0, 1.0], rtol=1e-5)
+    with pytest.raises(ValueError, match="needs a draft mapped"):
+        sj.draft.vocab_coverage(target, noisy, sequences)

@@ -25,10 +25,12 @@ from .draft_model import (
     DraftModel,
     DraftModelProposer,
     DraftTreeProposer,
+    for_tokenizers,
     load_draft_model,
     map_vocab,
     restrict_vocab,
     shared_prefix,
+    vocab_coverage,
 )
 from .eagle import EagleProposer
 from .heads import Heads, HeadsConfig, init_heads, load_heads, save_heads
@@ -66,7 +68,8 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
 
 __all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
-           "restrict_vocab", "shared_prefix", "map_vocab", "token_pairs", "NgramProposer",
+           "restrict_vocab", "shared_prefix", "map_vocab", "token_pairs", "for_tokenizers",
+           "vocab_coverage", "NgramProposer",
            "MedusaProposer", "EagleProposer", "DFlashProposer", "MTPProposer", "SuffixCache",
            "SuffixProposer", "LookaheadProposer", "Features",
            "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",

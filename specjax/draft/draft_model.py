@@ -18,6 +18,7 @@ restricted draft computes only those M logits.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import pathlib
 
@@ -175,6 +176,85 @@ def map_vocab(draft, target_vocab_size: int, pairs, *, fallback: int = 0) -> Dra
     return DraftModel(draft.model, vocab, draft.calibration, jnp.asarray(from_target))
 
 
+_PAIRED: collections.OrderedDict = collections.OrderedDict()
+"""The last few drafts mapped by ``for_tokenizers``: a call with the same draft and tokenizers
+reuses the map (pairing two 262k-token vocabularies takes seconds; the mapped LM head is a
+copy of the shared columns)."""
+
+
+def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: int
+                   ) -> DraftModel:
+    """``draft`` (an sj.Model or sj.DraftModel) made to draft for a target with another
+    tokenizer: ``map_vocab`` with ``token_pairs(draft_tokenizer, target_tokenizer)`` (what
+    ``sj.generate(..., draft_tokenizer=)`` does). Returns the draft unchanged when the two
+    tokenizers give every id the same token. Target tokens the draft lacks are read as its
+    first special token (its id 0 when it has none)."""
+    from ..tokenizer import Tokenizer
+    for name, tok in (("draft_tokenizer", draft_tokenizer), ("tokenizer", target_tokenizer)):
+        if not isinstance(tok, Tokenizer):
+            raise ValueError(f"{name}= must be an sj.Tokenizer (sj.load_tokenizer) to pair the "
+                             f"draft's tokens with the target's, got {type(tok).__name__}")
+    given = draft
+    key = (id(given), id(draft_tokenizer), id(target_tokenizer), int(target_vocab_size))
+    hit = _PAIRED.get(key)
+    if hit is not None and hit[0] is given and hit[1] is draft_tokenizer \
+            and hit[2] is target_tokenizer:
+        _PAIRED.move_to_end(key)
+        return hit[3]
+    draft = _checked_draft(draft, "draft_tokenizer=")
+    from .vocab import token_keys, token_pairs
+    pairs = token_pairs(draft_tokenizer, target_tokenizer)
+    V = draft.config.vocab_size
+    if (V == target_vocab_size and len(pairs) == V
+            and np.array_equal(pairs[:, 0], pairs[:, 1])):
+        mapped = draft  # the same tokens at the same ids
+    else:
+        keys = token_keys(draft_tokenizer)
+        special = [i for i, k in enumerate(keys) if k is not None and k[0] == "special"]
+        mapped = map_vocab(draft, target_vocab_size, pairs,
+                           fallback=special[0] if special and special[0] < V else 0)
+    _PAIRED[key] = (given, draft_tokenizer, target_tokenizer, mapped)
+    while len(_PAIRED) > 4:
+        _PAIRED.popitem(last=False)
+    return mapped
+
+
+def vocab_coverage(target: Model, draft: DraftModel, sequences) -> dict:
+    """How much probability the shared tokens of a mapped draft (``map_vocab``,
+    ``for_tokenizers``) carry, on the texts ``sequences`` (lists of target token ids) read by
+    both models: ``target_mass``, the mean mass the target's next-token distribution puts on
+    tokens the draft can propose, and ``draft_mass``, the mean mass the draft's (whole-vocabulary)
+    distribution puts on them: the draft proposes from its distribution renormalised by that
+    mass, so a low one means its proposals are distorted, a low target mass that the target's
+    choices often lie outside what the draft can say. Also ``shared_tokens`` and ``positions``
+    (how many next-token distributions were averaged)."""
+    from ..model import logits as full_logits
+    draft = as_draft_model(draft)
+    if draft.from_target is None or draft.vocab is None:
+        raise ValueError("vocab_coverage needs a draft mapped to the target's vocabulary "
+                         "(sj.draft.map_vocab, shared_prefix, or generate's draft_tokenizer=)")
+    shared_target = np.asarray(draft.vocab.ids)
+    shared_draft = np.asarray(draft.from_target)[shared_target]
+    masses, count = np.zeros(2), 0
+    for seq in sequences:
+        ids = np.asarray(seq, np.int64).reshape(1, -1)
+        if ids.size == 0:
+            continue
+        if ids.min() < 0 or ids.max() >= target.config.vocab_size:
+            raise ValueError(f"a sequence holds ids outside the target's vocabulary "
+                             f"[0, {target.config.vocab_size})")
+        for model, tokens, shared, i in ((target, ids, shared_target, 0),
+                                         (draft.model, np.asarray(draft.from_target)[ids],
+                                          shared_draft, 1)):
+            p = jax.nn.softmax(full_logits(model, tokens)[0], axis=-1)
+            masses[i] += float(jnp.take(p, jnp.asarray(shared), axis=-1).sum())
+        count += ids.size
+    if not count:
+        raise ValueError("vocab_coverage needs at least one non-empty sequence")
+    return {"target_mass": masses[0] / count, "draft_mass": masses[1] / count,
+            "shared_tokens": len(shared_target), "positions": count}
+
+
 def _checked_draft(draft, name: str) -> DraftModel:
     if not isinstance(draft, (Model, DraftModel)):
         raise ValueError(f"{name} expects an sj.Model or sj.DraftModel, got "
@@ -207,6 +287,18 @@ def load_draft_model(path, dtype: str | None = None, *, full_vocab: bool = False
         return restrict_vocab(DraftModel(model, None, calibration), vocab)
     except ValueError as e:
         raise ValueError(f"{file}: {e}") from e
+
+
+def load_paired_draft(path, target_tokenizer, target_vocab_size: int, dtype: str | None = None,
+                      *, full_vocab: bool = False) -> DraftModel:
+    """``load_draft_model``, then, when the folder ships a ``tokenizer.json`` of its own,
+    ``for_tokenizers`` with it and the target's tokenizer: what ``specjax generate`` and
+    ``specjax bench`` do with ``--draft FOLDER``."""
+    draft = load_draft_model(path, dtype, full_vocab=full_vocab)
+    if (pathlib.Path(path) / "tokenizer.json").is_file():
+        from ..tokenizer import load_tokenizer
+        draft = for_tokenizers(draft, load_tokenizer(path), target_tokenizer, target_vocab_size)
+    return draft
 
 
 def _catch_up(draft: DraftModel, cache: KVCache, history: Array, length: Array
