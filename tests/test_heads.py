@@ -167,6 +167,43 @@ def test_save_load_round_trip_and_wrong_target(target, trained, method, tmp_path
         sj.load_heads(tmp_path / method, target)
 
 
+def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, tmp_path):
+    """`specjax train heads --init`: a drafter trained for an earlier version of the target (the
+    same sizes, other weights) is refused for decoding, but training can start from its weights;
+    the saved result is for the new target."""
+    from specjax.train.heads import heads_main
+    sj.save_heads(trained["eagle"], tmp_path / "old", target)
+    leaves, tree = jax.tree.flatten(target.params)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    newer = sj.Model(target.config, jax.tree.unflatten(
+        tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    with pytest.raises(ValueError, match="trained for another target"):
+        sj.load_heads(tmp_path / "old", newer)
+    start = heads_lib.load_heads(tmp_path / "old", newer, same_target=False)
+    sj.save_model(newer, tmp_path / "newer")
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.npy", "heldout.npy"):
+        np.save(data / name, trained["tokens"].astype(np.uint16))
+    args = ["eagle", "--target", str(tmp_path / "newer"), "--data", str(data), "--steps", "1",
+            "--batch-size", "2", "--seq-len", "16", "--learning-rate", "1e-9",
+            "--init", str(tmp_path / "old")]
+    with pytest.raises(SystemExit):  # the shape comes from --init
+        heads_main(args + ["--workdir", str(tmp_path / "w0"), "--num-heads", "2"])
+    with pytest.raises(SystemExit):  # another method than the folder's
+        heads_main(["medusa"] + args[1:] + ["--workdir", str(tmp_path / "w1")])
+    assert heads_main(args + ["--workdir", str(tmp_path / "w"), "--out",
+                              str(tmp_path / "new")]) == 0
+    continued = sj.load_heads(tmp_path / "new", newer)  # saved for the newer target
+    assert continued.config == start.config
+    np.testing.assert_array_equal(continued.vocab.ids, start.vocab.ids)
+    for a, b in zip(jax.tree.leaves(continued.params["weights"]),
+                    jax.tree.leaves(start.params["weights"])):  # one step at lr 1e-9
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   atol=1e-2)
+    assert "--init " + str(tmp_path / "old") in (tmp_path / "new" / "README.md").read_text()
+
+
 def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_path):
     """An EAGLE head with its own MLP width (narrower than the target's) keeps that width through
     save and load and decodes exactly as autoregressive greedy; Medusa has no such width."""

@@ -153,6 +153,30 @@ def test_pair_stages_end_to_end(tmp_path):
     for a, b in zip(jax.tree.leaves(continued.params), jax.tree.leaves(
             sj.load_model(tmp_path / "out" / "code-target", dtype="float32").params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    # draft-long distils the exported draft again from target-long, from its weights; export
+    # --long ships the two as code-target and code-draft with cards that say so
+    with pytest.raises(SystemExit, match="another model"):
+        pair.stage_draft(work, None, draft, longer, target, longer, progress=False,
+                         teacher_run="target-long", run="draft-long",
+                         start=tmp_path / "out" / "code-target")
+    pair.stage_draft(work, None, draft, longer, target, longer, progress=False,
+                     teacher_run="target-long", run="draft-long",
+                     start=tmp_path / "out" / "code-draft")
+    redistilled, step = pair._restore(draft, longer, work / "draft-long")
+    assert step == 2
+    for a, b in zip(jax.tree.leaves(redistilled.params), jax.tree.leaves(
+            sj.load_model(tmp_path / "out" / "code-draft", dtype="float32").params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    pair.stage_export(work, tmp_path / "long", (("target-long", target, longer),
+                                                ("draft-long", draft, longer)),
+                      draft_vocab_size=100)
+    for name in ("code-target", "code-draft"):
+        info = json.loads((tmp_path / "long" / name / "training.json").read_text())
+        card = (tmp_path / "long" / name / "README.md").read_text()
+        assert info["steps"] == 2 and info["train"]["seq_len"] == 64
+        assert "sequences of 64 tokens" in card and "continued from the" in card
+        assert "export --long" in card and "{" not in card
+    sj.load_draft_model(tmp_path / "long" / "code-draft")
     for name in ("code-target", "code-draft"):  # model cards with the measured figures
         info = json.loads((tmp_path / "out" / name / "training.json").read_text())
         assert info["steps"] == 4 and info["corpus"]["heldout_files"] > 0

@@ -314,13 +314,18 @@ def target_record(target: Model) -> dict:
             "num_hidden_layers": c.num_hidden_layers, "fingerprint": fingerprint(target)}
 
 
-def check_target(record: dict, target: Model, source: str) -> None:
-    """Refuse a target other than the one a drafter was trained for (ValueError naming why)."""
+def check_sizes(record: dict, target: Model, source: str) -> None:
+    """Refuse a target of other sizes than the one a drafter was trained for."""
     c = target.config
     for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if record[name] != getattr(c, name):
             raise ValueError(f"{source} was trained for a target with {name}={record[name]}; "
                              f"this target has {name}={getattr(c, name)}")
+
+
+def check_target(record: dict, target: Model, source: str) -> None:
+    """Refuse a target other than the one a drafter was trained for (ValueError naming why)."""
+    check_sizes(record, target, source)
     mine = fingerprint(target)
     for name, values in record["fingerprint"].items():
         if name not in mine or not np.allclose(mine[name], values, rtol=1e-2, atol=1e-6):
@@ -366,9 +371,13 @@ def save_heads(drafter: Heads, path: str | os.PathLike, target: Model, *,
             (tmp / name).write_text(text)
 
 
-def load_heads(path: str | os.PathLike, target: Model) -> Heads:
+def load_heads(path: str | os.PathLike, target: Model, *, same_target: bool = True) -> Heads:
     """Load a drafter saved by ``save_heads`` for ``target``. Raises ValueError if
-    they were trained for another target. Weights take the target's dtype."""
+    they were trained for another target. Weights take the target's dtype.
+
+    same_target=False skips the weights' fingerprint (the sizes must still match): for training
+    the drafter on, from these weights, for a target that was itself trained further
+    (``specjax train heads --init``); such a drafter must not be used for decoding as is."""
     import orbax.checkpoint as ocp
 
     from ..files import recover_folder
@@ -391,7 +400,10 @@ def load_heads(path: str | os.PathLike, target: Model) -> Heads:
     if record.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta}: format_version {record.get('format_version')!r} is not "
                          f"{FORMAT_VERSION}")
-    check_target(record["target"], target, str(path))
+    if same_target:
+        check_target(record["target"], target, str(path))
+    else:
+        check_sizes(record["target"], target, str(path))
     try:
         vocab = np.load(path / "vocab.npy")  # never a pickle
         check_vocab(vocab, target.config.vocab_size)

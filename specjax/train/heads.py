@@ -175,24 +175,33 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                 layer_width: int | None = None, heldout: np.ndarray | None = None,
                 ce_weight: float = 0.5, reg_weight: float = 1.0, progress: bool = True,
                 on_eval: Callable[[int, float], None] | None = None,
-                max_seconds: float | None = None) -> tuple[Heads, list[dict]]:
+                max_seconds: float | None = None,
+                init: Heads | None = None) -> tuple[Heads, list[dict]]:
     """Train a Medusa (``num_heads`` heads), EAGLE, MTP (``num_heads`` modules) or block
     (dflash: ``num_layers`` layers, blocks of up to ``block_size``, reading target layers
     ``taps``; EAGLE and MTP: a layer ``layer_width`` wide, default the target's) drafter for the
     frozen ``target`` on a token stream, resuming from workdir. The
     draft vocabulary is the ``draft_vocab_size`` most frequent tokens of ``tokens`` (default:
-    the whole vocabulary).
-    Weights train in float32. Returns the drafter (with the target's LM head columns) and the
-    held-out evaluations."""
+    the whole vocabulary). ``init``: start from this drafter's weights, shape and draft vocabulary
+    instead (the shape arguments are then unused), e.g. one trained for an earlier version of the
+    target. Weights train in float32. Returns the drafter (with the target's LM head columns)
+    and the held-out evaluations."""
     V = target.config.vocab_size
     M = V if draft_vocab_size is None else draft_vocab_size
     if not 1 <= M <= V:
         raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, {V}]")
-    vocab = np.arange(V, dtype=np.int32) if M == V else frequent_tokens(tokens, V, M)
-    fresh = heads_lib.init_heads(target, method, jax.random.key(cfg.seed),
-                                 num_heads=num_heads, vocab=vocab,
-                                 intermediate_size=intermediate_size, num_layers=num_layers,
-                                 block_size=block_size, taps=taps, layer_width=layer_width)
+    if init is not None:
+        if init.config.method != method:
+            raise ValueError(f"init is a {init.config.method} drafter, not {method}")
+        vocab = np.asarray(init.vocab.ids)
+        fresh = Heads(init.config, {**init.params, "weights": jax.tree.map(
+            lambda x: jnp.asarray(x, jnp.float32), init.params["weights"])})
+    else:
+        vocab = np.arange(V, dtype=np.int32) if M == V else frequent_tokens(tokens, V, M)
+        fresh = heads_lib.init_heads(target, method, jax.random.key(cfg.seed),
+                                     num_heads=num_heads, vocab=vocab,
+                                     intermediate_size=intermediate_size, num_layers=num_layers,
+                                     block_size=block_size, taps=taps, layer_width=layer_width)
     if not (0 <= ce_weight < float("inf") and 0 <= reg_weight < float("inf")
             and ce_weight + reg_weight > 0):
         raise ValueError(f"ce_weight={ce_weight!r} and reg_weight={reg_weight!r} must be finite, "
@@ -240,8 +249,11 @@ def heads_main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--learning-rate", type=float, default=1e-3)
-    ap.add_argument("--num-heads", type=int, default=4,
-                    help="medusa: heads; mtp: modules (either: the deepest draft)")
+    ap.add_argument("--init", help="start from this drafter folder's weights, shape and draft "
+                                   "vocabulary (trained for this target or an earlier version "
+                                   "of it, e.g. before the target trained on longer sequences)")
+    ap.add_argument("--num-heads", type=int,
+                    help="medusa: heads; mtp: modules (either: the deepest draft; default 4)")
     ap.add_argument("--draft-vocab-size", type=int,
                     help="draft from the N most frequent training tokens (default: all)")
     ap.add_argument("--intermediate-size", type=int,
@@ -255,9 +267,10 @@ def heads_main(argv=None) -> int:
                          "distribution in the objective (default 0.5)")
     ap.add_argument("--reg-weight", type=float, default=1.0,
                     help="eagle: the weight of the smooth-L1 feature regression (default 1.0)")
-    ap.add_argument("--num-layers", type=int, default=2, help="dflash: its layers")
-    ap.add_argument("--block-size", type=int, default=16,
-                    help="dflash: the most drafts a block makes (seq-len must exceed it by 2)")
+    ap.add_argument("--num-layers", type=int, help="dflash: its layers (default 2)")
+    ap.add_argument("--block-size", type=int,
+                    help="dflash: the most drafts a block makes (seq-len must exceed it by 2; "
+                         "default 16)")
     ap.add_argument("--taps", help="dflash: target layers it reads, e.g. 1,3,5 (default: three "
                                    "spread to the last)")
     ap.add_argument("--save-dtype", default="bfloat16")
@@ -280,6 +293,24 @@ def heads_main(argv=None) -> int:
         target = load_model(args.target)
     except (ValueError, FileNotFoundError) as e:
         ap.error(f"--target {args.target}: {e}")
+    init = None
+    shape = ("num_heads", "draft_vocab_size", "intermediate_size", "layer_width", "num_layers",
+             "block_size", "taps")
+    if args.init:
+        given = [n for n in shape if getattr(args, n) is not None]
+        if given:
+            ap.error(f"--init {args.init} gives the drafter's shape; drop "
+                     + ", ".join("--" + n.replace("_", "-") for n in given))
+        try:
+            init = heads_lib.load_heads(args.init, target, same_target=False)
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(f"--init {args.init}: {e}")
+        if init.config.method != args.method:
+            ap.error(f"--init {args.init} holds a {init.config.method} drafter, not "
+                     f"{args.method}")
+    args.num_heads = 4 if args.num_heads is None else args.num_heads
+    args.num_layers = 2 if args.num_layers is None else args.num_layers
+    args.block_size = 16 if args.block_size is None else args.block_size
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                       learning_rate=args.learning_rate, warmup_steps=min(50, args.steps // 10),
                       checkpoint_every=25, eval_every=max(args.steps // 4, 1), eval_batches=4,
@@ -290,7 +321,7 @@ def heads_main(argv=None) -> int:
         num_layers=args.num_layers, block_size=args.block_size, layer_width=args.layer_width,
         ce_weight=args.ce_weight, reg_weight=args.reg_weight,
         taps=None if args.taps is None else tuple(int(t) for t in args.taps.split(",")),
-        heldout=heldout,
+        heldout=heldout, init=init,
         max_seconds=None if args.minutes is None else args.minutes * 60)
     for h in history:
         print(f"step {h['step']}: held-out loss {h['heldout_loss']:.4f}")
@@ -314,7 +345,7 @@ self-distillation on the frozen target (`specjax train heads {method}`; see docs
 * Data: `train.npy` of `specjax train pair data` (the bundled target's training corpus), batches
   of {batch} x {seq} tokens; held-out loss on `heldout.npy`.
 * Training: {steps} optimizer steps of a {schedule}-step schedule (AdamW, peak learning rate
-  {lr}), {tokens:,} tokens.
+  {lr}), {tokens:,} tokens{init}.
 * Held-out loss (the training objective on held-out batches): {evals}.
 * Load with `sj.load_heads("{folder_path}", target)`; it refuses any other target.
 
@@ -342,7 +373,9 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
     command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
                f"--steps {args.steps} --batch-size {cfg.batch_size} --seq-len {cfg.seq_len}"
                + (f" --minutes {args.minutes:g}" if args.minutes else "")
-               + (f" --num-heads {c.num_heads}" if c.method in ("medusa", "mtp") else "")
+               + (f" --init {args.init}" if args.init else "")
+               + (f" --num-heads {c.num_heads}" if c.method in ("medusa", "mtp")
+                  and not args.init else "")
                + (f" --draft-vocab-size {args.draft_vocab_size}" if args.draft_vocab_size else "")
                + (f" --intermediate-size {args.intermediate_size}"
                   if args.intermediate_size else "")
@@ -350,12 +383,15 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                + (f" --ce-weight {args.ce_weight:g}" if args.ce_weight != 0.5 else "")
                + (f" --reg-weight {args.reg_weight:g}" if args.reg_weight != 1.0 else "")
                + (f" --num-layers {args.num_layers} --block-size {args.block_size}"
-                  + (f" --taps {args.taps}" if args.taps else "") if c.method == "dflash"
-                  else "")
+                  + (f" --taps {args.taps}" if args.taps else "")
+                  if c.method == "dflash" and not args.init else "")
                + f" --out {args.out}")
     return CARD.format(
         folder=out.name, what=what, target=args.target, params=params, dtype=args.save_dtype,
         method=c.method, vocab=c.draft_vocab_size, batch=cfg.batch_size, seq=cfg.seq_len,
         steps=steps, schedule=cfg.steps, lr=cfg.learning_rate,
         tokens=steps * cfg.batch_size * cfg.seq_len, evals=evals, folder_path=args.out,
+        init=(f", continuing from the weights of `{args.init}` (the same drafter trained for an "
+              f"earlier version of the target; see its history in the earlier card)"
+              if args.init else ""),
         command=command)
