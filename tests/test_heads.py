@@ -202,6 +202,8 @@ def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, 
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    atol=1e-2)
     assert "--init " + str(tmp_path / "old") in (tmp_path / "new" / "README.md").read_text()
+    record = json.loads((tmp_path / "new" / "drafter.json").read_text())
+    assert record["training"]["continued_from"]["folder"] == str(tmp_path / "old")
 
 
 def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_path):

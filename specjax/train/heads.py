@@ -19,6 +19,7 @@ heads are scored against those distributions restricted to the draft vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import pathlib
 from collections.abc import Callable
@@ -328,10 +329,15 @@ def heads_main(argv=None) -> int:
     if args.out:
         card = model_card(pathlib.Path(args.out), drafter, args, cfg, history,
                           int(history[-1]["step"]) if history else 0)
+        training = {"train": dataclasses.asdict(cfg), "evals": history, "data": str(data)}
+        if args.init:  # the earlier training stays on record
+            earlier = json.loads((pathlib.Path(args.init) / "drafter.json").read_text())
+            training["continued_from"] = {"folder": args.init,
+                                          "training": earlier.get("training"),
+                                          "target": {k: v for k, v in earlier["target"].items()
+                                                     if k != "fingerprint"}}
         heads_lib.save_heads(drafter, args.out, target, dtype=args.save_dtype,
-                             extra={"training": {"train": dataclasses.asdict(cfg),
-                                                 "evals": history, "data": str(data)}},
-                             files={"README.md": card})
+                             extra={"training": training}, files={"README.md": card})
         print(f"saved {args.method} drafter for {args.target} to {args.out}")
     return 0
 
@@ -391,7 +397,7 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
         method=c.method, vocab=c.draft_vocab_size, batch=cfg.batch_size, seq=cfg.seq_len,
         steps=steps, schedule=cfg.steps, lr=cfg.learning_rate,
         tokens=steps * cfg.batch_size * cfg.seq_len, evals=evals, folder_path=args.out,
-        init=(f", continuing from the weights of `{args.init}` (the same drafter trained for an "
-              f"earlier version of the target; see its history in the earlier card)"
-              if args.init else ""),
+        init=(f", continuing from the weights of `{args.init}` as they were (the same drafter "
+              f"trained for an earlier version of the target; that training is recorded in "
+              f"drafter.json under training.continued_from)" if args.init else ""),
         command=command)
