@@ -1079,9 +1079,10 @@ def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, token
     spec = SpecConfig.parse(spec)
     if draft_tokenizer is not None:
         if spec is None or proposer is not None or registry.get(spec.method).draft != "model":
+            got = ("a proposer" if proposer is not None else "no spec" if spec is None
+                   else f"method {spec.method!r}")
             raise ValueError(f"draft_tokenizer= is for a draft model (spec method "
-                             f"'draft_model'), got "
-                             f"{'a proposer' if proposer is not None else spec and spec.method}")
+                             f"'draft_model'), got {got}")
         if tokenizer is None:
             raise ValueError("draft_tokenizer= pairs the draft's tokens with the target's by "
                              "their bytes: pass the target's tokenizer= too")
