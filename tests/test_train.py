@@ -186,6 +186,10 @@ def test_pair_stages_end_to_end(tmp_path):
         by_position = info["heldout_loss_by_position"]  # the tiny context: one bin, cut at 64
         assert list(by_position) == ["windows", "0-64"] and by_position["windows"] > 0
         assert f"0-64 {by_position['0-64']:.3f}" in card and "sequences of 16 tokens" in card
+        long = info["acceptance"]["long"]  # the long prompts, cut to the tiny context
+        assert long["gamma"] == 4 and list(long["by_position"]) == ["0-256"]
+        assert f"mean accepted length {long['mean_accepted_length']:.2f}; by the position a " \
+               f"round starts at: 0-256 {long['by_position']['0-256']:.2f}" in card
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path):

@@ -211,6 +211,27 @@ def measure_acceptance(target, draft, tokenizer, gamma: int = 4, max_new_tokens:
     return out
 
 
+def measure_long(target, draft, tokenizer, gamma: int = 4, max_new_tokens: int = 64) -> dict:
+    """The draft's greedy mean accepted length on the long bench prompts (``--prompts long``,
+    300-900 tokens; each cut to its end where a small context needs it), overall and by the
+    context position a round starts at (``Stats.accepted_length_by_position``)."""
+    from ..bench import load_prompts
+    from ..config import SamplingParams, SpecConfig
+    from ..engine import generate
+    room = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    max_new_tokens = min(max_new_tokens, room // 4)
+    keep = room - max_new_tokens - gamma - 1
+    prompts = [tokenizer.encode(p["text"])[-keep:] for p in load_prompts("long")]
+    stats = generate(target, prompts, draft=draft, key=0,
+                     spec=SpecConfig(method="draft_model", num_speculative_tokens=gamma),
+                     sampling=SamplingParams(temperature=0.0,
+                                             max_new_tokens=max_new_tokens)).stats
+    return {"gamma": gamma, "max_new_tokens": max_new_tokens,
+            "mean_accepted_length": round(stats.mean_accepted_length, 3),
+            "by_position": {f"{lo}-{'' if hi is None else hi}": round(m, 3)
+                            for lo, hi, m, _ in stats.accepted_length_by_position}}
+
+
 CARD = """# {folder}
 
 The {role} of specjax's bundled speculative-decoding pair: a Llama-architecture decoder trained
@@ -225,7 +246,7 @@ from scratch on this machine (2-core CPU) on Python source code. {blurb}
 | held-out loss | {loss:.3f} nats/token on held-out files (32 batches, stored bf16 weights) |
 | context | trained on sequences of {seq} tokens, `max_position_embeddings` {ctx}; held-out loss by position in windows of {window} tokens: {by_position} |
 | acceptance (draft vs target, γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}); T = 0.8: {acc_t:.3f} ({len_t:.2f}) |
-{vocab_row}
+{long_row}{vocab_row}
 **Data.** The CPython {python} standard library (`Lib/**/*.py`, site-packages excluded, files
 over 200 kB dropped): {train_files} training files ({train_tokens:,} tokens) and {heldout_files}
 held-out files ({heldout_tokens:,} tokens), split by a hash of each file's path
@@ -280,8 +301,11 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             print(f"{folder}: {name} step {step}, held-out loss {info[role]['loss']:.4f}")
         acceptance = {}
         if "target" in info and "draft" in info:
+            tokenizer = load_tokenizer(info["target"]["where"])
             acceptance = measure_acceptance(info["target"]["model"], info["draft"]["model"],
-                                            load_tokenizer(info["target"]["where"]))
+                                            tokenizer)
+            acceptance["long"] = measure_long(info["target"]["model"], info["draft"]["model"],
+                                              tokenizer)
             print(f"acceptance (γ=4): {json.dumps(acceptance)}")
         long = any(d["run"].endswith("-long") for d in info.values())
         rebuild = ("`specjax train pair data|target|draft|target-long|draft-long --workdir W`, "
@@ -316,6 +340,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                                       if k != "windows"),
                 len_g=acc["greedy"]["mean_accepted_length"], acc_t=acc["t0.8"]["acceptance_rate"],
                 len_t=acc["t0.8"]["mean_accepted_length"], python=corpus.get("python", "?"),
+                long_row=long_row(acc.get("long")),
                 train_files=corpus.get("train_files", 0), heldout_files=corpus.get("heldout_files", 0),
                 train_tokens=corpus.get("train_tokens", 0),
                 heldout_tokens=corpus.get("heldout_tokens", 0),
@@ -323,6 +348,16 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                            f"| draft vocabulary | drafts only from the {draft_vocab_size} most "
                            f"frequent tokens of the training files (`{VOCAB_FILE}`; "
                            f"`sj.load_draft_model` applies it, `--full-draft-vocab` ignores it) |\n")))
+
+
+def long_row(long: dict | None) -> str:
+    """The card's row for ``measure_long``'s figures."""
+    if not long:
+        return ""
+    return (f"| acceptance by context position (greedy, γ = {long['gamma']}, "
+            f"{long['max_new_tokens']} new tokens after each long bench prompt) | mean accepted "
+            f"length {long['mean_accepted_length']:.2f}; by the position a round starts at: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in long["by_position"].items()) + " |\n")
 
 
 def main(argv=None) -> int:
