@@ -206,6 +206,22 @@ def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, 
     assert record["training"]["continued_from"]["folder"] == str(tmp_path / "old")
 
 
+@pytest.mark.parametrize("method,what", [("medusa", "3 Medusa heads"),
+                                         ("eagle", "An EAGLE head (one decoder layer")])
+def test_model_card_describes_each_kind(trained, method, what, tmp_path):
+    """The card of `train heads --out` for a drafter without a layer (Medusa) and with one."""
+    import argparse
+
+    from specjax.train.heads import model_card
+    args = argparse.Namespace(
+        target="t", workdir="w", steps=60, minutes=None, init=None, draft_vocab_size=28,
+        intermediate_size=None, layer_width=None, ce_weight=0.5, reg_weight=1.0, num_layers=2,
+        block_size=16, taps=None, out=str(tmp_path / method), save_dtype="bfloat16")
+    card = model_card(tmp_path / method, trained[method], args, quick(), trained[method + "_evals"],
+                      60)
+    assert card.startswith(f"# {method}\n\n{what}") and "{" not in card
+
+
 def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_path):
     """An EAGLE head with its own MLP width (narrower than the target's) keeps that width through
     save and load and decodes exactly as autoregressive greedy; Medusa has no such width."""

@@ -366,14 +366,17 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
     width = (f" {c.layer.hidden_size} wide, projected from and to the target's "
              f"{c.hidden_size}" if c.layer is not None and c.layer.hidden_size != c.hidden_size
              else "")
-    what = {"medusa": f"{c.num_heads} Medusa heads",
-            "eagle": f"An EAGLE head (one decoder layer{width}, MLP width "
-                     f"{c.layer.intermediate_size})",
-            "mtp": f"{c.num_heads} MTP modules (one decoder layer each{width}, MLP width "
-                   f"{c.layer.intermediate_size})",
-            "dflash": f"A block drafter ({c.layer.num_hidden_layers} decoder layers, MLP width "
-                      f"{c.layer.intermediate_size}, blocks of up to {c.block_size} drafts, "
-                      f"reading target layers {', '.join(map(str, c.taps))})"}[c.method]
+    if c.method == "medusa":  # (the others have a layer: Medusa's c.layer is None)
+        what = f"{c.num_heads} Medusa heads"
+    else:
+        what = {"eagle": f"An EAGLE head (one decoder layer{width}, MLP width "
+                         f"{c.layer.intermediate_size})",
+                "mtp": f"{c.num_heads} MTP modules (one decoder layer each{width}, MLP width "
+                       f"{c.layer.intermediate_size})",
+                "dflash": f"A block drafter ({c.layer.num_hidden_layers} decoder layers, MLP "
+                          f"width {c.layer.intermediate_size}, blocks of up to {c.block_size} "
+                          f"drafts, reading target layers {', '.join(map(str, c.taps))})"
+                }[c.method]
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(drafter.params["weights"]))
     evals = ", ".join(f"{h['heldout_loss']:.3f} at step {h['step']}" for h in history) or "none"
     command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
