@@ -16,8 +16,9 @@ SJ=.venv/bin/specjax
 $SJ train pair target-long --workdir "$W"
 $SJ train pair draft-long --workdir "$W"
 $SJ train pair export --long --workdir "$W" --out checkpoints
-# method, steps, batch size: about 0.6-1.2M tokens each, a fifth to a tenth of the first runs
-for run in "medusa 300 2" "eagle 500 2" "mtp 300 3" "dflash 300 4"; do
+# method, steps, batch size: 0.6-1.0M tokens each, a fifth to a tenth of the first runs (6, 9, 18
+# and 11 minutes on the 2-core CPU)
+for run in "medusa 300 2" "eagle 500 2" "mtp 300 3" "dflash 150 4"; do
   set -- $run
   $SJ train heads "$1" --target checkpoints/code-target --init "checkpoints/code-$1" \
     --data "$W" --workdir "$W/$1-long" --steps "$2" --batch-size "$3" --seq-len 1024 \

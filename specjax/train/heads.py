@@ -381,6 +381,8 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
     evals = ", ".join(f"{h['heldout_loss']:.3f} at step {h['step']}" for h in history) or "none"
     command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
                f"--steps {args.steps} --batch-size {cfg.batch_size} --seq-len {cfg.seq_len}"
+               + (f" --learning-rate {args.learning_rate:g}"
+                  if getattr(args, "learning_rate", 1e-3) != 1e-3 else "")
                + (f" --minutes {args.minutes:g}" if args.minutes else "")
                + (f" --init {args.init}" if args.init else "")
                + (f" --num-heads {c.num_heads}" if c.method in ("medusa", "mtp")
