@@ -188,17 +188,25 @@ def stage_draft_long(workdir: pathlib.Path, minutes: float | None, start: pathli
                 progress=progress, teacher_run="target-long", run="draft-long", start=start)
 
 
+def _fitted_prompts(target, draft, tokenizer, prompt_set: str, gamma: int, max_new_tokens: int
+                    ) -> tuple[list[list[int]], int]:
+    """A bench prompt set encoded, and the new-token count, fitted into the smaller model's
+    context (a small model's context: each prompt keeps its end)."""
+    from ..bench import load_prompts
+    room = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    max_new_tokens = min(max_new_tokens, room // 4)
+    keep = room - max_new_tokens - gamma - 1
+    return [tokenizer.encode(p["text"])[-keep:] for p in load_prompts(prompt_set)], max_new_tokens
+
+
 def measure_acceptance(target, draft, tokenizer, gamma: int = 4, max_new_tokens: int = 128
                        ) -> dict:
     """Acceptance of the draft against the target on the bench's held-out prompts, greedy and at
     T = 0.8 (all prompts in one batch: acceptance does not depend on batching)."""
-    from ..bench import load_prompts
     from ..config import SamplingParams, SpecConfig
     from ..engine import generate
-    room = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
-    max_new_tokens = min(max_new_tokens, room // 4)
-    keep = room - max_new_tokens - gamma - 1  # a small model's context: keep each prompt's end
-    prompts = [tokenizer.encode(p["text"])[-keep:] for p in load_prompts()]
+    prompts, max_new_tokens = _fitted_prompts(target, draft, tokenizer, "short", gamma,
+                                              max_new_tokens)
     spec = SpecConfig(method="draft_model", num_speculative_tokens=gamma)
     out = {}
     for name, temperature in [("greedy", 0.0), ("t0.8", 0.8)]:
@@ -215,13 +223,10 @@ def measure_long(target, draft, tokenizer, gamma: int = 4, max_new_tokens: int =
     """The draft's greedy mean accepted length on the long bench prompts (``--prompts long``,
     300-900 tokens; each cut to its end where a small context needs it), overall and by the
     context position a round starts at (``Stats.accepted_length_by_position``)."""
-    from ..bench import load_prompts
     from ..config import SamplingParams, SpecConfig
     from ..engine import generate
-    room = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
-    max_new_tokens = min(max_new_tokens, room // 4)
-    keep = room - max_new_tokens - gamma - 1
-    prompts = [tokenizer.encode(p["text"])[-keep:] for p in load_prompts("long")]
+    prompts, max_new_tokens = _fitted_prompts(target, draft, tokenizer, "long", gamma,
+                                              max_new_tokens)
     stats = generate(target, prompts, draft=draft, key=0,
                      spec=SpecConfig(method="draft_model", num_speculative_tokens=gamma),
                      sampling=SamplingParams(temperature=0.0,
