@@ -9,24 +9,26 @@
   rows and one for sampled rows. ``calibrate`` fits it on a held-out token stream written by the
   target (see there); the identity (a = 1, b = 0) is the default.
 * **Survival.** The product of the predictions along a row's chain: the predicted chance that
-  every draft so far is accepted. A row keeps draft k while its survival is at least the
-  threshold (``SpecConfig.survival_threshold``); the rest are not proposed (``Draft.valid``), and
-  drafting stops for the batch once every row has stopped. The engine verifies only as many
-  positions as the longest row proposed (one program with a branch per width, chosen on the
-  device), so nothing recompiles when the lengths change.
+  every draft so far is accepted. A row wants draft k while its survival is at least the
+  threshold (``SpecConfig.survival_threshold``). The batch verifies draft k while some row wants
+  it, in every row still generating: the verify forward is [B, width] for the widest row, so a
+  row's drafts up to that width cost nothing more and can only add tokens (``Draft.valid`` marks
+  them). Drafting stops once no row wants more. The engine verifies only as many positions as
+  that width (one program with a branch per width, chosen on the device), so nothing recompiles
+  when the lengths change.
 
-Why the output stays the target's: whether a row proposes draft k is decided from what the
-drafter knew before drawing it (the drafts before it, its distribution q_k, the calibration),
-never from the target and never from draft k itself. The verifier's rule needs, at each
-verified position, a draft distributed as the q it reports given everything before it; a
-decision taken before the draw leaves that intact (draft k, when proposed, is still a plain
-draw from q_k), and a row that proposes nothing more takes its next token from p itself, as
-after a fully accepted chain. Two ways to get it wrong, both in tests/test_adaptive.py and both
-caught by the exact-distribution test: a length that looked at the target (stopping just before
-a draft the target would reject makes that token come from p instead of the residual
-max(p − q, 0)), and a length that looked at the draft it keeps (scoring a sampled draft by
-q(token) of the token drawn keeps likely tokens more often than unlikely ones, so the drafts
-verified are no longer distributed as q).
+Why the output stays the target's: whether a row has draft k verified is decided from what the
+drafter knew before drawing it, in that row and in the others (the drafts before it, its
+distribution q_k, the calibration), never from the target and never from draft k itself. The
+verifier's rule needs, at each verified position, a draft distributed as the q it reports given
+everything before it; a decision taken before the draw leaves that intact (draft k, when
+verified, is still a plain draw from q_k), and a row verifying nothing more takes its next
+token from p itself, as after a fully accepted chain. Two ways to get it wrong, both in
+tests/test_adaptive.py and both caught by the exact-distribution test: a length that looked at
+the target (stopping just before a draft the target would reject makes that token come from p
+instead of the residual max(p − q, 0)), and a length that looked at the draft it keeps (scoring
+a sampled draft by q(token) of the token drawn keeps likely tokens more often than unlikely
+ones, so the drafts verified are no longer distributed as q).
 """
 
 from __future__ import annotations
@@ -112,19 +114,40 @@ def checked_calibration(c, name: str = "calibration") -> Calibration:
     return c
 
 
-def save_calibration(calibration: Calibration, folder, report: dict | None = None) -> None:
-    """Write ``calibration.json`` into a drafter folder (with the fit's report, if given)."""
+def save_calibration(calibration: Calibration, folder, report: dict | None = None,
+                     model=None) -> None:
+    """Write ``calibration.json`` into a drafter folder (with the fit's report, if given). With
+    ``model`` (the draft model it was fitted for: an sj.Model or DraftModel), the file records
+    its weights' fingerprint, and ``load_calibration`` ignores it beside other weights."""
     from .files import write_atomic
-    write_atomic(pathlib.Path(folder) / FILE,
-                 json.dumps({**calibration.to_json(), "report": report or {}}, indent=1) + "\n")
+    record = {**calibration.to_json(), "report": report or {}}
+    if model is not None:
+        from .draft.heads import fingerprint
+        record["fitted_for"] = fingerprint(getattr(model, "model", model))
+    write_atomic(pathlib.Path(folder) / FILE, json.dumps(record, indent=1) + "\n")
 
 
-def load_calibration(folder) -> Calibration | None:
-    """A drafter folder's calibration, or None when it has none."""
+def load_calibration(folder, model=None) -> Calibration | None:
+    """A drafter folder's calibration, or None when it has none. With ``model`` (the draft
+    model loaded from the folder): None, with a warning, when the file records that it was
+    fitted for other weights (a draft trained again after its calibration was fitted)."""
     path = pathlib.Path(folder) / FILE
     if not path.is_file():
         return None
-    return Calibration.from_json(json.loads(path.read_text()), str(path))
+    record = json.loads(path.read_text())
+    calibration = Calibration.from_json(record, str(path))
+    fitted_for = record.get("fitted_for") if isinstance(record, dict) else None
+    if model is not None and fitted_for is not None:
+        from .draft.heads import fingerprint
+        mine = fingerprint(getattr(model, "model", model))
+        if set(mine) != set(fitted_for) or not all(
+                np.allclose(mine[k], fitted_for[k], rtol=1e-2, atol=1e-6) for k in mine):
+            import warnings
+            warnings.warn(f"{path} was fitted for other weights than the model in {folder}: "
+                          f"ignored, so adaptive lengths use the raw confidence (fit it again: "
+                          f"`specjax train calibrate --draft {folder}`)", stacklevel=2)
+            return None
+    return calibration
 
 
 def confidence(logits: Array, q: Array | None, temperature: Array) -> Array:
@@ -215,29 +238,55 @@ class Budget:
         return go, expected + projected[0]
 
 
+WIDTH_GROUP: int | None = None
+"""How many neighbouring rows share one verified width: None, the whole batch (the verify forward
+is [B, width] whatever each row wants, so a row verifies every draft up to the batch's width).
+Tests set 1 (each row its own length) or 2 to see, inside one big batch, the lengths a batch of
+one or two rows gets; the rule is the same code at every scope."""
+
+
+def _shared(wants: Array, group: int | None) -> Array:
+    """Per row [B]: whether any row of its group (``group`` neighbouring rows; None: the whole
+    batch) wants the position."""
+    if group is None:
+        return jnp.broadcast_to(jnp.any(wants), wants.shape)
+    B = wants.shape[0]
+    padded = jnp.pad(wants, (0, -B % group)).reshape(-1, group)
+    return jnp.repeat(jnp.any(padded, axis=1), group)[:B]
+
+
 class ChainControl:
-    """Per-row adaptive lengths along a chain, one draft position at a time (draft-model, EAGLE,
-    MTP chains): ``start`` with the rows still generating, then ``step`` with each position's
-    confidence (read before the draw) returns which rows propose it. Holds the calibrated
-    per-position predictions for ``Draft.predicted``."""
+    """Adaptive lengths along a chain, one draft position at a time (draft-model, EAGLE, MTP
+    chains): ``start`` with the rows still generating, then ``step`` with each position's
+    confidence (read before the draw) returns which rows have it verified. Holds the calibrated
+    per-position predictions for ``Draft.predicted``.
+
+    A row *wants* draft k while its survival through k is at least the threshold. The batch
+    verifies draft k in every row still generating when some row wants it (and the budget, if
+    any, pays for it): the verify forward is [B, width] for the widest row anyway, and every draft
+    is drawn while some row drafts, so verifying a row's drafts up to that width costs nothing
+    and can only add accepted tokens (``WIDTH_GROUP`` narrows the scope for tests)."""
 
     def __init__(self, calibration: Calibration | None, threshold: float | None,
                  budget: Budget | None, greedy_rows: Array, active: Array | None):
         self.calibration = calibration or Calibration.identity()
         self.threshold, self.budget, self.greedy_rows = threshold, budget, greedy_rows
+        self.group = WIDTH_GROUP
         self.active = jnp.ones(greedy_rows.shape, bool) if active is None else active
         self.survival = jnp.ones(greedy_rows.shape, jnp.float32)
-        self.alive = self.active
+        self.wants = self.active  # rows whose own survival keeps them drafting
+        self.alive = self.active  # rows whose drafts are verified so far
         self.expected = jnp.maximum(jnp.sum(self.active, dtype=jnp.float32), 1.0)
         self.valid, self.predicted = [], []
         self.forwards = jnp.ones((), jnp.int32)  # the first draft step always runs
 
     def step(self, score: Array) -> Array:
-        """Rows [B] that propose the next draft, given its confidence [B]."""
+        """Rows [B] whose next draft is verified, given its confidence [B]."""
         k = len(self.valid) + 1
         predicted = self.calibration.predict(score, self.greedy_rows)
         self.survival = self.survival * predicted
-        alive = self.alive & keep(self.survival, self.threshold)
+        self.wants = self.wants & keep(self.survival, self.threshold)
+        alive = self.alive & _shared(self.wants, self.group)
         if self.budget is not None:
             go, self.expected = self.budget.widen(self.expected, self.survival, predicted, alive,
                                                   k)
@@ -284,6 +333,11 @@ def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
 # Fitting
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)), without overflow for large |x|."""
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
 def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200) -> tuple[float, float]:
     """(a, b) minimising the cross-entropy of sigmoid(a · logit(c) + b) against soft labels y
     in [0, 1], by Newton's method on the two parameters; a is kept > 0."""
@@ -291,7 +345,7 @@ def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200) -> tuple[float
     X = np.stack([x, np.ones_like(x)], axis=1)
     w = np.array([1.0, 0.0])
     for _ in range(steps):
-        p = 1 / (1 + np.exp(-(X @ w)))
+        p = _sigmoid(X @ w)
         grad = X.T @ (p - y) / len(y)
         hess = (X * (p * (1 - p))[:, None]).T @ X / len(y) + 1e-6 * np.eye(2)
         step = np.linalg.solve(hess, grad)
@@ -408,13 +462,23 @@ def calibrate(target, draft, prompts: list[list[int]], *, temperature: float = 0
         a, b = _fit_logistic(c[fit], y[fit])
         fitted[mode] = (a, b)
         x = np.log(np.clip(c[held], _EPS, 1 - _EPS)) - np.log1p(-np.clip(c[held], _EPS, 1 - _EPS))
-        predicted = 1 / (1 + np.exp(-(a * x + b)))
+        predicted = _sigmoid(a * x + b)
         report[mode] = {"temperature": t, "samples": int(c.size), "a": a, "b": b,
                         "ece_raw": expected_calibration_error(c[held], y[held]),
                         "ece": expected_calibration_error(predicted, y[held]),
                         "mean_acceptance": float(y[held].mean()),
                         "reliability": reliability(predicted, y[held])}
     return Calibration.of(fitted["greedy"], fitted["sampled"]), report
+
+
+def stream_prompts(stream: np.ndarray, num_prompts: int, tokens: int) -> list[list[int]]:
+    """``num_prompts`` prompts of ``tokens`` tokens cut at even spacing from a token stream
+    (a held-out ``heldout.npy``): what ``calibrate`` is fitted on."""
+    if stream.size < num_prompts * tokens:
+        raise ValueError(f"the stream has {stream.size} tokens, fewer than {num_prompts} "
+                         f"prompts x {tokens} tokens = {num_prompts * tokens}")
+    starts = np.linspace(0, stream.size - tokens, num_prompts).astype(int)
+    return [[int(t) for t in stream[s:s + tokens]] for s in starts]
 
 
 def calibrate_main(argv=None) -> int:
@@ -450,13 +514,10 @@ def calibrate_main(argv=None) -> int:
     if not heldout.is_file():
         ap.error(f"--data {args.data}: no heldout.npy there; build the token streams with "
                  f"`specjax train pair data --workdir DIR` and pass --data DIR")
-    stream = np.load(heldout)
-    span = args.prompt_tokens
-    if stream.size < args.num_prompts * span:
-        raise SystemExit(f"heldout.npy has {stream.size} tokens, fewer than --num-prompts x "
-                         f"--prompt-tokens = {args.num_prompts * span}")
-    starts = np.linspace(0, stream.size - span, args.num_prompts).astype(int)
-    prompts = [[int(t) for t in stream[s:s + span]] for s in starts]
+    try:
+        prompts = stream_prompts(np.load(heldout), args.num_prompts, args.prompt_tokens)
+    except ValueError as e:
+        raise SystemExit(f"{heldout}: {e}") from None
     try:
         target = load_model(args.target, dtype="float32")
         draft = load_draft_model(args.draft, dtype="float32")
@@ -470,6 +531,6 @@ def calibrate_main(argv=None) -> int:
               f"{r['samples']} samples")
     report["command"] = ("specjax train calibrate " + " ".join(argv if argv is not None
                                                                 else []))
-    save_calibration(calibration, args.out or args.draft, report)
+    save_calibration(calibration, args.out or args.draft, report, draft)
     print(f"wrote {pathlib.Path(args.out or args.draft) / FILE}")
     return 0

@@ -80,8 +80,16 @@ def test_calibrate_fits_a_draft_model_on_held_out_rows(models, tmp_path):
 THRESHOLD = {1.0: 0.5, 0.7: 0.8}
 
 
+@pytest.fixture
+def pairs_of_rows(monkeypatch, fresh_programs):
+    """Rows share their verified width in pairs, not across the whole batch: the distribution
+    tests draw thousands of rows in one batch, where some row nearly always wants every draft
+    and the widths would almost never vary. In pairs they vary as in a batch of two."""
+    monkeypatch.setattr(adaptive, "WIDTH_GROUP", 2)
+
+
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
-def test_adaptive_lengths_follow_the_target(models, t, k, p):
+def test_adaptive_lengths_follow_the_target(models, pairs_of_rows, t, k, p):
     target, drafts = models
     spec = sj.SpecConfig(num_speculative_tokens=3, survival_threshold=THRESHOLD[t])
     assert first_three_pvalue(target, drafts["close"], spec, t, k, p) > 1e-3
@@ -104,7 +112,7 @@ def peeking(rejection_sample):
 
 
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
-def test_lengths_that_peek_at_the_target_fail_the_same_test(models, monkeypatch, fresh_programs,
+def test_lengths_that_peek_at_the_target_fail_the_same_test(models, monkeypatch, pairs_of_rows,
                                                             t, k, p):
     target, drafts = models
     monkeypatch.setattr(verify, "rejection_sample", peeking(verify.rejection_sample))
@@ -127,7 +135,7 @@ def scoring_the_drawn_token(draw_scored):
 
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
 def test_lengths_that_look_at_the_drawn_draft_fail_the_same_test(models, monkeypatch,
-                                                                 fresh_programs, t, k, p):
+                                                                 pairs_of_rows, t, k, p):
     target, drafts = models
     monkeypatch.setattr(draft_model, "draw_scored", scoring_the_drawn_token(
         draft_model.draw_scored))
@@ -170,8 +178,11 @@ def test_one_row_skips_the_draft_steps_it_does_not_need(target):
 
 # -- shapes and programs ------------------------------------------------------------------------
 
-def test_rows_get_every_length_from_0_to_gamma_in_one_round(target, draft):
-    """One round of the proposer on 64 rows: its lengths span 0 .. γ, each a prefix."""
+def test_rows_get_every_length_from_0_to_gamma_in_one_round(target, draft, monkeypatch):
+    """One round of the proposer on 64 rows. Each row on its own (WIDTH_GROUP 1): its lengths
+    span 0 .. γ, each a prefix. In pairs, each row gets the longer of its pair's own lengths;
+    across the batch (the default), every row still generating gets the longest, and a
+    finished row none. The drafts drawn are the same at every scope."""
     B, G, P = 64, 4, 6
     rng = np.random.default_rng(3)
     prompts = jnp.asarray(rng.integers(0, 32, (B, 32)), jnp.int32)
@@ -183,13 +194,28 @@ def test_rows_get_every_length_from_0_to_gamma_in_one_round(target, draft):
     sampling = SamplingArrays(temperature=jnp.linspace(0.05, 1.5, B),
                               top_k=jnp.zeros((B,), jnp.int32),
                               top_p=jnp.ones((B,)))
-    out, _ = jax.jit(proposer.propose, static_argnums=6)(
-        d, cache, prompts, lengths, jax.random.split(jax.random.key(0), B), sampling,
-        Filters(greedy=False))
-    valid = np.asarray(out.valid)
-    counts = valid.sum(axis=1)
-    assert set(counts.tolist()) == set(range(G + 1)), np.bincount(counts)
-    assert np.all(valid == (np.arange(G)[None, :] < counts[:, None]))  # prefixes
+    active = jnp.asarray(np.arange(B) % 7 != 3)
+
+    def one_round(group):  # a new trace per scope: the group is read when tracing
+        monkeypatch.setattr(adaptive, "WIDTH_GROUP", group)
+        out, _ = jax.jit(proposer.propose, static_argnums=6)(
+            d, cache, prompts, lengths, jax.random.split(jax.random.key(0), B), sampling,
+            Filters(greedy=False), active)
+        valid = np.asarray(out.valid)
+        counts = valid.sum(axis=1)
+        assert np.all(valid == (np.arange(G)[None, :] < counts[:, None]))  # prefixes
+        return np.asarray(out.tokens), counts
+
+    tokens, own = one_round(1)
+    assert set(own[np.asarray(active)].tolist()) == set(range(G + 1)), np.bincount(own)
+    assert not own[~np.asarray(active)].any()
+    in_pairs = one_round(2)
+    np.testing.assert_array_equal(in_pairs[0], tokens)
+    np.testing.assert_array_equal(
+        in_pairs[1], np.repeat(own.reshape(-1, 2).max(axis=1), 2) * np.asarray(active))
+    batch = one_round(None)
+    np.testing.assert_array_equal(batch[0], tokens)
+    np.testing.assert_array_equal(batch[1], own.max() * np.asarray(active))
 
 
 def test_changing_lengths_and_calibrations_do_not_recompile(target, draft):
@@ -226,10 +252,13 @@ def budget_reference(predicted, active, threshold, budget):
     B, G = predicted.shape
     survival = np.cumprod(predicted, axis=1)
     valid = np.zeros((B, G), bool)
-    alive = active.copy()
+    alive, wants = active.copy(), active.copy()
     expected = max(active.sum(), 1)
     for k in range(1, G + 1):
-        alive = alive & (survival[:, k - 1] >= (threshold or 0))
+        # a row wants draft k while its own survival holds; the batch verifies it in every
+        # row still generating while some row wants it
+        wants = wants & (survival[:, k - 1] >= (threshold or 0))
+        alive = alive & wants.any()
         s, p = survival[alive, k - 1], predicted[alive, k - 1]
         # every width w >= k, drafts after k projected at draft k's own predicted chance
         rates = [(expected + sum((s * p ** j).sum() for j in range(w - k + 1))) / budget.cost(w)

@@ -111,6 +111,17 @@ def test_the_draft_ships_its_draft_vocabulary(bundled):
     assert f"the {pair.DRAFT_VOCAB_SIZE} most frequent tokens" in card
 
 
+def test_the_draft_ships_a_calibration_fitted_for_its_weights():
+    """calibration.json (adaptive lengths) records the weights it was fitted for, and they are
+    the shipped draft's: retraining the draft without fitting it again fails here."""
+    import warnings
+    record = json.loads((CKPT / "code-draft" / "calibration.json").read_text())
+    assert "fitted_for" in record and record["report"]["greedy"]["ece"] <= 0.05, record["report"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sj.load_draft_model(CKPT / "code-draft").calibration is not None
+
+
 def test_the_draft_was_distilled_from_the_target(bundled):
     """A trained draft agrees with the target far more than chance (1 in 8192 for a random one)
     on the held-out bench prompts (the export measured 0.490 over 128 tokens)."""

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
-from test_adaptive import scoring_the_drawn_token
+from test_adaptive import pairs_of_rows, scoring_the_drawn_token  # noqa: F401
 from test_lossless import (  # noqa: F401
     PROMPT,
     exact_joint,
@@ -448,7 +448,7 @@ ADAPTIVE = {"eagle": 0.2, "medusa": 0.5}
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_adaptive_lengths_follow_the_target(tiny_drafters, method):
+def test_adaptive_lengths_follow_the_target(tiny_drafters, pairs_of_rows, method):
     """Adaptive lengths for the heads: confidence from the head's own distribution, read
     before the draw (EAGLE's sampled q; Medusa's softmax, whose argmax is its draft)."""
     target, drafters = tiny_drafters
@@ -466,7 +466,7 @@ def test_adaptive_lengths_follow_the_target(tiny_drafters, method):
 
 def test_eagle_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_drafters,
                                                                        monkeypatch,
-                                                                       fresh_programs):
+                                                                       pairs_of_rows):
     target, drafters = tiny_drafters
     monkeypatch.setattr(eagle, "draw_scored", scoring_the_drawn_token(eagle.draw_scored))
     t, k = 0.8, 5

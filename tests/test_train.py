@@ -2,6 +2,8 @@
 pulls the student towards the teacher, the corpus split is by file."""
 
 import json
+import shutil
+import warnings
 
 import jax
 import numpy as np
@@ -120,8 +122,10 @@ def test_pair_stages_end_to_end(tmp_path):
                               eval_every=4, eval_batches=1)
     pair.stage_target(work, None, target, quick, progress=False)
     pair.stage_draft(work, None, draft, quick, target, quick, progress=False)
+    fit = dict(num_prompts=4, prompt_tokens=8, max_new_tokens=8, temperature=0.8)
     pair.stage_export(work, tmp_path / "out", (("target", target, quick),
-                                               ("draft", draft, quick)), draft_vocab_size=100)
+                                               ("draft", draft, quick)), draft_vocab_size=100,
+                      calibration=fit)
     t = sj.load_model(tmp_path / "out" / "code-target")
     d = sj.load_draft_model(tmp_path / "out" / "code-draft")
     vocab = np.asarray(d.vocab.ids)  # the 100 most frequent training tokens
@@ -169,14 +173,24 @@ def test_pair_stages_end_to_end(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     pair.stage_export(work, tmp_path / "long", (("target-long", target, longer),
                                                 ("draft-long", draft, longer)),
-                      draft_vocab_size=100)
+                      draft_vocab_size=100, calibration=fit)
     for name in ("code-target", "code-draft"):
         info = json.loads((tmp_path / "long" / name / "training.json").read_text())
         card = (tmp_path / "long" / name / "README.md").read_text()
         assert info["steps"] == 2 and info["train"]["seq_len"] == 64
         assert "sequences of 64 tokens" in card and "continued from the" in card
         assert "export --long" in card and "{" not in card
-    sj.load_draft_model(tmp_path / "long" / "code-draft")
+    # each export fits the draft's calibration for its own weights; a calibration beside other
+    # weights is ignored, with a warning naming the file
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("out", "long"):
+            assert sj.load_draft_model(tmp_path / name / "code-draft").calibration is not None
+    stale = tmp_path / "stale"  # another model's folder (the target's), the draft's file
+    shutil.copytree(tmp_path / "out" / "code-target", stale)
+    shutil.copy(tmp_path / "out" / "code-draft" / "calibration.json", stale)
+    with pytest.warns(UserWarning, match="calibration.json was fitted for other weights"):
+        assert sj.load_draft_model(stale).calibration is None
     for name in ("code-target", "code-draft"):  # model cards with the measured figures
         info = json.loads((tmp_path / "out" / name / "training.json").read_text())
         assert info["steps"] == 4 and info["corpus"]["heldout_files"] > 0

@@ -275,7 +275,7 @@ def load_draft_model(path, dtype: str | None = None, *, full_vocab: bool = False
     the calibration it ships in ``calibration.json`` (adaptive draft lengths), if any."""
     from ..checkpoint import load_model
     model = load_model(path, dtype)
-    calibration = load_calibration(path)
+    calibration = load_calibration(path, model)
     file = pathlib.Path(path) / VOCAB_FILE
     if full_vocab or not file.exists():
         return DraftModel(model, None, calibration)

@@ -79,6 +79,10 @@ LONG_RUNS = (("target-long", TARGET, TARGET_LONG_TRAINING),
 # head cut to these columns, `draft_vocab.npy`; see specjax/draft/vocab.py).
 DRAFT_VOCAB_SIZE = 2048
 
+# How export fits the draft's calibration (adaptive lengths; `specjax train calibrate`'s
+# settings): prompts cut from the held-out stream, the target's own text from them.
+CALIBRATION = dict(num_prompts=96, prompt_tokens=64, max_new_tokens=128, temperature=0.8)
+
 log = logging.getLogger(__name__)
 
 
@@ -268,8 +272,13 @@ programs.
 
 def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                  runs=(("target", TARGET, TARGET_TRAINING), ("draft", DRAFT, DRAFT_TRAINING)),
-                 draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> None:
+                 draft_vocab_size: int = DRAFT_VOCAB_SIZE, calibration: dict | None = None
+                 ) -> None:
+    """Write the trained runs as model folders under ``out`` (code-target, code-draft) with
+    their cards; with both, the draft's acceptance and its calibration for adaptive lengths
+    (``calibration``: the fit's settings, default CALIBRATION)."""
     import shutil
+    calibration = calibration or CALIBRATION
 
     from ..checkpoint import _model_file, cast, load_model, save_model
     from ..draft.draft_model import VOCAB_FILE, load_draft_model
@@ -312,6 +321,19 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             acceptance["long"] = measure_long(info["target"]["model"], info["draft"]["model"],
                                               tokenizer)
             print(f"acceptance (γ=4): {json.dumps(acceptance)}")
+            # adaptive lengths' calibration, fitted for these weights (an earlier one would be
+            # carried over otherwise, and ignored on load: it records the weights it was fit for)
+            from ..adaptive import calibrate, save_calibration, stream_prompts
+            fit = calibration
+            calibration, report = calibrate(
+                info["target"]["model"], info["draft"]["model"],
+                stream_prompts(heldout, fit["num_prompts"], fit["prompt_tokens"]),
+                temperature=fit["temperature"], max_new_tokens=fit["max_new_tokens"])
+            report["command"] = "specjax train pair export (fit as `specjax train calibrate " + \
+                " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fit.items()) + "`)"
+            save_calibration(calibration, info["draft"]["where"], report, info["draft"]["model"])
+            print("calibration: held-out ECE " + ", ".join(
+                f"{m} {report[m]['ece']:.3f}" for m in ("greedy", "sampled")))
         long = any(d["run"].endswith("-long") for d in info.values())
         rebuild = ("`specjax train pair data|target|draft|target-long|draft-long --workdir W`, "
                    "then `specjax train pair export --long --workdir W`" if long else
