@@ -175,17 +175,18 @@ def keep(survival: Array, threshold: float | None) -> Array:
 class Budget:
     """What a round costs on this backend at this batch size, in one-token target steps:
     ``verify_costs[k]``, a target forward over k + 1 tokens (verifying k drafts; [0] is 1, the
-    plain decode step), and ``draft_cost``, one draft step. Static: part of the program, like γ.
+    plain decode step), ``draft_cost`` (c), one draft step, and ``round_cost`` (o), what every
+    round costs besides its forwards. Static: part of the program, like γ.
 
     The batch verifies as many draft positions as pay for themselves. Every row shares the
     forward's width (the verify forward is [B, width]), so the budget is a width. Before draft k
-    is drawn, each active row still drafting has a predicted survival s_k through draft k and a
+    is drawn, each row still generating has a predicted survival s_k through draft k and a
     predicted chance p_k for draft k itself; projecting p_k onto the drafts after it gives the
     expected tokens of every width w >= k, E_w = E_{k-1} + sum over rows of s_k (1 + p_k + ...
     + p_k^(w-k)), where E_{k-1} counts each row's own token and the drafts already kept. The
     batch verifies draft k if some width w >= k has a higher expected rate than stopping:
 
-        max over w >= k of  E_w / (c·w + v_w)  >  E_{k-1} / (c·(k - 1) + v_{k-1}),
+        max over w >= k of  E_w / (o + c·w + v_w)  >  E_{k-1} / (o + c·(k - 1) + v_{k-1}),
 
     and the first k that fails ends the batch's drafting. At small batch, where v stays near 1,
     every confident draft is verified; at large batch, where each extra position costs a step's
@@ -199,10 +200,15 @@ class Budget:
 
     verify_costs: tuple[float, ...]
     draft_cost: float = 0.0
+    # what every round costs besides its forwards, whatever its width (sampling, verification,
+    # bookkeeping, the draft's longer first forward), in one-token target steps
+    round_cost: float = 0.0
 
     @classmethod
-    def of(cls, verify_costs, draft_cost: float = 0.0, gamma: int | None = None) -> Budget:
-        """Checked: γ + 1 finite costs > 0 (divided by the first) and a draft cost >= 0."""
+    def of(cls, verify_costs, draft_cost: float = 0.0, gamma: int | None = None,
+           round_cost: float = 0.0) -> Budget:
+        """Checked: γ + 1 finite costs > 0 (divided by the first), a draft cost and a round
+        cost >= 0 (in the first's units already)."""
         costs = tuple(verify_costs) if isinstance(verify_costs, (tuple, list)) else None
         if (costs is None or len(costs) < 2 or (gamma is not None and len(costs) != gamma + 1)
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -210,15 +216,19 @@ class Budget:
             want = "γ + 1" if gamma is None else f"{gamma + 1} (γ + 1)"
             raise ValueError(f"verify_costs must be {want} finite costs > 0 (a target forward "
                              f"over 1, 2, ... tokens, in one-token steps), got {verify_costs!r}")
-        if (isinstance(draft_cost, bool) or not isinstance(draft_cost, (int, float))
-                or not np.isfinite(draft_cost) or draft_cost < 0):
-            raise ValueError(f"draft_cost must be a finite number >= 0 (one draft step in "
-                             f"target steps), got {draft_cost!r}")
-        return cls(tuple(float(x) / float(costs[0]) for x in costs), float(draft_cost))
+        for name, value, what in (("draft_cost", draft_cost, "one draft step"),
+                                  ("round_cost", round_cost, "a round's fixed part")):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not np.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be a finite number >= 0 ({what} in target "
+                                 f"steps), got {value!r}")
+        return cls(tuple(float(x) / float(costs[0]) for x in costs), float(draft_cost),
+                   float(round_cost))
 
     def cost(self, k: int) -> float:
-        """A round verifying k drafts: k draft steps and a (k + 1)-token forward."""
-        return self.draft_cost * k + self.verify_costs[k]
+        """A round verifying k drafts: its fixed part, k draft steps and a (k + 1)-token
+        forward."""
+        return self.round_cost + self.draft_cost * k + self.verify_costs[k]
 
     @property
     def gamma(self) -> int:
@@ -309,13 +319,16 @@ class ChainControl:
 
 
 def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
-                  context: int = 64, repeats: int = 9) -> Budget:
-    """This backend's ``Budget`` for ``target`` (and a draft model's step, if given) at
-    ``batch_size`` rows: the target's forward over 1 .. γ + 1 tokens and the draft's one-token
-    step, each with the cache filled to ``context`` slots, timed interleaved (median of
-    ``repeats``), in the target's one-token steps. A draft that is not a model (heads) has no
-    step timed here: pass its cost to ``Budget.of`` yourself."""
+                  context: int = 64, repeats: int = 9, temperature: float = 1.0) -> Budget:
+    """This backend's ``Budget`` for ``target`` (and a draft model, if given) at ``batch_size``
+    rows: the target's forward over 1 .. γ + 1 tokens and the draft's one-token step, each with
+    the cache filled to ``context`` slots; with a draft model, also a whole round of generate's
+    own program for the static chain of γ (rows sampled at ``temperature``; 0: greedy), whose
+    time beyond its forwards is the round's fixed part (``round_cost``). Timed interleaved
+    (median of ``repeats``), in the target's one-token steps. A draft that is not a model
+    (heads) has no step or round timed here: pass its costs to ``Budget.of`` yourself."""
     from . import timing
+    from .config import SamplingParams, SpecConfig
     from .draft.draft_model import DraftModel
     from .model import Model
     capacity = context + gamma + 2
@@ -323,10 +336,21 @@ def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
               for w in range(1, gamma + 2)}
     if isinstance(draft, (Model, DraftModel)):
         timers["draft"] = timing.forward_timer(draft, 1, capacity, context, batch=batch_size)
+        decoded = context // 2
+        prompt = np.random.default_rng(0).integers(1, target.config.vocab_size,
+                                                   max(context - decoded, 1)).tolist()
+        timers["round"] = timing.round_timers(
+            target, prompt, sampling=SamplingParams(temperature=temperature,
+                                                    max_new_tokens=decoded + 2 * gamma + 2),
+            spec=SpecConfig(num_speculative_tokens=gamma), draft=draft, decoded=decoded,
+            batch=batch_size)["round"]
     seconds = timing.median_seconds(timers, repeats)
     step = seconds[1]
-    return Budget.of([seconds[w] / step for w in range(1, gamma + 2)],
-                     seconds.get("draft", 0.0) / step)
+    verify = [seconds[w] / step for w in range(1, gamma + 2)]
+    draft_cost = seconds.get("draft", 0.0) / step
+    round_cost = (max(seconds["round"] / step - verify[gamma] - gamma * draft_cost, 0.0)
+                  if "round" in seconds else 0.0)
+    return Budget.of(verify, draft_cost, round_cost=round_cost)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,20 +505,42 @@ def stream_prompts(stream: np.ndarray, num_prompts: int, tokens: int) -> list[li
     return [[int(t) for t in stream[s:s + tokens]] for s in starts]
 
 
+def definition_prompts(texts: list[str], num_prompts: int, lines: int = 15) -> list[str]:
+    """``num_prompts`` prompts of up to ``lines`` lines that end with a function definition
+    (``def`` or ``async def``, its line and a newline included), picked at even spacing among
+    every such line of ``texts`` after the first line of its file: the shape of a request to
+    complete a function (the bench's prompts have it). ValueError when there are too few."""
+    ends = []
+    for text in texts:
+        rows = text.split("\n")
+        for i, row in enumerate(rows):
+            head = row.lstrip()
+            if i >= 1 and (head.startswith("def ") or head.startswith("async def ")):
+                ends.append("\n".join(rows[max(0, i - lines + 1):i + 1]) + "\n")
+    if len(ends) < num_prompts:
+        raise ValueError(f"the texts have {len(ends)} function definitions after a first line, "
+                         f"fewer than the {num_prompts} prompts asked for")
+    return [ends[i] for i in np.linspace(0, len(ends) - 1, num_prompts).astype(int)]
+
+
 def calibrate_main(argv=None) -> int:
     """``specjax train calibrate``: fit a draft model folder's calibration and save it there."""
     import argparse
     ap = argparse.ArgumentParser(
         prog="specjax train calibrate",
         description="Fit the calibration of a draft model's confidence (adaptive draft lengths, "
-                    "SpecConfig.survival_threshold) on prompts cut from a held-out token "
-                    "stream, and save it as calibration.json in the draft folder.")
+                    "SpecConfig.survival_threshold) on held-out prompts, and save it as "
+                    "calibration.json in the draft folder.")
     ap.add_argument("--target", help="the target folder (default: the bundled code-target)")
     ap.add_argument("--draft", help="the draft folder (default: the bundled code-draft)")
     ap.add_argument("--data", default="~/specjax-work",
-                    help="folder with heldout.npy (`specjax train pair data`)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
+                    help="the folder `specjax train pair data` wrote (corpus.json, heldout.npy)")
+    ap.add_argument("--prompts", choices=("definitions", "windows"), default="definitions",
+                    help="definitions: 15 lines ending with a function definition, from the "
+                         "held-out files no bench prompt set uses (default); windows: "
+                         "--prompt-tokens tokens cut from the held-out token stream")
+    ap.add_argument("--num-prompts", type=int, default=96)
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="--prompts windows only")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled rows' fit")
     ap.add_argument("--out", help="folder to write calibration.json to (default: --draft)")
@@ -510,14 +556,20 @@ def calibrate_main(argv=None) -> int:
     for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    heldout = pathlib.Path(args.data).expanduser() / "heldout.npy"
-    if not heldout.is_file():
-        ap.error(f"--data {args.data}: no heldout.npy there; build the token streams with "
-                 f"`specjax train pair data --workdir DIR` and pass --data DIR")
+    data = pathlib.Path(args.data).expanduser()
+    need = data / ("corpus.json" if args.prompts == "definitions" else "heldout.npy")
+    if not need.is_file():
+        ap.error(f"--data {args.data}: no {need.name} there; build it with `specjax train pair "
+                 f"data --workdir DIR` and pass --data DIR")
     try:
-        prompts = stream_prompts(np.load(heldout), args.num_prompts, args.prompt_tokens)
-    except ValueError as e:
-        raise SystemExit(f"{heldout}: {e}") from None
+        if args.prompts == "definitions":
+            from .tokenizer import load_tokenizer
+            from .train.pair import calibration_prompts
+            prompts = calibration_prompts(data, load_tokenizer(args.target), args.num_prompts)
+        else:
+            prompts = stream_prompts(np.load(need), args.num_prompts, args.prompt_tokens)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"{need}: {e}") from None
     try:
         target = load_model(args.target, dtype="float32")
         draft = load_draft_model(args.draft, dtype="float32")

@@ -332,10 +332,12 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             gamma=max(s.num_speculative_tokens for s in adaptive_specs),
             context=len(sorted(prompts, key=len)[len(prompts) // 2]) + max_new_tokens // 2)
         log(f"verify budget at batch {B}: forward costs {[round(c, 3) for c in costs.verify_costs]}"
-            f" steps, draft step {costs.draft_cost:.3f}")
+            f" steps, draft step {costs.draft_cost:.3f}, a round's fixed part "
+            f"{costs.round_cost:.3f}")
         specs += [dataclasses.replace(
             s, verify_costs=costs.verify_costs[:s.num_speculative_tokens + 1],
-            draft_cost=costs.draft_cost if s.needs_draft_model else 0.0)
+            draft_cost=costs.draft_cost if s.needs_draft_model else 0.0,
+            round_cost=costs.round_cost if s.needs_draft_model else 0.0)
             for s in adaptive_specs]
 
     # The parts of a round, each timed apart inside one compiled program (timing.py), for the
@@ -407,7 +409,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 tree=None if tree is None else tree.to_json(), lookup=_lookup(spec),
                 synthetic_acceptance=spec.synthetic_acceptance,
                 survival_threshold=spec.survival_threshold, verify_costs=spec.verify_costs,
-                draft_cost=spec.draft_cost, batch_size=B,
+                draft_cost=spec.draft_cost, round_cost=spec.round_cost, batch_size=B,
                 ar_tokens_per_second=ar.median("tokens_per_second"),
                 spec_tokens_per_second=sp.median("tokens_per_second"),
                 speedup=sp.median("tokens_per_second") / ar.median("tokens_per_second"),

@@ -364,6 +364,9 @@ class SpecConfig:
     # forward, down to none at all. With or without survival_threshold; same methods.
     verify_costs: tuple[float, ...] | None = None
     draft_cost: float | None = None  # None: 0 (with verify_costs)
+    # what every round costs besides its forwards (sampling, verification, bookkeeping), in
+    # one-token steps; it makes wider rounds relatively cheaper. None: 0 (with verify_costs)
+    round_cost: float | None = None
     # suffix decoding (specjax/draft/suffix.py), in vLLM's names: the longest suffix matched;
     # a match of n tokens drafts at most ceil(factor × n) deep; a tree node's least share of its
     # parent's occurrences. Without a tree, num_speculative_tokens is the draft tree's depth.
@@ -443,13 +446,15 @@ class SpecConfig:
         if self.survival_threshold is not None:
             _require_real(self, "survival_threshold", self.survival_threshold,
                           lambda x: 0 < x < 1, "in (0, 1) or None")
-        if self.draft_cost is not None and self.verify_costs is None:
-            raise ValueError(f"SpecConfig.draft_cost={self.draft_cost!r} needs verify_costs "
-                             f"(the verify budget)")
+        for name in ("draft_cost", "round_cost"):
+            if getattr(self, name) is not None and self.verify_costs is None:
+                raise ValueError(f"SpecConfig.{name}={getattr(self, name)!r} needs "
+                                 f"verify_costs (the verify budget)")
         if self.verify_costs is not None:
             from .adaptive import Budget
             Budget.of(self.verify_costs, 0.0 if self.draft_cost is None else self.draft_cost,
-                      self.num_speculative_tokens)  # checks them
+                      self.num_speculative_tokens,
+                      0.0 if self.round_cost is None else self.round_cost)  # checks them
             object.__setattr__(self, "verify_costs", tuple(self.verify_costs))
         for name in ("survival_threshold", "verify_costs"):
             if getattr(self, name) is not None and (self.tree is not None or not method.adaptive):
@@ -465,7 +470,8 @@ class SpecConfig:
         if self.verify_costs is None:
             return None
         from .adaptive import Budget
-        return Budget.of(self.verify_costs, self.draft_cost or 0.0)
+        return Budget.of(self.verify_costs, self.draft_cost or 0.0,
+                         round_cost=self.round_cost or 0.0)
 
     def _synthetic_profile(self) -> tuple[float, ...]:
         """synthetic_acceptance as one α per draft position, checked."""

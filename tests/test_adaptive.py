@@ -73,6 +73,31 @@ def test_calibrate_fits_a_draft_model_on_held_out_rows(models, tmp_path):
         adaptive.calibrate(target, drafts["close"], prompts[:1])
 
 
+def test_calibration_prompts_end_at_definitions_in_files_the_bench_does_not_use(tmp_path):
+    import json
+
+    from specjax.train import pair
+    texts = {"mine.py": "import os\n\n\ndef a():\n    pass\n\nclass C:\n    async def b(self):\n",
+             "asyncio/subprocess.py": "x = 1\ndef benched():\n"}  # a bench prompt's file
+    for name, text in texts.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    prompts = adaptive.definition_prompts(list(texts.values()), 3, lines=3)
+    assert prompts == ["\n\ndef a():\n", "\nclass C:\n    async def b(self):\n",
+                       "x = 1\ndef benched():\n"]
+    with pytest.raises(ValueError, match="3 function definitions .* fewer than the 4 prompts"):
+        adaptive.definition_prompts(list(texts.values()), 4)
+    (tmp_path / "corpus.json").write_text(json.dumps({"root": str(tmp_path),
+                                                      "heldout": list(texts)}))
+
+    class Chars:  # a tokenizer: one id per character
+        encode = staticmethod(lambda text: [ord(c) for c in text])
+    got = pair.calibration_prompts(tmp_path, Chars, 2)
+    assert ["".join(map(chr, x)) for x in got] == [
+        "import os\n\n\ndef a():\n",
+        "import os\n\n\ndef a():\n    pass\n\nclass C:\n    async def b(self):\n"]
+
+
 # -- losslessness -------------------------------------------------------------------------------
 
 # per setting, a threshold at which the close draft's rows propose 0 to 3 drafts, varying round
@@ -405,5 +430,40 @@ def test_bad_budgets_are_refused_by_name():
         sj.SpecConfig(draft_cost=0.1)
     with pytest.raises(ValueError, match="verify_costs .* got method 'ngram'"):
         sj.SpecConfig(method="ngram", num_speculative_tokens=1, verify_costs=(1, 2))
+    with pytest.raises(ValueError, match="round_cost must be a finite number >= 0"):
+        sj.SpecConfig(num_speculative_tokens=1, verify_costs=(1, 2), round_cost=-1.0)
+    with pytest.raises(ValueError, match="round_cost=0.2 needs verify_costs"):
+        sj.SpecConfig(round_cost=0.2)
     spec = sj.SpecConfig.parse('{"num_speculative_tokens": 2, "verify_costs": [2, 3, 4]}')
     assert spec.budget == adaptive.Budget((1.0, 1.5, 2.0), 0.0)
+    spec = sj.SpecConfig.parse('{"num_speculative_tokens": 2, "verify_costs": [2, 3, 4], '
+                               '"draft_cost": 0.1, "round_cost": 0.3}')
+    assert spec.budget == adaptive.Budget((1.0, 1.5, 2.0), 0.1, 0.3)
+
+
+def test_a_rounds_fixed_cost_makes_wider_rounds_pay():
+    """The same confidences under forward costs where one more draft barely pays: as the
+    round's fixed part grows, the width never shrinks and ends wider, and each width is the
+    reference rule's."""
+    rng = np.random.default_rng(2)
+    B, G = 8, 4
+    scores = jnp.asarray(rng.uniform(0.4, 0.9, (B, G)), jnp.float32)
+    greedy, active = jnp.ones((B,), bool), jnp.ones((B,), bool)
+    widths = []
+    for o in (0.0, 0.3, 1.0, 5.0):
+        budget = adaptive.Budget.of([1.0, 1.5, 2.1, 2.8, 3.6], 0.02, round_cost=o)
+        valid = control_valid(scores, greedy, active, None, budget)
+        ref = budget_reference(np.asarray(Calibration.identity().predict(scores, greedy)),
+                               np.asarray(active), None, budget)
+        np.testing.assert_array_equal(valid, ref)
+        widths.append(int(valid.sum(axis=1).max()))
+    assert widths == sorted(widths) and widths[0] < widths[-1], widths
+
+
+def test_measure_costs_times_forwards_steps_and_rounds(target, draft):
+    costs = adaptive.measure_costs(target, draft, batch_size=2, gamma=2, context=16, repeats=1)
+    assert len(costs.verify_costs) == 3 and costs.verify_costs[0] == 1.0
+    assert all(np.isfinite(c) and c > 0 for c in costs.verify_costs)
+    assert costs.draft_cost > 0 and np.isfinite(costs.round_cost) and costs.round_cost >= 0
+    heads_only = adaptive.measure_costs(target, None, gamma=2, context=16, repeats=1)
+    assert heads_only.draft_cost == 0 and heads_only.round_cost == 0

@@ -116,7 +116,9 @@ def test_the_draft_ships_a_calibration_fitted_for_its_weights():
     the shipped draft's: retraining the draft without fitting it again fails here."""
     import warnings
     record = json.loads((CKPT / "code-draft" / "calibration.json").read_text())
-    assert "fitted_for" in record and record["report"]["greedy"]["ece"] <= 0.05, record["report"]
+    assert "fitted_for" in record
+    for mode in ("greedy", "sampled"):  # the fit beats the raw confidence on held-out rows
+        assert record["report"][mode]["ece"] < record["report"][mode]["ece_raw"] / 2, mode
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert sj.load_draft_model(CKPT / "code-draft").calibration is not None

@@ -469,11 +469,17 @@ def test_train_calibrate_names_missing_inputs(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "calibrate", "--data", str(tmp_path / "none")])
     assert e.value.code == 2
-    assert f"--data {tmp_path / 'none'}: no heldout.npy there" in capsys.readouterr().err
+    assert f"--data {tmp_path / 'none'}: no corpus.json there" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "calibrate", "--data", str(tmp_path), "--prompts", "windows"])
+    assert e.value.code == 2
+    assert f"--data {tmp_path}: no heldout.npy there" in capsys.readouterr().err
     np.save(tmp_path / "heldout.npy", np.zeros(64 * 32, np.int32))
+    with pytest.raises(SystemExit, match="2048 tokens, fewer than 96 prompts x 64 tokens"):
+        cli.main(["train", "calibrate", "--data", str(tmp_path), "--prompts", "windows"])
     with pytest.raises(SystemExit):
-        cli.main(["train", "calibrate", "--data", str(tmp_path), "--draft",
-                  str(tmp_path / "nothing")])
+        cli.main(["train", "calibrate", "--data", str(tmp_path), "--prompts", "windows",
+                  "--num-prompts", "32", "--draft", str(tmp_path / "nothing")])
     assert f"{tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
 
 

@@ -122,7 +122,7 @@ def test_pair_stages_end_to_end(tmp_path):
                               eval_every=4, eval_batches=1)
     pair.stage_target(work, None, target, quick, progress=False)
     pair.stage_draft(work, None, draft, quick, target, quick, progress=False)
-    fit = dict(num_prompts=4, prompt_tokens=8, max_new_tokens=8, temperature=0.8)
+    fit = dict(num_prompts=4, max_new_tokens=8, temperature=0.8)
     pair.stage_export(work, tmp_path / "out", (("target", target, quick),
                                                ("draft", draft, quick)), draft_vocab_size=100,
                       calibration=fit)

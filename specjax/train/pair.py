@@ -80,8 +80,9 @@ LONG_RUNS = (("target-long", TARGET, TARGET_LONG_TRAINING),
 DRAFT_VOCAB_SIZE = 2048
 
 # How export fits the draft's calibration (adaptive lengths; `specjax train calibrate`'s
-# settings): prompts cut from the held-out stream, the target's own text from them.
-CALIBRATION = dict(num_prompts=96, prompt_tokens=64, max_new_tokens=128, temperature=0.8)
+# settings): function-definition prompts from held-out files (calibration_prompts), the target's
+# own text from them.
+CALIBRATION = dict(num_prompts=96, max_new_tokens=128, temperature=0.8)
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,22 @@ def stage_draft_long(workdir: pathlib.Path, minutes: float | None, start: pathli
     """Distil the draft again from target-long at its sequence length, from ``start``."""
     stage_draft(workdir, minutes, DRAFT, DRAFT_LONG_TRAINING, TARGET, TARGET_LONG_TRAINING,
                 progress=progress, teacher_run="target-long", run="draft-long", start=start)
+
+
+def calibration_prompts(workdir: pathlib.Path, tokenizer, num_prompts: int) -> list[list[int]]:
+    """What calibrations are fitted on (``specjax train calibrate``, export): prompts of 15 lines
+    ending with a function definition, like a request to complete a function, cut from the
+    held-out files that no shipped bench prompt set draws from (so the bench still scores the
+    calibration on files it never saw), encoded."""
+    from ..adaptive import definition_prompts
+    from ..bench import PROMPT_SETS, load_prompts
+    corpus = json.loads((workdir / "corpus.json").read_text())
+    root = pathlib.Path(corpus["root"])
+    benched = {p.get("source", "").removeprefix("Lib/") for name in PROMPT_SETS
+               for p in load_prompts(name)}
+    texts = [(root / f).read_text(encoding="utf-8", errors="replace")
+             for f in corpus["heldout"] if f not in benched and (root / f).is_file()]
+    return [tokenizer.encode(t) for t in definition_prompts(texts, num_prompts)]
 
 
 def _fitted_prompts(target, draft, tokenizer, prompt_set: str, gamma: int, max_new_tokens: int
@@ -323,11 +340,11 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             print(f"acceptance (γ=4): {json.dumps(acceptance)}")
             # adaptive lengths' calibration, fitted for these weights (an earlier one would be
             # carried over otherwise, and ignored on load: it records the weights it was fit for)
-            from ..adaptive import calibrate, save_calibration, stream_prompts
+            from ..adaptive import calibrate, save_calibration
             fit = calibration
             calibration, report = calibrate(
                 info["target"]["model"], info["draft"]["model"],
-                stream_prompts(heldout, fit["num_prompts"], fit["prompt_tokens"]),
+                calibration_prompts(workdir, tokenizer, fit["num_prompts"]),
                 temperature=fit["temperature"], max_new_tokens=fit["max_new_tokens"])
             report["command"] = "specjax train pair export (fit as `specjax train calibrate " + \
                 " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fit.items()) + "`)"
