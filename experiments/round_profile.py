@@ -11,6 +11,8 @@ timer run without it.
 
     python experiments/round_profile.py                       # ar, ngram, draft_model, eagle
     python experiments/round_profile.py --methods ngram --top 10
+    python experiments/round_profile.py --methods draft_model --batch 4 --gamma 2 \
+        --survival-threshold 1e-9        # adaptive lengths' program, every draft verified
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def group(name: str, op_name: str, line: str) -> str:
     return f"{part}, {'matmuls' if 'dot_general' in op_name else 'rest'}"
 
 
-def profile(method: str, temperature: float, top: int) -> None:
+def profile(method: str, temperature: float, top: int, batch: int = 1, gamma: int = 4,
+            threshold: float | None = None) -> None:
     tok = sj.load_tokenizer(CKPT / "code-target")
     target = sj.load_model(CKPT / "code-target")
     draft = {"draft_model": lambda: sj.load_draft_model(CKPT / "code-draft"),
@@ -59,10 +62,11 @@ def profile(method: str, temperature: float, top: int) -> None:
              "medusa": lambda: sj.load_heads(CKPT / "code-medusa", target)}.get(
         method, lambda: None)()
     prompt = tok.encode(bench.load_prompts()[0]["text"])
-    spec = None if method == "ar" else sj.SpecConfig(method=method, num_speculative_tokens=4)
+    spec = None if method == "ar" else sj.SpecConfig(method=method, num_speculative_tokens=gamma,
+                                                     survival_threshold=threshold)
     timers = timing.round_timers(target, prompt, spec=spec, draft=draft, decoded=64,
                                  sampling=sj.SamplingParams(temperature=temperature,
-                                                            max_new_tokens=256))
+                                                            max_new_tokens=256), batch=batch)
     run = timers["round"]
     lines = {}
     for line in run.executable.as_text().splitlines():
@@ -94,7 +98,8 @@ def profile(method: str, temperature: float, top: int) -> None:
         groups[g] += us
         members[g].append((us, name))
     total = sum(groups.values())
-    print(f"\n{method}, T={temperature}: round {1e6 * plain:.0f} µs timed without the profiler; "
+    print(f"\n{method}, γ={gamma}, threshold {threshold}, batch {batch}, T={temperature}: "
+          f"round {1e6 * plain:.0f} µs timed without the profiler; "
           f"{total:.0f} µs in {sum(count.values()):.0f} operations under it")
     for g, us in groups.most_common():
         print(f"  {g:28s} {us:8.1f} µs  {us / total:6.1%}")
@@ -111,9 +116,14 @@ def main() -> None:
     ap.add_argument("--methods", default="ar,ngram,draft_model,eagle")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top", type=int, default=3, help="operations listed per group")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--survival-threshold", type=float, default=None,
+                    help="adaptive lengths (chains of draft_model, eagle, medusa)")
     args = ap.parse_args()
     for method in args.methods.split(","):
-        profile(method, args.temperature, args.top)
+        profile(method, args.temperature, args.top, args.batch, args.gamma,
+                None if method == "ar" else args.survival_threshold)
 
 
 if __name__ == "__main__":

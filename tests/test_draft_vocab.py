@@ -124,6 +124,18 @@ def test_restricted_draft_follows_the_target(models, t, k, p):
     assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
 
 
+def test_widen_puts_each_probability_at_its_id_and_zeros_elsewhere():
+    rng = np.random.default_rng(4)
+    ids = rng.choice(50, 12, replace=False)  # not sorted
+    vocab = sj.DraftVocab(jnp.asarray(ids, jnp.int32), jnp.zeros((4, 12)))
+    sub = rng.random((3, 2, 12)).astype(np.float32)
+    want = np.zeros((3, 2, 50), np.float32)
+    want[..., ids] = sub
+    np.testing.assert_array_equal(np.asarray(vocab.widen(jnp.asarray(sub), 50)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(vocab.widen, static_argnums=1)(
+        jnp.asarray(sub[0, 0]), 50)), want[0, 0])
+
+
 def _shifted_widen(self, sub, vocab_size):
     """q written to the wrong ids (the subset rolled by one): the verifier sees a q that is not
     the distribution the drafts were drawn from."""
