@@ -353,9 +353,10 @@ class SpecConfig:
     # run rounds of a realistic length. A float: the same α at every position; a tuple: one per
     # position (γ of them). Chains only. ``generate`` refuses it unless allow_synthetic=True.
     synthetic_acceptance: float | tuple[float, ...] | None = None
-    # Adaptive draft lengths (specjax/adaptive.py): a row proposes draft k only while the
-    # calibrated chance that its drafts 1 .. k all survive is at least this, and drafting stops
-    # once no row goes on. None: every row proposes γ. Chains of methods that support it.
+    # Adaptive draft lengths (specjax/adaptive.py): the batch verifies draft k, in every row still
+    # generating, while some row's calibrated chance that its drafts 1 .. k all survive is at
+    # least this; drafting stops once no row wants more. None: every row proposes γ. Chains of
+    # methods that support it.
     survival_threshold: float | None = None
     # The batch's verify budget (specjax/adaptive.py, Budget): what a target forward over 1, 2,
     # ..., γ + 1 tokens costs at the batch size you run, in one-token steps (from

@@ -325,10 +325,10 @@ def _prefilled(draft: DraftModel, prompts: Array, prompt_lengths: Array, capacit
 class DraftModelProposer:
     """A chain of γ drafts, sampled from the draft model with the request's processing.
 
-    With ``survival_threshold`` (adaptive lengths, specjax/adaptive.py) a row proposes draft k
-    only while the calibrated survival of its drafts 1 .. k is at least the threshold, and the
-    draft forwards stop once no row is still drafting (each later step is a ``lax.cond`` whose
-    skipped branch writes nothing of use: those slots lie past every row's proposals)."""
+    With ``survival_threshold`` (adaptive lengths, specjax/adaptive.py) the batch verifies
+    draft k while some row's calibrated survival through k is at least the threshold, and the
+    draft forwards stop once no row wants more (each later step is a ``lax.cond`` whose skipped
+    branch writes nothing of use: those slots lie past every row's proposals)."""
 
     config: ModelConfig  # the draft model's config
     gamma: int  # drafts per round
