@@ -6,8 +6,8 @@
 * **Calibration.** Confidence is not acceptance. A ``Calibration`` maps a confidence c to the
   predicted probability that the draft is accepted given that the drafts before it were:
   sigmoid(a · logit(c) + b), with a > 0 so the order of confidences is kept, one (a, b) for greedy
-  rows and one for sampled rows. ``calibrate`` fits it on a held-out token stream written by the
-  target (see there); the identity (a = 1, b = 0) is the default.
+  rows and one for sampled rows. ``calibrate`` fits it on the target's own text from held-out
+  prompts (see there); the identity (a = 1, b = 0) is the default.
 * **Survival.** The product of the predictions along a row's chain: the predicted chance that
   every draft so far is accepted. A row wants draft k while its survival is at least the
   threshold (``SpecConfig.survival_threshold``). The batch verifies draft k while some row wants
@@ -138,10 +138,8 @@ def load_calibration(folder, model=None) -> Calibration | None:
     calibration = Calibration.from_json(record, str(path))
     fitted_for = record.get("fitted_for") if isinstance(record, dict) else None
     if model is not None and fitted_for is not None:
-        from .draft.heads import fingerprint
-        mine = fingerprint(getattr(model, "model", model))
-        if set(mine) != set(fitted_for) or not all(
-                np.allclose(mine[k], fitted_for[k], rtol=1e-2, atol=1e-6) for k in mine):
+        from .draft.heads import differing_weight
+        if differing_weight(fitted_for, getattr(model, "model", model)) is not None:
             import warnings
             warnings.warn(f"{path} was fitted for other weights than the model in {folder}: "
                           f"ignored, so adaptive lengths use the raw confidence (fit it again: "
@@ -497,7 +495,7 @@ def calibrate(target, draft, prompts: list[list[int]], *, temperature: float = 0
 
 def stream_prompts(stream: np.ndarray, num_prompts: int, tokens: int) -> list[list[int]]:
     """``num_prompts`` prompts of ``tokens`` tokens cut at even spacing from a token stream
-    (a held-out ``heldout.npy``): what ``calibrate`` is fitted on."""
+    (a held-out ``heldout.npy``): ``specjax train calibrate --prompts windows``."""
     if stream.size < num_prompts * tokens:
         raise ValueError(f"the stream has {stream.size} tokens, fewer than {num_prompts} "
                          f"prompts x {tokens} tokens = {num_prompts * tokens}")

@@ -323,15 +323,24 @@ def check_sizes(record: dict, target: Model, source: str) -> None:
                              f"this target has {name}={getattr(c, name)}")
 
 
+def differing_weight(recorded: dict, model: Model) -> str | None:
+    """The first weight of a recorded ``fingerprint`` that ``model`` lacks or whose values differ
+    from ``model``'s (beyond bfloat16 rounding), or None when they all match."""
+    mine = fingerprint(model)
+    for name, values in recorded.items():
+        if name not in mine or not np.allclose(mine[name], values, rtol=1e-2, atol=1e-6):
+            return name
+    return None
+
+
 def check_target(record: dict, target: Model, source: str) -> None:
     """Refuse a target other than the one a drafter was trained for (ValueError naming why)."""
     check_sizes(record, target, source)
-    mine = fingerprint(target)
-    for name, values in record["fingerprint"].items():
-        if name not in mine or not np.allclose(mine[name], values, rtol=1e-2, atol=1e-6):
-            raise ValueError(f"{source} was trained for another target: its weight {name!r} "
-                             f"differs from this target's (load the target it was trained on, "
-                             f"or train the drafter for this one with `specjax train heads`)")
+    name = differing_weight(record["fingerprint"], target)
+    if name is not None:
+        raise ValueError(f"{source} was trained for another target: its weight {name!r} "
+                         f"differs from this target's (load the target it was trained on, or "
+                         f"train the drafter for this one with `specjax train heads`)")
 
 
 HEADS_FILES = ("drafter.json", "vocab.npy", "weights", "calibration.json")

@@ -341,14 +341,14 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             # adaptive lengths' calibration, fitted for these weights (an earlier one would be
             # carried over otherwise, and ignored on load: it records the weights it was fit for)
             from ..adaptive import calibrate, save_calibration
-            fit = calibration
-            calibration, report = calibrate(
+            fitted, report = calibrate(
                 info["target"]["model"], info["draft"]["model"],
-                calibration_prompts(workdir, tokenizer, fit["num_prompts"]),
-                temperature=fit["temperature"], max_new_tokens=fit["max_new_tokens"])
+                calibration_prompts(workdir, tokenizer, calibration["num_prompts"]),
+                temperature=calibration["temperature"],
+                max_new_tokens=calibration["max_new_tokens"])
             report["command"] = "specjax train pair export (fit as `specjax train calibrate " + \
-                " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fit.items()) + "`)"
-            save_calibration(calibration, info["draft"]["where"], report, info["draft"]["model"])
+                " ".join(f"--{k.replace('_', '-')} {v}" for k, v in calibration.items()) + "`)"
+            save_calibration(fitted, info["draft"]["where"], report, info["draft"]["model"])
             print("calibration: held-out ECE " + ", ".join(
                 f"{m} {report[m]['ece']:.3f}" for m in ("greedy", "sampled")))
         long = any(d["run"].endswith("-long") for d in info.values())
