@@ -25,6 +25,7 @@ from .draft_model import (
     DraftModel,
     DraftModelProposer,
     DraftTreeProposer,
+    SpelledChainProposer,
     for_tokenizers,
     load_draft_model,
     map_vocab,
@@ -41,7 +42,7 @@ from .ngram import NgramProposer
 from .registry import Method, get, names, register, unregister
 from .rider import Features
 from .suffix import SuffixCache, SuffixProposer
-from .vocab import DraftVocab, frequent_tokens, token_pairs
+from .vocab import DraftVocab, frequent_tokens, token_pairs, token_spellings
 
 # The built-in methods, one line each.
 register("draft_model", draft_model.build, draft="model", tree=True,
@@ -68,7 +69,8 @@ def load_draft(path, dtype: str | None = None, *, full_vocab: bool = False) -> D
 
 __all__ = ["Draft", "Proposer", "TreeProposer", "Rider", "draw", "expand_tree", "tree_candidates",
            "DraftModel", "DraftModelProposer", "DraftTreeProposer", "load_draft_model",
-           "restrict_vocab", "shared_prefix", "map_vocab", "token_pairs", "for_tokenizers",
+           "restrict_vocab", "shared_prefix", "map_vocab", "token_pairs", "token_spellings",
+           "for_tokenizers", "SpelledChainProposer",
            "vocab_coverage", "NgramProposer",
            "MedusaProposer", "EagleProposer", "DFlashProposer", "MTPProposer", "SuffixCache",
            "SuffixProposer", "LookaheadProposer", "Features",

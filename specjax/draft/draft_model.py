@@ -44,12 +44,15 @@ class DraftModel:
     calibration of its confidence for adaptive draft lengths (None: the identity;
     specjax/adaptive.py). ``from_target``: for a draft whose vocabulary is a prefix of the
     target's (``shared_prefix``), its input id for each target id [V_target] (None: the same
-    ids)."""
+    ids). ``spelling``: for a draft with a tokenizer of its own (``map_vocab(..., spelling=)``,
+    ``for_tokenizers``), the draft ids that write each target token [V_target, K], -1 after
+    the last; a chain then reads every accepted token as its draft spelling (re-encoding)."""
 
     model: Model
     vocab: DraftVocab | None = None
     calibration: Calibration | None = None
     from_target: Array | None = None
+    spelling: Array | None = None
 
     def inputs(self, tokens: Array) -> Array:
         """Target token ids -> the ids this draft reads (the same unless ``from_target``)."""
@@ -134,7 +137,8 @@ def shared_prefix(draft, target_vocab_size: int, *, fallback: int = 0) -> DraftM
     return map_vocab(draft, target_vocab_size, np.stack([ids, ids], axis=1), fallback=fallback)
 
 
-def map_vocab(draft, target_vocab_size: int, pairs, *, fallback: int = 0) -> DraftModel:
+def map_vocab(draft, target_vocab_size: int, pairs, *, fallback: int = 0,
+              spelling=None) -> DraftModel:
     """``draft`` (an sj.Model or sj.DraftModel) for a target with another vocabulary:
     ``pairs`` [n, 2] lists (draft id, target id) for the tokens the two share (each id at most
     once on either side; ``sj.draft.token_pairs`` finds them from the two tokenizers: token-level
@@ -144,7 +148,13 @@ def map_vocab(draft, target_vocab_size: int, pairs, *, fallback: int = 0) -> Dra
     distribution restricted and renormalised to them, as target ids; its q is zero elsewhere, so
     verification is unchanged and the output keeps the target's distribution. It reads the
     target's tokens in its own ids; a target token it does not share is read as ``fallback`` (a
-    draft id), which can only cost acceptance, never change the output."""
+    draft id), which can only cost acceptance, never change the output.
+
+    ``spelling`` [V_target, K] (``sj.draft.token_spellings`` builds it from the tokenizers):
+    row t holds the draft ids that write target token t, padded with -1. With it a chain draft
+    (not a tree, not adaptive lengths) reads each accepted target token as those draft tokens,
+    so its cache holds the text in its own tokenization (docs/draft-model.md); what the draft
+    reads never changes the output, only how often its drafts are accepted."""
     draft = _checked_draft(draft, "map_vocab")
     V = draft.config.vocab_size
     if not _is_int(target_vocab_size) or target_vocab_size < 1:
@@ -173,7 +183,30 @@ def map_vocab(draft, target_vocab_size: int, pairs, *, fallback: int = 0) -> Dra
     vocab = DraftVocab(jnp.asarray(pairs[:, 1], jnp.int32), head)
     from_target = np.full(int(target_vocab_size), int(fallback), np.int32)
     from_target[pairs[:, 1]] = pairs[:, 0]
-    return DraftModel(draft.model, vocab, draft.calibration, jnp.asarray(from_target))
+    if spelling is not None:
+        spelling = jnp.asarray(_checked_spelling(spelling, int(target_vocab_size), V))
+    return DraftModel(draft.model, vocab, draft.calibration, jnp.asarray(from_target), spelling)
+
+
+def _checked_spelling(spelling, target_vocab_size: int, draft_vocab_size: int) -> np.ndarray:
+    """``map_vocab``'s spelling as int32 [V_target, K], or ValueError naming what is wrong."""
+    try:
+        spelling = np.asarray(spelling)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"spelling must be a [V_target, K] array of draft ids: {e}") from None
+    if spelling.ndim != 2 or spelling.shape[0] != target_vocab_size or spelling.shape[1] < 1 \
+            or not np.issubdtype(spelling.dtype, np.integer):
+        raise ValueError(f"spelling must be a [{target_vocab_size}, K] int array (draft ids, -1 "
+                         f"after the last), got shape {spelling.shape} of {spelling.dtype}")
+    if spelling.min() < -1 or spelling.max() >= draft_vocab_size:
+        raise ValueError(f"spelling holds an id outside [0, {draft_vocab_size}) other than the "
+                         f"padding -1")
+    used = spelling >= 0
+    bad = np.flatnonzero(~used[:, 0] | (used[:, 1:] & ~used[:, :-1]).any(1))
+    if bad.size:
+        raise ValueError(f"spelling row {int(bad[0])} must start with a draft id and pad with -1 "
+                         f"only after its last one, got {spelling[bad[0]].tolist()}")
+    return spelling.astype(np.int32)
 
 
 _PAIRED: collections.OrderedDict = collections.OrderedDict()
@@ -187,8 +220,9 @@ def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: 
     """``draft`` (an sj.Model or sj.DraftModel) made to draft for a target with another
     tokenizer: ``map_vocab`` with ``token_pairs(draft_tokenizer, target_tokenizer)`` (what
     ``sj.generate(..., draft_tokenizer=)`` does). Returns the draft unchanged when the two
-    tokenizers give every id the same token. Target tokens the draft lacks are read as its
-    first special token (its id 0 when it has none)."""
+    tokenizers give every id the same token. A chain draft reads each target token as its
+    spelling in the draft's tokens (``token_spellings``); trees and adaptive lengths read the
+    target tokens the draft lacks as its first special token (its id 0 when it has none)."""
     from ..tokenizer import Tokenizer
     for name, tok in (("draft_tokenizer", draft_tokenizer), ("tokenizer", target_tokenizer)):
         if not isinstance(tok, Tokenizer):
@@ -202,8 +236,10 @@ def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: 
         _PAIRED.move_to_end(key)
         return hit[3]
     draft = _checked_draft(draft, "draft_tokenizer=")
-    from .vocab import token_keys, token_pairs
+    from .vocab import token_keys, token_pairs, token_spellings
     pairs = token_pairs(draft_tokenizer, target_tokenizer)
+    # a tokenizer may name more ids than its model has rows (ids added past the vocabulary)
+    pairs = pairs[(pairs[:, 0] < draft.config.vocab_size) & (pairs[:, 1] < target_vocab_size)]
     V = draft.config.vocab_size
     if (V == target_vocab_size and len(pairs) == V
             and np.array_equal(pairs[:, 0], pairs[:, 1])):
@@ -211,8 +247,11 @@ def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: 
     else:
         keys = token_keys(draft_tokenizer)
         special = [i for i, k in enumerate(keys) if k is not None and k[0] == "special"]
-        mapped = map_vocab(draft, target_vocab_size, pairs,
-                           fallback=special[0] if special and special[0] < V else 0)
+        fallback = special[0] if special and special[0] < V else 0
+        spelling = token_spellings(draft_tokenizer, target_tokenizer, target_vocab_size,
+                                   fallback=fallback, draft_vocab_size=V)
+        mapped = map_vocab(draft, target_vocab_size, pairs, fallback=fallback,
+                           spelling=spelling)
     _PAIRED[key] = (given, draft_tokenizer, target_tokenizer, mapped)
     while len(_PAIRED) > 4:
         _PAIRED.popitem(last=False)
@@ -410,6 +449,111 @@ class DraftModelProposer:
         return dataclasses.replace(chain, predicted=predicted, forwards=control.forwards), cache
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpelledState:
+    """A spelled chain's draft cache and where the target's tokens sit in it: the draft has
+    read the target's tokens up to index ``last`` [B]; token ``last`` is spelled at draft slots
+    ``base`` .. ``after`` - 1 [B], and the round's first draft was read at slot ``after``."""
+
+    cache: KVCache
+    last: Array
+    base: Array
+    after: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SpelledChainProposer:
+    """The chain of ``DraftModelProposer`` for a draft with a tokenizer of its own that reads
+    the target's tokens as their spellings in its tokens (``DraftModel.spelling``, K draft
+    tokens at most per target token). Its cache is in its own tokenization, so a draft slot is
+    not a target position; the state records where the last target token read begins.
+
+    Its drafts are shared tokens, one draft token each. The catch-up forward re-reads the
+    target's last two tokens, spelled (2K slots, the ones past the spellings ignored), from the
+    draft slot where the older of the two begins: that is the previous round's base when no
+    draft was accepted, else the slot the last accepted draft was read at (the catch-up of the
+    module docstring, by slots of the draft's own)."""
+
+    config: ModelConfig  # the draft model's config
+    gamma: int
+    width: int  # K: the longest spelling
+    vocab_size: int  # the target's V
+
+    @property
+    def target_vocab(self) -> int:
+        return self.vocab_size
+
+    @property
+    def draft_forwards_per_round(self) -> int:
+        return self.gamma
+
+    def capacity(self, capacity: int) -> int:
+        """Draft slots for ``capacity`` target slots: every token spelled K long, plus a round's
+        writes past the end."""
+        return self.width * capacity + 2 * self.width + self.gamma
+
+    def init(self, params: DraftModel, prompts: Array, prompt_lengths: Array,
+             capacity: int) -> SpelledState:
+        """Prefill the prompts [B, N] (right-padded), spelled, into the draft cache."""
+        B, N = prompts.shape
+        K = self.width
+        spelled, sizes = _spell(params.spelling, prompts)  # [B, N, K], [B, N]
+        sizes = jnp.where(jnp.arange(N)[None, :] < prompt_lengths[:, None], sizes, 0)
+        ends = jnp.cumsum(sizes, axis=1)
+        slots = (ends - sizes)[:, :, None] + jnp.arange(K)[None, None, :]
+        slots = jnp.where(jnp.arange(K)[None, None, :] < sizes[:, :, None], slots, N * K)
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], slots.shape)
+        tokens = jnp.zeros((B, N * K), jnp.int32).at[rows, slots].set(spelled, mode="drop")
+        total = ends[:, -1]
+        cache = KVCache.init(self.config, B, self.capacity(capacity),
+                             span=max(PREFILL_CHUNK, 2 * K + self.gamma))
+        cache = prefill_chunked(params.model, tokens, total, cache)[2]
+        rows = jnp.arange(B)
+        last = prompt_lengths - 1
+        return SpelledState(cache, last, total - sizes[rows, last], total)
+
+    def propose(self, params: DraftModel, state: SpelledState, history: Array, length: Array,
+                keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters
+                ) -> tuple[Draft, SpelledState]:
+        draft, K = params, self.width
+        B = history.shape[0]
+        rows = jnp.arange(B)
+        step_keys = jax.vmap(lambda k: jax.random.split(k, self.gamma))(keys)  # [B, G]
+        # drafts accepted last round (a finished row's length stops: 0)
+        accepted = jnp.clip(length - state.last - 1, 0, self.gamma)
+        start = jnp.where(accepted == 0, state.base, state.after + accepted - 1)
+        pair = jnp.stack([history[rows, length - 1], history[rows, length]], 1)  # [B, 2]
+        spelled, sizes = _spell(draft.spelling, pair)  # [B, 2, K], [B, 2]
+        index = jnp.arange(2 * K)[None, :]
+        first = jnp.take_along_axis(spelled[:, 0], jnp.clip(index, 0, K - 1), axis=1)
+        second = jnp.take_along_axis(spelled[:, 1], jnp.clip(index - sizes[:, :1], 0, K - 1),
+                                     axis=1)
+        tokens = jnp.where(index < sizes[:, :1], first, second)
+        read = sizes.sum(1)
+        _, hidden, cache = forward(draft.model, tokens, start[:, None] + index,
+                                   state.cache.rollback(start))
+        after = start + read
+        cache = cache.rollback(after)
+        # a mapped draft always has its shared tokens as draft vocabulary (map_vocab)
+        logits = draft.vocab.logits(hidden[rows, read - 1])
+        token, q = draw(logits, step_keys[:, 0], sampling_params, filters, draft.vocab)
+        tokens, probs = [token], [q]
+        for i in range(1, self.gamma):
+            logits, cache = draft.logits(token[:, None], (after + i - 1)[:, None], cache)
+            token, q = draw(logits[:, 0], step_keys[:, i], sampling_params, filters, draft.vocab)
+            tokens.append(token)
+            probs.append(q)
+        chain = stack_chain(tokens, probs, draft.vocab, self.target_vocab)
+        return chain, SpelledState(cache, length, start + sizes[:, 0], after)
+
+
+def _spell(spelling: Array, tokens: Array) -> tuple[Array, Array]:
+    """Target ids [...] -> their draft spellings [..., K] (-1 entries as 0) and lengths [...]."""
+    spelled = jnp.take(spelling, tokens, axis=0, mode="clip")
+    return jnp.maximum(spelled, 0), (spelled >= 0).sum(-1).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftTreeProposer:
     """The draft model expanding a static tree level by level (one draft forward per depth).
@@ -499,6 +643,10 @@ def build(spec: SpecConfig, draft, target: ModelConfig):
             f"{target.vocab_size}: draft and target must share one vocabulary (a draft whose "
             f"ids are the first ones of the target's: sj.draft.shared_prefix(draft, "
             f"{target.vocab_size}))")
+    if spec.tree is None and draft.spelling is not None and spec.survival_threshold is None \
+            and spec.budget is None:
+        return SpelledChainProposer(draft.config, spec.num_speculative_tokens,
+                                    int(draft.spelling.shape[1]), target.vocab_size)
     if spec.tree is None:
         return DraftModelProposer(draft.config, spec.num_speculative_tokens,
                                   spec.survival_threshold, spec.budget, target.vocab_size)

@@ -166,3 +166,67 @@ def token_pairs(draft_tokenizer, target_tokenizer) -> np.ndarray:
     if not pairs:
         raise ValueError("the two tokenizers share no token")
     return np.asarray(pairs, np.int64)
+
+
+def _shortest_segmentation(text: bytes, pieces: dict[bytes, int], longest: int
+                           ) -> list[int] | None:
+    """The fewest draft tokens whose bytes concatenate to ``text`` (ties: the earliest split
+    found), or None when the draft's tokens cannot write it."""
+    best: list[list[int] | None] = [[]] + [None] * len(text)
+    for end in range(1, len(text) + 1):
+        for start in range(max(0, end - longest), end):
+            head, piece = best[start], pieces.get(text[start:end])
+            if head is not None and piece is not None \
+                    and (best[end] is None or len(head) + 1 < len(best[end])):
+                best[end] = head + [piece]
+    return best[-1]
+
+
+def token_spellings(draft_tokenizer, target_tokenizer, target_vocab_size: int, *,
+                    fallback: int = 0, max_tokens: int = 8,
+                    draft_vocab_size: int | None = None) -> np.ndarray:
+    """For each target id, the draft ids that write the same bytes: [V_target, K] int32, -1
+    after the last (K: the longest spelling, at most ``max_tokens``; a longer one keeps its
+    first ``max_tokens``). A shared token is its one draft id; another is the draft tokenizer's
+    encoding of its text when that writes exactly its bytes, else the shortest split of its
+    bytes into draft tokens (a token that ends inside a UTF-8 character); a special token the
+    draft lacks, and bytes no draft tokens write, are ``fallback``. For ``map_vocab``'s
+    ``spelling``: what a chain draft reads an accepted target token as. ``draft_vocab_size``:
+    the draft model's rows, when its tokenizer names more ids (those are not used)."""
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
+    draft_keys = token_keys(draft_tokenizer)
+    own = {}
+    for i, key in enumerate(draft_keys[:draft_vocab_size]):
+        if key is not None:
+            own.setdefault(key, i)
+    pieces = {key[1]: i for key, i in own.items() if key[0] == "bytes" and key[1]}
+    longest = max(map(len, pieces), default=1)
+    rows = []
+    for key in token_keys(target_tokenizer)[:target_vocab_size]:
+        if key is None:
+            row = [fallback]
+        elif key in own:
+            row = [own[key]]
+        elif key[0] == "special" or not key[1]:
+            row = [fallback]
+        else:
+            row = None
+            try:
+                ids = draft_tokenizer.encode(key[1].decode("utf-8"), add_special_tokens=False)
+                written = [draft_keys[i] for i in ids]
+                if ids and max(ids) < len(draft_keys[:draft_vocab_size]) \
+                        and all(k is not None and k[0] == "bytes" for k in written) \
+                        and b"".join(k[1] for k in written) == key[1]:
+                    row = list(ids)
+            except UnicodeDecodeError:
+                pass
+            if row is None:
+                row = _shortest_segmentation(key[1], pieces, longest) or [fallback]
+        rows.append(row[:max_tokens])
+    rows += [[fallback]] * (target_vocab_size - len(rows))  # ids past the target tokenizer's
+    width = max(map(len, rows))
+    out = np.full((target_vocab_size, width), -1, np.int32)
+    for t, row in enumerate(rows):
+        out[t, :len(row)] = row
+    return out

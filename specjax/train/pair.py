@@ -9,6 +9,9 @@
         distil the draft (default: from the bundled one) again from target-long, at its lengths
     specjax train pair export --workdir W --out checkpoints/ [--long]   write the two model
         folders (--long: from target-long and draft-long)
+    specjax train pair draft-bpe4k --workdir W [--minutes M]   a draft of the bundled draft's
+        size with a tokenizer of its own (4,096-token BPE), trained on the same files
+    specjax train pair export-bpe4k --workdir W --out checkpoints/   write it as code-draft-bpe4k
 
 Each stage reads what the earlier ones left in the work directory; ``target``, ``target-long``
 ``draft`` and ``draft-long`` resume from their latest checkpoint, so a run can be stopped and resumed any number of times. The exact
@@ -75,6 +78,15 @@ DRAFT_LONG_TRAINING = TrainConfig(steps=300, batch_size=4, seq_len=1024, learnin
 LONG_RUNS = (("target-long", TARGET, TARGET_LONG_TRAINING),
              ("draft-long", DRAFT, DRAFT_LONG_TRAINING))
 """What ``export --long`` writes as code-target and code-draft."""
+# Issue 27: a draft with another tokenizer, to measure drafting across tokenizers on. A
+# byte-level BPE of 4,096 tokens trained on the same training files, and a draft of the bundled
+# draft's shape trained on them with the next-token loss (a teacher with another tokenizer gives
+# no per-token targets to distil), at the long run's lengths.
+BPE4K_VOCAB = 4096
+DRAFT_BPE4K = dataclasses.replace(DRAFT, vocab_size=BPE4K_VOCAB)
+DRAFT_BPE4K_TRAINING = TrainConfig(steps=4000, batch_size=8, seq_len=512, learning_rate=2e-3,
+                                   warmup_steps=100, checkpoint_every=25, eval_every=250,
+                                   eval_batches=4, seed=4)
 # The bundled draft drafts from the most frequent tokens of the training stream only (its LM
 # head cut to these columns, `draft_vocab.npy`; see specjax/draft/vocab.py).
 DRAFT_VOCAB_SIZE = 2048
@@ -191,6 +203,25 @@ def stage_draft_long(workdir: pathlib.Path, minutes: float | None, start: pathli
     """Distil the draft again from target-long at its sequence length, from ``start``."""
     stage_draft(workdir, minutes, DRAFT, DRAFT_LONG_TRAINING, TARGET, TARGET_LONG_TRAINING,
                 progress=progress, teacher_run="target-long", run="draft-long", start=start)
+
+
+def stage_draft_bpe4k(workdir: pathlib.Path, minutes: float | None,
+                      progress: bool = True) -> None:
+    """Train the 4,096-token tokenizer on the training files of ``data``'s manifest (once), encode
+    them into workdir/bpe4k, and train (or continue) the draft on them into workdir/draft-bpe4k."""
+    folder = workdir / "bpe4k"
+    if not (folder / "heldout.npy").exists():
+        corpus = python_corpus(json.loads((workdir / "corpus.json").read_text())["root"])
+        tok = train_tokenizer(corpus.train, BPE4K_VOCAB, folder / "tokenizer")
+        encode_files(tok, corpus.train, folder / "train.npy")
+        encode_files(tok, corpus.heldout, folder / "heldout.npy")
+    tokens, heldout = _tokens(folder)
+    model, history = train(DRAFT_BPE4K, tokens, DRAFT_BPE4K_TRAINING, workdir / "draft-bpe4k",
+                           heldout=heldout, progress=progress,
+                           on_eval=_log_eval(workdir, "draft-bpe4k"),
+                           max_seconds=minutes * 60 if minutes else None)
+    print(f"draft-bpe4k: held-out loss {history[-1]['heldout_loss']:.4f} (its own tokens) at "
+          f"step {history[-1]['step']}")
 
 
 def calibration_prompts(workdir: pathlib.Path, tokenizer, num_prompts: int) -> list[list[int]]:
@@ -394,6 +425,98 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                            f"`sj.load_draft_model` applies it, `--full-draft-vocab` ignores it) |\n")))
 
 
+BPE4K_CARD = """# code-draft-bpe4k
+
+A draft for `../code-target` that does not share its tokenizer: a byte-level BPE of {vocab}
+tokens (`tokenizer.json` here) against the target's 8,192, trained on the same training files.
+It has the bundled draft's shape and was trained from scratch with the next-token loss on its
+own tokenization (a target with another tokenizer gives no per-token distributions to distil).
+It is there to measure drafting across tokenizers (`docs/draft-model.md`): `specjax generate
+--draft checkpoints/code-draft-bpe4k` pairs it with the target by the tokens' bytes.
+
+| | |
+| --- | --- |
+| parameters | {params:,} ({params_m:.1f}M) |
+| shape | hidden {hidden}, {layers} layers, {heads} heads ({kv} key/value heads), MLP {inter}, vocabulary {vocab}, context {ctx} |
+| stored as | bfloat16 safetensors, Hugging Face `LlamaForCausalLM` layout |
+| training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay |
+| held-out loss | {loss:.3f} nats per token of its own, {per_byte:.3f} nats per byte (`code-draft`: {draft_per_byte:.3f} nats per byte) |
+| shared tokens | {shared} of its {vocab} tokens are target tokens; the target's tokens it lacks are read as their spelling in its tokens (at most {width} each) |
+| draft vocabulary | drafts only from its {draft_vocab} most frequent tokens (`draft_vocab.npy`) |
+| coverage (held-out text) | the target puts {target_mass:.3f} of its probability on tokens this draft can propose; the draft puts {draft_mass:.3f} of its own there |
+| acceptance (γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}), T = 0.8 {acc_t:.3f} ({len_t:.2f}); `code-draft` on the same prompts: greedy {same_g:.3f} ({same_len_g:.2f}), T = 0.8 {same_t:.3f} ({same_len_t:.2f}) |
+
+**Rebuild.** `specjax train pair data --workdir W`, `specjax train pair draft-bpe4k --workdir W`
+(resumable), `specjax train pair export-bpe4k --workdir W` (settings: the constants in
+`specjax/train/pair.py`).
+"""
+
+
+def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
+                       draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> None:
+    """Write workdir/draft-bpe4k as ``out``/code-draft-bpe4k with its tokenizer, its draft
+    vocabulary and a card that measures it against ``out``/code-target beside code-draft."""
+    import shutil
+
+    from ..checkpoint import _model_file, cast, load_model, save_model
+    from ..draft.draft_model import VOCAB_FILE, load_draft_model, load_paired_draft, vocab_coverage
+    from ..draft.vocab import frequent_tokens
+    from ..files import replace_folder
+    from ..tokenizer import load_tokenizer
+    folder = workdir / "bpe4k"
+    tokens, heldout = _tokens(folder)
+    corpus = json.loads((workdir / "corpus.json").read_text())
+    model, step = _restore(DRAFT_BPE4K, DRAFT_BPE4K_TRAINING, workdir / "draft-bpe4k")
+    target = load_model(out / "code-target", dtype="float32")
+    tokenizer = load_tokenizer(out / "code-target")
+    same = load_draft_model(out / "code-draft", dtype="float32")
+    dest = out / "code-draft-bpe4k"
+    with replace_folder(dest, _model_file) as where:
+        save_model(cast(model, "bfloat16"), where, format="hf", eos_token_id=0)
+        shutil.copy(folder / "tokenizer" / "tokenizer.json", where / "tokenizer.json")
+        np.save(where / VOCAB_FILE, frequent_tokens(tokens, BPE4K_VOCAB, draft_vocab_size))
+        paired = load_paired_draft(where, tokenizer, target.config.vocab_size, dtype="float32")
+        loss = evaluate(paired.model, heldout, batches=32)
+        same_loss = evaluate(same.model, np.load(workdir / "heldout.npy", mmap_mode="r"),
+                             batches=32)
+        # nats per byte: the mean loss per token times tokens per byte of the held-out files
+        per_byte = loss * len(heldout) / corpus["heldout_bytes"]
+        same_per_byte = same_loss * corpus["heldout_tokens"] / corpus["heldout_bytes"]
+        target_heldout = np.load(workdir / "heldout.npy", mmap_mode="r")
+        coverage = vocab_coverage(target, paired, [target_heldout[i:i + 256].tolist()
+                                                   for i in range(0, 256 * 16, 256)])
+        acceptance = measure_acceptance(target, paired, tokenizer)
+        reference = measure_acceptance(target, same, tokenizer)
+        print(f"{dest}: step {step}, loss {loss:.4f} ({per_byte:.4f} nats/byte, code-draft "
+              f"{same_per_byte:.4f}); acceptance {json.dumps(acceptance)}; code-draft "
+              f"{json.dumps(reference)}; coverage {json.dumps(coverage)}")
+        s, c = DRAFT_BPE4K_TRAINING, DRAFT_BPE4K
+        (where / "training.json").write_text(json.dumps(
+            {"steps": step, "heldout_loss": loss, "heldout_nats_per_byte": per_byte,
+             "code_draft_nats_per_byte": same_per_byte, "params": c.num_params,
+             "train": dataclasses.asdict(s), "acceptance": acceptance,
+             "code_draft_acceptance": reference, "coverage": coverage}, indent=1) + "\n")
+        (where / "README.md").write_text(BPE4K_CARD.format(
+            vocab=c.vocab_size, params=c.num_params, params_m=c.num_params / 1e6,
+            hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+            kv=c.num_key_value_heads, inter=c.intermediate_size, ctx=c.max_position_embeddings,
+            steps=step, batch=s.batch_size, seq=s.seq_len,
+            tokens=step * s.batch_size * s.seq_len / 1e6, lr=s.learning_rate, loss=loss,
+            per_byte=per_byte, draft_per_byte=same_per_byte,
+            shared=int(np.asarray(paired.from_target is not None) and
+                       len(np.unique(np.asarray(paired.from_target)))),
+            width=int(paired.spelling.shape[1]), draft_vocab=draft_vocab_size,
+            target_mass=coverage["target_mass"], draft_mass=coverage["draft_mass"],
+            acc_g=acceptance["greedy"]["acceptance_rate"],
+            len_g=acceptance["greedy"]["mean_accepted_length"],
+            acc_t=acceptance["t0.8"]["acceptance_rate"],
+            len_t=acceptance["t0.8"]["mean_accepted_length"],
+            same_g=reference["greedy"]["acceptance_rate"],
+            same_len_g=reference["greedy"]["mean_accepted_length"],
+            same_t=reference["t0.8"]["acceptance_rate"],
+            same_len_t=reference["t0.8"]["mean_accepted_length"]))
+
+
 def long_row(long: dict | None) -> str:
     """The card's row for ``measure_long``'s figures."""
     if not long:
@@ -408,7 +531,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specjax train pair", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["data", "target", "target-long", "draft", "draft-long",
-                                      "export"])
+                                      "export", "draft-bpe4k", "export-bpe4k"])
     ap.add_argument("--workdir", type=pathlib.Path, required=True)
     ap.add_argument("--minutes", type=float, help="stop (after a checkpoint) after this long")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("checkpoints"))
@@ -437,6 +560,10 @@ def main(argv=None) -> int:
     elif args.stage == "draft-long":
         from ..bundle import bundled
         stage_draft_long(args.workdir, args.minutes, args.start or bundled("code-draft"))
+    elif args.stage == "draft-bpe4k":
+        stage_draft_bpe4k(args.workdir, args.minutes)
+    elif args.stage == "export-bpe4k":
+        stage_export_bpe4k(args.workdir, args.out)
     else:
         stage_export(args.workdir, args.out, **({"runs": LONG_RUNS} if args.long else {}))
     return 0
