@@ -517,6 +517,9 @@ def format_table(result: dict) -> str:
              f"CPU cores, jax {result['machine']['jax']} on {result['machine']['backend']}",
              ""]
     cover = s.get("draft_vocab_coverage")
+    if s.get("draft_tokenizer_level") == "string":
+        lines[-1:-1] = ["draft with its own tokenizer, string-level: its text cut into target "
+                        "tokens, verified as point masses"]
     if cover:
         lines[-1:-1] = [f"draft with its own tokenizer: {cover['shared_tokens']} tokens shared "
                         f"with the target's, carrying {cover['target_mass']:.3f} of the "
@@ -677,7 +680,9 @@ def main(args) -> int:
         if needs_draft:
             args.draft = args.draft or str(bundled("code-draft"))
         draft = (load_paired_draft(args.draft, tok, target.config.vocab_size, args.dtype,
-                                   full_vocab=args.full_draft_vocab) if needs_draft else None)
+                                   full_vocab=args.full_draft_vocab,
+                                   level=getattr(args, "draft_tokenizer_level", "token"))
+                 if needs_draft else None)
         drafters = {m: load_heads(getattr(args, m, None) or bundled(f"code-{m}"), target)
                     for m in heads}
     if "suffix" in methods and getattr(args, "suffix_cache", None):
@@ -740,6 +745,8 @@ def main(args) -> int:
         if getattr(draft, "from_target", None) is not None:  # a draft with its own tokenizer
             from .draft import vocab_coverage
             result["settings"]["draft_vocab_coverage"] = vocab_coverage(target, draft, prompts)
+        if getattr(draft, "strings", None) is not None:
+            result["settings"]["draft_tokenizer_level"] = "string"
         print(format_table(result), flush=True)
         results.append(result)
     if getattr(args, "plots", None):

@@ -161,7 +161,8 @@ def _generate(args) -> int:
         from .draft.draft_model import load_paired_draft
         draft = load_paired_draft(args.draft or bundled("code-draft"), tok,
                                   target.config.vocab_size, args.dtype,
-                                  full_vocab=args.full_draft_vocab)
+                                  full_vocab=args.full_draft_vocab,
+                                  level=args.draft_tokenizer_level)
     elif spec is not None and spec.needs_heads:
         from .draft import load_heads
         draft = load_heads(args.draft or bundled(f"code-{spec.method}"), target)
@@ -277,6 +278,10 @@ def _add_generate(sub) -> None:
     g.add_argument("--full-draft-vocab", action="store_true",
                    help="draft over the whole vocabulary even when the draft folder ships a "
                         "draft vocabulary (draft_vocab.npy; the bundled draft does)")
+    g.add_argument("--draft-tokenizer-level", choices=["token", "string"], default="token",
+                   help="a --draft folder with a tokenizer of its own: draft the tokens the two "
+                        "share (token, default) or draft text in the draft's own tokens and cut "
+                        "it into target tokens (string; chains only)")
     g.add_argument("--method", default="draft_model",
                    choices=[*draft_methods(), "none"],
                    help="how drafts are made; none = plain autoregressive decoding")
@@ -345,6 +350,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--full-draft-vocab", action="store_true",
                    help="draft over the whole vocabulary even when the draft folder ships a "
                         "draft vocabulary (draft_vocab.npy; the bundled draft does)")
+    b.add_argument("--draft-tokenizer-level", choices=["token", "string"], default="token",
+                   help="a --draft folder with a tokenizer of its own: draft the tokens the two "
+                        "share (token, default) or draft text in the draft's own tokens and cut "
+                        "it into target tokens (string; chains only)")
     b.add_argument("--method", type=_methods, default=["draft_model"], metavar="M,M,...",
                    help=f"draft methods to compare in one run: {', '.join(draft_methods())} "
                         f"(default draft_model)")

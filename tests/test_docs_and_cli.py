@@ -184,6 +184,12 @@ def test_generate_command_pairs_a_draft_with_its_own_tokenizer(model_folders, ca
     assert shared, printed
     assert 256 < int(shared.group(1)) <= 262  # the byte alphabet, the special token, merges
     assert 0 < float(shared.group(2)) <= 1 and 0 < float(shared.group(3)) <= 1
+    # string-level drafts from the same folder: the same output
+    assert cli.main(["generate", "--target", str(model_folders / "t"), "--draft",
+                     str(tmp_path / "d"), "--prompt", "def f(x):", "--max-new-tokens", "12",
+                     "--temperature", "0", "--compare", "--repeats", "1", "--no-stream",
+                     "--draft-tokenizer-level", "string"]) == 0
+    assert "output identical: True" in capsys.readouterr().out
     # the bench pairs it the same way and reports the coverage on its prompts
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                      str(tmp_path / "d"), "--gammas", "2", "--temperatures", "0",

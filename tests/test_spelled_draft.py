@@ -93,12 +93,32 @@ def spelled(noisy):
 
 
 def reference_logits(draft, ids):
-    """The draft's logits over its shared tokens after reading ``ids`` (its own) in one
-    forward from an empty cache: what the chain's cache must reproduce."""
+    """The draft's logits over its draft vocabulary (its shared tokens, or its whole one) after
+    reading ``ids`` (its own) in one forward from an empty cache: what the chain's cache must
+    reproduce."""
     n = len(ids)
-    _, hidden, _ = forward(draft.model, jnp.asarray([ids], jnp.int32),
-                           jnp.arange(n, dtype=jnp.int32)[None], KVCache.init(draft.config, 1, n))
-    return np.asarray(draft.vocab.logits(hidden[0, -1]))
+    logits, hidden, _ = forward(draft.model, jnp.asarray([ids], jnp.int32),
+                                jnp.arange(n, dtype=jnp.int32)[None],
+                                KVCache.init(draft.config, 1, n))
+    return np.asarray(logits[0, -1] if draft.vocab is None else draft.vocab.logits(hidden[0, -1]))
+
+
+def started(target, draft, gamma, lengths, first, seed, S=64):
+    """A chain proposer for ``draft`` at γ after its ``init`` on random prompts of ``lengths``
+    tokens, with the first generated tokens ``first``: (proposer, state, history [B, S], each
+    row's length)."""
+    proposer = draft_model.build(sj.SpecConfig(method="draft_model",
+                                               num_speculative_tokens=gamma), draft,
+                                 target.config)
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int32)
+    B, N = len(lengths), int(lengths.max())
+    history = np.zeros((B, S), np.int32)
+    for b in range(B):
+        history[b, :lengths[b]] = rng.integers(0, 32, lengths[b])
+    state = proposer.init(draft, jnp.asarray(history[:, :N]), jnp.asarray(lengths), S)
+    history[np.arange(B), lengths] = first
+    return proposer, state, history, lengths.copy()
 
 
 @pytest.mark.parametrize("gamma", [1, 3])
@@ -109,25 +129,14 @@ def test_the_chain_reads_the_text_in_its_own_tokens(target, spelled, gamma):
     cache's bookkeeping (where each target token begins among the draft's slots) is right."""
     draft = spelled[0]
     spelling = np.asarray(draft.spelling)
-    proposer = draft_model.build(sj.SpecConfig(method="draft_model",
-                                               num_speculative_tokens=gamma), draft,
-                                 target.config)
+    proposer, state, history, length = started(target, draft, gamma, [6, 2, 4], [13, 23, 2], 0)
     assert isinstance(proposer, draft_model.SpelledChainProposer)
-    B, S = 3, 64
+    B = len(length)
     rng = np.random.default_rng(0)
-    prompts = np.zeros((B, 6), np.int32)
-    lengths = np.array([6, 2, 4], np.int32)
-    for b in range(B):
-        prompts[b, :lengths[b]] = rng.integers(0, 32, lengths[b])
-    state = proposer.init(draft, jnp.asarray(prompts), jnp.asarray(lengths), S)
-    history = np.zeros((B, S), np.int32)
-    history[:, :6] = prompts
-    history[np.arange(B), lengths] = [13, 23, 2]  # the first generated token (spelled: 2, 2, 1)
     arrays = sampling.SamplingArrays(temperature=jnp.ones((B,), jnp.float32),
                                      top_k=jnp.zeros((B,), jnp.int32),
                                      top_p=jnp.ones((B,), jnp.float32))
     filters = sampling.Filters(greedy=False)
-    length = lengths.copy()
     seen_accepts = set()
     for round_ in range(8):
         keys = jax.random.split(jax.random.key(round_), B)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import pathlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,7 @@ class DraftModel:
     calibration: Calibration | None = None
     from_target: Array | None = None
     spelling: Array | None = None
+    strings: Any = None  # strings.StringBridge: string-level drafts (for_tokenizers(level=))
 
     def inputs(self, tokens: Array) -> Array:
         """Target token ids -> the ids this draft reads (the same unless ``from_target``)."""
@@ -215,21 +217,28 @@ reuses the map (pairing two 262k-token vocabularies takes seconds; the mapped LM
 copy of the shared columns)."""
 
 
-def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: int
-                   ) -> DraftModel:
+def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: int, *,
+                   level: str = "token") -> DraftModel:
     """``draft`` (an sj.Model or sj.DraftModel) made to draft for a target with another
     tokenizer: ``map_vocab`` with ``token_pairs(draft_tokenizer, target_tokenizer)`` (what
     ``sj.generate(..., draft_tokenizer=)`` does). Returns the draft unchanged when the two
     tokenizers give every id the same token. A chain draft reads each target token as its
     spelling in the draft's tokens (``token_spellings``); trees and adaptive lengths read the
-    target tokens the draft lacks as its first special token (its id 0 when it has none)."""
+    target tokens the draft lacks as its first special token (its id 0 when it has none).
+
+    ``level="string"``: string-level drafts instead (specjax/draft/strings.py): the draft drafts
+    freely in its own vocabulary and its text is cut into target tokens, verified as point
+    masses; chains only."""
+    if level not in ("token", "string"):
+        raise ValueError(f"level={level!r} must be 'token' (token-level intersection) or "
+                         f"'string' (string-level drafts)")
     from ..tokenizer import Tokenizer
     for name, tok in (("draft_tokenizer", draft_tokenizer), ("tokenizer", target_tokenizer)):
         if not isinstance(tok, Tokenizer):
             raise ValueError(f"{name}= must be an sj.Tokenizer (sj.load_tokenizer) to pair the "
                              f"draft's tokens with the target's, got {type(tok).__name__}")
     given = draft
-    key = (id(given), id(draft_tokenizer), id(target_tokenizer), int(target_vocab_size))
+    key = (id(given), id(draft_tokenizer), id(target_tokenizer), int(target_vocab_size), level)
     hit = _PAIRED.get(key)
     if hit is not None and hit[0] is given and hit[1] is draft_tokenizer \
             and hit[2] is target_tokenizer:
@@ -237,21 +246,29 @@ def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: 
         return hit[3]
     draft = _checked_draft(draft, "draft_tokenizer=")
     from .vocab import token_keys, token_pairs, token_spellings
-    pairs = token_pairs(draft_tokenizer, target_tokenizer)
-    # a tokenizer may name more ids than its model has rows (ids added past the vocabulary)
-    pairs = pairs[(pairs[:, 0] < draft.config.vocab_size) & (pairs[:, 1] < target_vocab_size)]
     V = draft.config.vocab_size
-    if (V == target_vocab_size and len(pairs) == V
-            and np.array_equal(pairs[:, 0], pairs[:, 1])):
-        mapped = draft  # the same tokens at the same ids
+    special = [i for i, k in enumerate(token_keys(draft_tokenizer))
+               if k is not None and k[0] == "special"]
+    fallback = special[0] if special and special[0] < V else 0
+
+    def spelling():
+        return token_spellings(draft_tokenizer, target_tokenizer, target_vocab_size,
+                               fallback=fallback, draft_vocab_size=V)
+    if level == "string":
+        from .strings import string_bridge
+        mapped = DraftModel(draft.model, draft.vocab, draft.calibration, None,
+                            jnp.asarray(spelling()),
+                            string_bridge(draft_tokenizer, target_tokenizer, target_vocab_size, V))
     else:
-        keys = token_keys(draft_tokenizer)
-        special = [i for i, k in enumerate(keys) if k is not None and k[0] == "special"]
-        fallback = special[0] if special and special[0] < V else 0
-        spelling = token_spellings(draft_tokenizer, target_tokenizer, target_vocab_size,
-                                   fallback=fallback, draft_vocab_size=V)
-        mapped = map_vocab(draft, target_vocab_size, pairs, fallback=fallback,
-                           spelling=spelling)
+        pairs = token_pairs(draft_tokenizer, target_tokenizer)
+        # a tokenizer may name more ids than its model has rows (ids added past the vocabulary)
+        pairs = pairs[(pairs[:, 0] < V) & (pairs[:, 1] < target_vocab_size)]
+        if V == target_vocab_size and len(pairs) == V and np.array_equal(pairs[:, 0],
+                                                                           pairs[:, 1]):
+            mapped = draft  # the same tokens at the same ids
+        else:
+            mapped = map_vocab(draft, target_vocab_size, pairs, fallback=fallback,
+                               spelling=spelling())
     _PAIRED[key] = (given, draft_tokenizer, target_tokenizer, mapped)
     while len(_PAIRED) > 4:
         _PAIRED.popitem(last=False)
@@ -329,14 +346,15 @@ def load_draft_model(path, dtype: str | None = None, *, full_vocab: bool = False
 
 
 def load_paired_draft(path, target_tokenizer, target_vocab_size: int, dtype: str | None = None,
-                      *, full_vocab: bool = False) -> DraftModel:
+                      *, full_vocab: bool = False, level: str = "token") -> DraftModel:
     """``load_draft_model``, then, when the folder ships a ``tokenizer.json`` of its own,
-    ``for_tokenizers`` with it and the target's tokenizer: what ``specjax generate`` and
-    ``specjax bench`` do with ``--draft FOLDER``."""
+    ``for_tokenizers`` with it and the target's tokenizer (at ``level``): what ``specjax
+    generate`` and ``specjax bench`` do with ``--draft FOLDER``."""
     draft = load_draft_model(path, dtype, full_vocab=full_vocab)
     if (pathlib.Path(path) / "tokenizer.json").is_file():
         from ..tokenizer import load_tokenizer
-        draft = for_tokenizers(draft, load_tokenizer(path), target_tokenizer, target_vocab_size)
+        draft = for_tokenizers(draft, load_tokenizer(path), target_tokenizer, target_vocab_size,
+                               level=level)
     return draft
 
 
@@ -496,22 +514,10 @@ class SpelledChainProposer:
     def init(self, params: DraftModel, prompts: Array, prompt_lengths: Array,
              capacity: int) -> SpelledState:
         """Prefill the prompts [B, N] (right-padded), spelled, into the draft cache."""
-        B, N = prompts.shape
-        K = self.width
-        spelled, sizes = _spell(params.spelling, prompts)  # [B, N, K], [B, N]
-        sizes = jnp.where(jnp.arange(N)[None, :] < prompt_lengths[:, None], sizes, 0)
-        ends = jnp.cumsum(sizes, axis=1)
-        slots = (ends - sizes)[:, :, None] + jnp.arange(K)[None, None, :]
-        slots = jnp.where(jnp.arange(K)[None, None, :] < sizes[:, :, None], slots, N * K)
-        rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], slots.shape)
-        tokens = jnp.zeros((B, N * K), jnp.int32).at[rows, slots].set(spelled, mode="drop")
-        total = ends[:, -1]
-        cache = KVCache.init(self.config, B, self.capacity(capacity),
-                             span=max(PREFILL_CHUNK, 2 * K + self.gamma))
-        cache = prefill_chunked(params.model, tokens, total, cache)[2]
-        rows = jnp.arange(B)
-        last = prompt_lengths - 1
-        return SpelledState(cache, last, total - sizes[rows, last], total)
+        cache, total, last_size = spelled_prefill(
+            params, prompts, prompt_lengths, self.capacity(capacity),
+            max(PREFILL_CHUNK, 2 * self.width + self.gamma))
+        return SpelledState(cache, prompt_lengths - 1, total - last_size, total)
 
     def propose(self, params: DraftModel, state: SpelledState, history: Array, length: Array,
                 keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters
@@ -546,6 +552,27 @@ class SpelledChainProposer:
             probs.append(q)
         chain = stack_chain(tokens, probs, draft.vocab, self.target_vocab)
         return chain, SpelledState(cache, length, start + sizes[:, 0], after)
+
+
+def spelled_prefill(params: DraftModel, prompts: Array, prompt_lengths: Array, slots: int,
+                    span: int) -> tuple[KVCache, Array, Array]:
+    """A draft cache of ``slots`` slots (``span``: as ``KVCache.init``) with the prompts
+    [B, N] (right-padded, target ids) prefilled as their spellings in the draft's tokens; also
+    the spelled length [B] and the length of the last prompt token's spelling [B]."""
+    B, N = prompts.shape
+    K = int(params.spelling.shape[1])
+    spelled, sizes = _spell(params.spelling, prompts)  # [B, N, K], [B, N]
+    sizes = jnp.where(jnp.arange(N)[None, :] < prompt_lengths[:, None], sizes, 0)
+    ends = jnp.cumsum(sizes, axis=1)
+    where = (ends - sizes)[:, :, None] + jnp.arange(K)[None, None, :]
+    where = jnp.where(jnp.arange(K)[None, None, :] < sizes[:, :, None], where, N * K)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], where.shape)
+    tokens = jnp.zeros((B, N * K), jnp.int32).at[rows, where].set(spelled, mode="drop")
+    total = ends[:, -1]
+    cache = KVCache.init(params.config, B, slots, span=span)
+    cache = prefill_chunked(params.model, tokens, total, cache)[2]
+    last = jnp.clip(prompt_lengths - 1, 0, N - 1)
+    return cache, total, sizes[jnp.arange(B), last]
 
 
 def _spell(spelling: Array, tokens: Array) -> tuple[Array, Array]:
@@ -632,6 +659,14 @@ def build(spec: SpecConfig, draft, target: ModelConfig):
         raise ValueError(f"draft must be an sj.Model or sj.DraftModel (sj.init_model, "
                          f"sj.load_draft_model), got {type(draft).__name__}")
     draft = as_draft_model(draft)
+    if draft.strings is not None:
+        if spec.tree is not None or spec.survival_threshold is not None or spec.budget is not None:
+            raise ValueError("string-level drafts (sj.draft.for_tokenizers(..., level='string')) "
+                             "run as a chain: tree=, survival_threshold= and budget= are not "
+                             "supported with them")
+        from .strings import StringChainProposer
+        return StringChainProposer(draft.config, spec.num_speculative_tokens,
+                                   int(draft.spelling.shape[1]))
     if draft.from_target is not None:
         if draft.from_target.shape != (target.vocab_size,):
             raise ValueError(f"the draft was made for a target of vocab_size "

@@ -1,0 +1,161 @@
+"""String-level drafts (sj.draft.for_tokenizers(..., level="string")): the draft drafts in its
+own tokens, its text is cut into target tokens by longest match on the device, and those are
+verified as point masses. The tokenizers are the byte-level ones of test_spelled_draft, where
+"é" is two bytes that the draft may write with two tokens and the target with one."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_draft_vocab import (
+    GREEDY,
+    PROMPTS,
+    noisy,  # noqa: F401  (the fixture: the 32-token target, perturbed)
+)
+from test_lossless import (
+    exact_joint,
+    g_test,
+    generate_samples,
+    models,  # noqa: F401  (the fixture: an 8-token target and drafts)
+)
+from test_spelled_draft import (
+    TARGET_8,
+    TARGET_32,
+    reference_logits,
+    spelled_pair,
+    started,
+    written,
+)
+
+import specjax as sj
+from specjax.draft import strings
+
+
+@pytest.fixture(scope="module")
+def by_string(noisy):
+    draft_tok, target_tok, own, draft_tokens = spelled_pair(noisy, TARGET_32, 12)
+    draft = sj.draft.for_tokenizers(own, draft_tok, target_tok, 32, level="string")
+    return draft, draft_tokens
+
+
+def longest_match_reference(data: bytes, tokens: list[str], gamma: int, stopped: bool):
+    """Python: cut ``data`` by longest match into target ids, dropping a token that ends at the
+    end unless ``stopped``; at most gamma."""
+    table = {written(tokens, [i]): i for i in range(len(tokens)) if tokens[i] != "<eos>"}
+    out, at = [], 0
+    while len(out) < gamma:
+        best = max((n for n in range(1, len(data) - at + 1) if data[at:at + n] in table),
+                   default=0)
+        if best == 0 or (at + best == len(data) and not stopped):
+            break
+        out.append(table[data[at:at + best]])
+        at += best
+    return out
+
+
+def test_the_text_is_cut_into_the_longest_target_tokens(by_string):
+    """Random draft token sequences (special tokens included, which end the text) against a
+    Python reference: the text's bytes and its cut, including target tokens that span two draft
+    tokens and draft tokens that end inside "é"."""
+    draft, draft_tokens = by_string
+    bridge = draft.strings
+    rng = np.random.default_rng(0)
+    B, G, gamma = 64, 5, 4
+    tokens = rng.integers(0, len(draft_tokens), (B, G))
+    # half the rows write "é" as its two bytes' tokens, "Ã" then "©"
+    tokens[::2, 1:3] = [draft_tokens.index("\u00c3"), draft_tokens.index("\u00a9")]
+    text, size, stopped = strings.draft_text(bridge, jnp.asarray(tokens, jnp.int32))
+    cut, valid = strings.cut(bridge, text, size, stopped, gamma)
+    cut, valid = np.asarray(cut), np.asarray(valid)
+    spans = 0
+    for b in range(B):
+        seq = list(tokens[b])
+        ends = [i for i, t in enumerate(seq) if draft_tokens[t] == "<eos>"]
+        head = seq[:ends[0]] if ends else seq
+        data = written(draft_tokens, head)
+        assert int(size[b]) == len(data) and bool(stopped[b]) == bool(ends)
+        assert bytes(np.asarray(text[b, :len(data)]).tolist()) == data
+        want = longest_match_reference(data, TARGET_32, gamma, bool(ends))
+        assert valid[b].tolist() == [True] * len(want) + [False] * (gamma - len(want)), b
+        assert cut[b, :len(want)].tolist() == want, (b, data)
+        spans += any(TARGET_32[t] in ("\u00c3\u00a9", "\u0120\u00c3\u00a9", "\u00c3\u00a9a")
+                     for t in want)
+    assert spans > 3  # "é" written by two draft tokens became one target token
+
+
+def test_the_draft_reads_the_accepted_text_in_its_own_tokens(target, by_string):
+    """Round after round, the catch-up leaves the draft where reading the whole text spelled in
+    its tokens from scratch would: its logits match the one-forward reference."""
+    draft, _ = by_string
+    spelling = np.asarray(draft.spelling)
+    gamma = 3
+    proposer, state, history, length = started(target, draft, gamma, [5, 1, 3], [13, 21, 0], 1)
+    assert isinstance(proposer, strings.StringChainProposer)
+    B = len(length)
+    rng = np.random.default_rng(1)
+    for round_ in range(8):
+        logits, state = proposer.catch_up(draft, state, jnp.asarray(history),
+                                          jnp.asarray(length))
+        for b in range(B):
+            text = [d for t in history[b, :length[b] + 1] for d in spelling[t] if d >= 0]
+            np.testing.assert_allclose(np.asarray(logits[b]), reference_logits(draft, text),
+                                       atol=2e-4, err_msg=f"round {round_} row {b}")
+        grown = rng.integers(1, gamma + 2, B)  # the accepted drafts and the target's token
+        for b in range(B):
+            history[b, length[b] + 1:length[b] + 1 + grown[b]] = rng.integers(0, 32, grown[b])
+            length[b] += grown[b]
+
+
+def test_string_drafts_are_greedy_exact(target, noisy, by_string):
+    draft, _ = by_string
+    reference = sj.generate(target, PROMPTS, sampling=GREEDY)
+    out = sj.generate(target, PROMPTS, sampling=GREEDY, draft=draft,
+                      spec=sj.SpecConfig(method="draft_model", num_speculative_tokens=4))
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    assert out.stats.proposed_tokens > 0 and out.stats.accepted_tokens > 0
+
+
+def string_8(models):
+    target, drafts = models
+    draft_tok, target_tok, own, _ = spelled_pair(drafts["close"], TARGET_8, 5, seed=3)
+    return target, sj.draft.for_tokenizers(own, draft_tok, target_tok, 8, level="string")
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 0.9)], ids=["T1", "T0.7-topk5-topp0.9"])
+def test_string_drafts_follow_the_target(models, t, k, p):
+    target, draft = string_8(models)
+    sampling_params = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    samples = generate_samples(target, draft, sampling_params,
+                               sj.SpecConfig(num_speculative_tokens=3))
+    assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+
+
+def _uniform_q(propose):
+    def wrong(self, *args, **kwargs):  # the 8-token target's vocabulary
+        out, state = propose(self, *args, **kwargs)
+        return dataclasses.replace(out, probs=jnp.full(out.tokens.shape + (8,), 1 / 8)), state
+    return wrong
+
+
+def test_string_drafts_said_to_come_from_another_q_fail(models, monkeypatch, fresh_programs):
+    """The same drafts declared as drawn from the uniform distribution instead of point masses:
+    the G-test catches the wrong q."""
+    target, draft = string_8(models)
+    monkeypatch.setattr(strings.StringChainProposer, "propose",
+                        _uniform_q(strings.StringChainProposer.propose))
+    samples = generate_samples(target, draft, sj.SamplingParams(temperature=1.0,
+                                                                max_new_tokens=3),
+                               sj.SpecConfig(num_speculative_tokens=3))
+    assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6
+
+
+def test_string_drafts_refuse_what_they_do_not_support(target, by_string):
+    draft, _ = by_string
+    for spec in [dict(tree=((0,), (0, 0))),
+                 dict(num_speculative_tokens=3, survival_threshold=0.5)]:
+        with pytest.raises(ValueError, match="run as a chain"):
+            sj.generate(target, PROMPTS, sampling=GREEDY, draft=draft,
+                        spec=sj.SpecConfig(method="draft_model", **spec))
+    with pytest.raises(ValueError, match="level='words' must be"):
+        sj.draft.for_tokenizers(draft.model, None, None, 32, level="words")
