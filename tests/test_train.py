@@ -12,6 +12,7 @@ from conftest import tiny_config, tiny_model
 
 import specjax as sj
 from specjax import train
+from specjax.draft.draft_model import load_paired_draft
 
 CFG = tiny_config(vocab_size=32, hidden_size=16, layers=1)
 GOLDEN_HELDOUT = [4, 13, 18, 28]  # of pkg/m0.py .. pkg/m39.py at 10%
@@ -143,6 +144,19 @@ def test_pair_stages_end_to_end(tmp_path):
     assert out.text[0] == tok.decode(out.tokens[0, :out.lengths[0]])
     assert tok.eos_token_ids == (0,)  # the end-of-text token, recorded by export
     assert (work / "target-evals.jsonl").exists() and (work / "draft-evals.jsonl").exists()
+    # a draft with a tokenizer of its own (280 tokens), trained on the same files and shipped
+    # beside them with its tokenizer and a card measuring it against code-draft
+    own = tiny_config(vocab_size=280, hidden_size=16, layers=1, heads=1, kv_heads=1)
+    pair.stage_draft_bpe4k(work, None, own, quick, progress=False)
+    pair.stage_export_bpe4k(work, tmp_path / "out", own, quick, draft_vocab_size=100)
+    paired = load_paired_draft(tmp_path / "out" / "code-draft-bpe4k", tok, 300)
+    assert paired.spelling is not None and paired.vocab.size <= 100
+    info = json.loads((tmp_path / "out" / "code-draft-bpe4k" / "training.json").read_text())
+    assert info["steps"] == 4 and 0 < info["coverage"]["target_mass"] <= 1
+    assert 0 <= info["acceptance"]["greedy"]["acceptance_rate"] <= 1
+    assert "code_draft_acceptance" in info
+    card = (tmp_path / "out" / "code-draft-bpe4k" / "README.md").read_text()
+    assert "280" in card and "{" not in card and "export-bpe4k" in card
     # target-long continues the exported target on longer sequences, resumably, from its
     # weights: at step 0 (no update yet) it is the exported model
     longer = train.TrainConfig(steps=2, batch_size=2, seq_len=64, checkpoint_every=1,

@@ -206,17 +206,19 @@ def stage_draft_long(workdir: pathlib.Path, minutes: float | None, start: pathli
 
 
 def stage_draft_bpe4k(workdir: pathlib.Path, minutes: float | None,
-                      progress: bool = True) -> None:
-    """Train the 4,096-token tokenizer on the training files of ``data``'s manifest (once), encode
-    them into workdir/bpe4k, and train (or continue) the draft on them into workdir/draft-bpe4k."""
+                      config: ModelConfig = DRAFT_BPE4K,
+                      settings: TrainConfig = DRAFT_BPE4K_TRAINING, progress: bool = True) -> None:
+    """Train the draft's tokenizer (``config.vocab_size`` tokens) on the training files of
+    ``data``'s manifest (once), encode them into workdir/bpe4k, and train (or continue) the
+    draft on them into workdir/draft-bpe4k."""
     folder = workdir / "bpe4k"
     if not (folder / "heldout.npy").exists():
         corpus = python_corpus(json.loads((workdir / "corpus.json").read_text())["root"])
-        tok = train_tokenizer(corpus.train, BPE4K_VOCAB, folder / "tokenizer")
+        tok = train_tokenizer(corpus.train, config.vocab_size, folder / "tokenizer")
         encode_files(tok, corpus.train, folder / "train.npy")
         encode_files(tok, corpus.heldout, folder / "heldout.npy")
     tokens, heldout = _tokens(folder)
-    model, history = train(DRAFT_BPE4K, tokens, DRAFT_BPE4K_TRAINING, workdir / "draft-bpe4k",
+    model, history = train(config, tokens, settings, workdir / "draft-bpe4k",
                            heldout=heldout, progress=progress,
                            on_eval=_log_eval(workdir, "draft-bpe4k"),
                            max_seconds=minutes * 60 if minutes else None)
@@ -453,6 +455,8 @@ It is there to measure drafting across tokenizers (`docs/draft-model.md`): `spec
 
 
 def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
+                       config: ModelConfig = DRAFT_BPE4K,
+                       settings: TrainConfig = DRAFT_BPE4K_TRAINING,
                        draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> None:
     """Write workdir/draft-bpe4k as ``out``/code-draft-bpe4k with its tokenizer, its draft
     vocabulary and a card that measures it against ``out``/code-target beside code-draft."""
@@ -466,7 +470,7 @@ def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
     folder = workdir / "bpe4k"
     tokens, heldout = _tokens(folder)
     corpus = json.loads((workdir / "corpus.json").read_text())
-    model, step = _restore(DRAFT_BPE4K, DRAFT_BPE4K_TRAINING, workdir / "draft-bpe4k")
+    model, step = _restore(config, settings, workdir / "draft-bpe4k")
     target = load_model(out / "code-target", dtype="float32")
     tokenizer = load_tokenizer(out / "code-target")
     same = load_draft_model(out / "code-draft", dtype="float32")
@@ -474,7 +478,8 @@ def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
     with replace_folder(dest, _model_file) as where:
         save_model(cast(model, "bfloat16"), where, format="hf", eos_token_id=0)
         shutil.copy(folder / "tokenizer" / "tokenizer.json", where / "tokenizer.json")
-        np.save(where / VOCAB_FILE, frequent_tokens(tokens, BPE4K_VOCAB, draft_vocab_size))
+        np.save(where / VOCAB_FILE, frequent_tokens(tokens, config.vocab_size,
+                                                    draft_vocab_size))
         paired = load_paired_draft(where, tokenizer, target.config.vocab_size, dtype="float32")
         loss = evaluate(paired.model, heldout, batches=32)
         same_loss = evaluate(same.model, np.load(workdir / "heldout.npy", mmap_mode="r"),
@@ -490,7 +495,7 @@ def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
         print(f"{dest}: step {step}, loss {loss:.4f} ({per_byte:.4f} nats/byte, code-draft "
               f"{same_per_byte:.4f}); acceptance {json.dumps(acceptance)}; code-draft "
               f"{json.dumps(reference)}; coverage {json.dumps(coverage)}")
-        s, c = DRAFT_BPE4K_TRAINING, DRAFT_BPE4K
+        s, c = settings, config
         (where / "training.json").write_text(json.dumps(
             {"steps": step, "heldout_loss": loss, "heldout_nats_per_byte": per_byte,
              "code_draft_nats_per_byte": same_per_byte, "params": c.num_params,
