@@ -70,6 +70,31 @@ def test_the_cards_acceptance_by_position_reproduces(bundled):
     assert pair.long_row(want) in (CKPT / "code-target" / "README.md").read_text()
 
 
+def test_the_draft_with_its_own_tokenizer_is_what_its_card_says(bundled):
+    """code-draft-bpe4k: its own 4,096-token tokenizer, paired with the target's by bytes, and
+    the greedy acceptance its card states on the bench prompts, within rounding; the output
+    stays the target's."""
+    from specjax.draft.draft_model import load_paired_draft
+    target, _, tok = bundled
+    folder = CKPT / "code-draft-bpe4k"
+    draft = load_paired_draft(folder, tok, target.config.vocab_size, dtype="float32")
+    assert sj.load_tokenizer(folder).vocab_size == pair.BPE4K_VOCAB
+    assert draft.spelling is not None and draft.vocab.size <= pair.DRAFT_VOCAB_SIZE
+    info = json.loads((folder / "training.json").read_text())
+    card = (folder / "README.md").read_text()
+    greedy = info["acceptance"]["greedy"]
+    assert f"greedy {greedy['acceptance_rate']:.3f}" in card and "{" not in card
+    assert f"{info['heldout_nats_per_byte']:.3f} nats per byte" in card
+    prompts, max_new = pair._fitted_prompts(target, draft, tok, "short", greedy["gamma"], 128)
+    spec = sj.SpecConfig(method="draft_model", num_speculative_tokens=greedy["gamma"])
+    greedy_params = sj.SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    out = sj.generate(target, prompts, draft=draft, spec=spec, key=0, sampling=greedy_params)
+    assert abs(out.stats.acceptance_rate - greedy["acceptance_rate"]) < 0.01, (
+        out.stats.acceptance_rate, greedy)
+    plain = sj.generate(target, prompts, sampling=greedy_params)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+
+
 @pytest.mark.parametrize("name,low,high", [("short", 60, 200), ("long", 300, 900)])
 def test_the_shipped_prompt_sets_are_held_out(name, low, high):
     """`specjax bench --prompts short|long`: ten prompts each, cut from files the pair never saw,

@@ -40,13 +40,19 @@ def by_string(noisy):
 
 
 def longest_match_reference(data: bytes, tokens: list[str], gamma: int, stopped: bool):
-    """Python: cut ``data`` by longest match into target ids, dropping a token that ends at the
-    end unless ``stopped``; at most gamma."""
+    """Python: cut ``data`` by longest match into target ids, never across the start of a
+    byte-level piece (whitespace after whitespace and before other text), dropping a token
+    that ends at the end unless ``stopped``; at most gamma."""
     table = {written(tokens, [i]): i for i in range(len(tokens)) if tokens[i] != "<eos>"}
+    space = b" \t\n\r\x0b\x0c"
+
+    def starts_piece(j):
+        return (0 < j < len(data) - 1 and data[j] in space and data[j - 1] in space
+                and data[j + 1] not in space)
     out, at = [], 0
     while len(out) < gamma:
-        best = max((n for n in range(1, len(data) - at + 1) if data[at:at + n] in table),
-                   default=0)
+        best = max((n for n in range(1, len(data) - at + 1) if data[at:at + n] in table
+                    and not any(starts_piece(j) for j in range(at + 1, at + n))), default=0)
         if best == 0 or (at + best == len(data) and not stopped):
             break
         out.append(table[data[at:at + best]])
@@ -65,10 +71,12 @@ def test_the_text_is_cut_into_the_longest_target_tokens(by_string):
     tokens = rng.integers(0, len(draft_tokens), (B, G))
     # half the rows write "é" as its two bytes' tokens, "Ã" then "©"
     tokens[::2, 1:3] = [draft_tokens.index("\u00c3"), draft_tokens.index("\u00a9")]
+    # and a quarter write two spaces, then a letter
+    tokens[1::4, 0:3] = [draft_tokens.index(t) for t in ("\u0120", "\u0120", "a")]
     text, size, stopped = strings.draft_text(bridge, jnp.asarray(tokens, jnp.int32))
     cut, valid = strings.cut(bridge, text, size, stopped, gamma)
     cut, valid = np.asarray(cut), np.asarray(valid)
-    spans = 0
+    spans = runs = 0
     for b in range(B):
         seq = list(tokens[b])
         ends = [i for i, t in enumerate(seq) if draft_tokens[t] == "<eos>"]
@@ -81,7 +89,9 @@ def test_the_text_is_cut_into_the_longest_target_tokens(by_string):
         assert cut[b, :len(want)].tolist() == want, (b, data)
         spans += any(TARGET_32[t] in ("\u00c3\u00a9", "\u0120\u00c3\u00a9", "\u00c3\u00a9a")
                      for t in want)
+        runs += b"  a" in data or b"  b" in data or b"  c" in data
     assert spans > 3  # "é" written by two draft tokens became one target token
+    assert runs > 3  # "ĠĠ" then a letter: "Ġ" and "Ġa", not "ĠĠ" and "a"
 
 
 def test_the_draft_reads_the_accepted_text_in_its_own_tokens(target, by_string):

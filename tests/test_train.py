@@ -148,7 +148,13 @@ def test_pair_stages_end_to_end(tmp_path):
     # beside them with its tokenizer and a card measuring it against code-draft
     own = tiny_config(vocab_size=280, hidden_size=16, layers=1, heads=1, kv_heads=1)
     pair.stage_draft_bpe4k(work, None, own, quick, progress=False)
-    pair.stage_export_bpe4k(work, tmp_path / "out", own, quick, draft_vocab_size=100)
+    # then fine-tuned on text the target writes (one chunk of generation is enough here)
+    pair.stage_draft_bpe4k_kd(work, None, 1e-4, own, quick, quick,
+                              target_folder=tmp_path / "out" / "code-target", progress=False)
+    (chunk,) = (work / "bpe4k" / "kd").glob("chunk-*.npy")
+    assert np.load(chunk).size > pair.KD_BATCH * 48  # the target's text (16 + 48 ids), encoded
+    pair.stage_export_bpe4k(work, tmp_path / "out", own, quick, draft_vocab_size=100,
+                            kd_settings=quick)
     paired = load_paired_draft(tmp_path / "out" / "code-draft-bpe4k", tok, 300)
     assert paired.spelling is not None and paired.vocab.size <= 100
     info = json.loads((tmp_path / "out" / "code-draft-bpe4k" / "training.json").read_text())
@@ -157,6 +163,7 @@ def test_pair_stages_end_to_end(tmp_path):
     assert "code_draft_acceptance" in info
     card = (tmp_path / "out" / "code-draft-bpe4k" / "README.md").read_text()
     assert "280" in card and "{" not in card and "export-bpe4k" in card
+    assert "then fine-tuned 4 steps" in card and info["fine_tuned_on_target_text"]
     # target-long continues the exported target on longer sequences, resumably, from its
     # weights: at step 0 (no update yet) it is the exported model
     longer = train.TrainConfig(steps=2, batch_size=2, seq_len=64, checkpoint_every=1,
