@@ -96,11 +96,14 @@ def reference_logits(draft, ids):
     """The draft's logits over its draft vocabulary (its shared tokens, or its whole one) after
     reading ``ids`` (its own) in one forward from an empty cache: what the chain's cache must
     reproduce."""
-    n = len(ids)
-    logits, hidden, _ = forward(draft.model, jnp.asarray([ids], jnp.int32),
-                                jnp.arange(n, dtype=jnp.int32)[None],
-                                KVCache.init(draft.config, 1, n))
-    return np.asarray(logits[0, -1] if draft.vocab is None else draft.vocab.logits(hidden[0, -1]))
+    n, width = len(ids), 128  # one shape for every text (causal: the padding is not read)
+    assert n <= width
+    logits, hidden, _ = forward(draft.model, jnp.asarray([list(ids) + [0] * (width - n)],
+                                                         jnp.int32),
+                                jnp.arange(width, dtype=jnp.int32)[None],
+                                KVCache.init(draft.config, 1, width))
+    return np.asarray(logits[0, n - 1] if draft.vocab is None
+                      else draft.vocab.logits(hidden[0, n - 1]))
 
 
 def started(target, draft, gamma, lengths, first, seed, S=64):
