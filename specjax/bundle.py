@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import pathlib
 
-NAMES = ("code-target", "code-draft", "code-eagle", "code-medusa", "code-dflash", "code-mtp")
+NAMES = ("code-target", "code-draft", "code-eagle", "code-medusa", "code-dflash", "code-mtp",
+         "code-draft-bpe4k")
 ENV = "SPECJAX_CHECKPOINTS"
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent

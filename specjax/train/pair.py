@@ -506,9 +506,10 @@ BPE4K_CARD = """# code-draft-bpe4k
 
 A draft for `../code-target` that does not share its tokenizer: a byte-level BPE of {vocab}
 tokens (`tokenizer.json` here) against the target's 8,192, trained on the same training files.
-It has the bundled draft's shape and was trained from scratch with the next-token loss on its
-own tokenization (a target with another tokenizer gives no per-token distributions to distil).
-It is there to measure drafting across tokenizers (`docs/draft-model.md`): `specjax generate
+It has the bundled draft's body (its embedding and LM head are half as wide, for half the
+vocabulary), trained from scratch with the next-token loss on its own tokenization, then on text
+the target wrote (a target with another tokenizer gives no per-token distributions to distil, so
+the distillation is by sequences). It is there to measure drafting across tokenizers (`docs/draft-model.md`): `specjax generate
 --draft checkpoints/code-draft-bpe4k` pairs it with the target by the tokens' bytes.
 
 | | |
@@ -518,7 +519,7 @@ It is there to measure drafting across tokenizers (`docs/draft-model.md`): `spec
 | stored as | bfloat16 safetensors, Hugging Face `LlamaForCausalLM` layout |
 | training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{kd} |
 | held-out loss | {loss:.3f} nats per token of its own, {per_byte:.3f} nats per byte (`code-draft`: {draft_per_byte:.3f} nats per byte) |
-| shared tokens | {shared} of its {vocab} tokens are target tokens; the target's tokens it lacks are read as their spelling in its tokens (at most {width} each) |
+| shared tokens | {shared} of its {vocab} tokens are target tokens (the same bytes); it reads each target token as its spelling in its own tokens (at most {width}) |
 | draft vocabulary | drafts only from its {draft_vocab} most frequent tokens (`draft_vocab.npy`) |
 | coverage (held-out text) | the target puts {target_mass:.3f} of its probability on tokens this draft can propose; the draft puts {draft_mass:.3f} of its own there |
 | acceptance (γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}), T = 0.8 {acc_t:.3f} ({len_t:.2f}); `code-draft` on the same prompts: greedy {same_g:.3f} ({same_len_g:.2f}), T = 0.8 {same_t:.3f} ({same_len_t:.2f}) |
@@ -540,7 +541,7 @@ def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
 
     from ..checkpoint import _model_file, cast, load_model, save_model
     from ..draft.draft_model import VOCAB_FILE, load_draft_model, load_paired_draft, vocab_coverage
-    from ..draft.vocab import frequent_tokens
+    from ..draft.vocab import frequent_tokens, token_pairs
     from ..files import replace_folder
     from ..tokenizer import load_tokenizer
     folder = workdir / "bpe4k"
@@ -595,8 +596,7 @@ def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
             steps=step, batch=s.batch_size, seq=s.seq_len, kd=kd_note,
             tokens=step * s.batch_size * s.seq_len / 1e6, lr=s.learning_rate, loss=loss,
             per_byte=per_byte, draft_per_byte=same_per_byte,
-            shared=int(np.asarray(paired.from_target is not None) and
-                       len(np.unique(np.asarray(paired.from_target)))),
+            shared=len(token_pairs(load_tokenizer(where), tokenizer)),
             width=int(paired.spelling.shape[1]), draft_vocab=draft_vocab_size,
             target_mass=coverage["target_mass"], draft_mass=coverage["draft_mass"],
             acc_g=acceptance["greedy"]["acceptance_rate"],
