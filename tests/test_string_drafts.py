@@ -167,5 +167,9 @@ def test_string_drafts_refuse_what_they_do_not_support(target, by_string):
         with pytest.raises(ValueError, match="run as a chain"):
             sj.generate(target, PROMPTS, sampling=GREEDY, draft=draft,
                         spec=sj.SpecConfig(method="draft_model", **spec))
+    with pytest.raises(ValueError, match="restrict it first"):
+        sj.draft.restrict_vocab(draft, [0, 1])
+    with pytest.raises(ValueError, match="already maps"):
+        sj.draft.map_vocab(draft, 32, [[0, 3]])
     with pytest.raises(ValueError, match="level='words' must be"):
         sj.draft.for_tokenizers(draft.model, None, None, 32, level="words")

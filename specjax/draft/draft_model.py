@@ -118,9 +118,10 @@ def restrict_vocab(draft, vocab) -> DraftModel:
         raise ValueError(f"restrict_vocab expects an sj.Model or sj.DraftModel, got "
                          f"{type(draft).__name__}")
     draft = as_draft_model(draft)
-    if draft.from_target is not None:
+    if draft.from_target is not None or draft.strings is not None:
         raise ValueError("restrict_vocab: the draft already maps the target's vocabulary "
-                         "(shared_prefix, map_vocab); restrict it first, then map it")
+                         "(shared_prefix, map_vocab, for_tokenizers); restrict it first, then "
+                         "map it")
     return DraftModel(draft.model, DraftVocab.of(draft.model, vocab), draft.calibration)
 
 
@@ -316,7 +317,7 @@ def _checked_draft(draft, name: str) -> DraftModel:
         raise ValueError(f"{name} expects an sj.Model or sj.DraftModel, got "
                          f"{type(draft).__name__}")
     draft = as_draft_model(draft)
-    if draft.from_target is not None:
+    if draft.from_target is not None or draft.strings is not None:
         raise ValueError(f"{name}: the draft already maps another vocabulary")
     return draft
 
