@@ -471,13 +471,12 @@ class DraftModelProposer:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpelledState:
-    """A spelled chain's draft cache and where the target's tokens sit in it: the draft has
-    read the target's tokens up to index ``last`` [B]; token ``last`` is spelled at draft slots
-    ``base`` .. ``after`` - 1 [B], and the round's first draft was read at slot ``after``."""
+    """A draft cache in the draft's own tokens and where the target's tokens sit in it: the
+    draft has read the target's tokens up to index ``last`` [B], spelled, in slots
+    0 .. ``after`` - 1 [B] (where token ``last`` begins follows from its spelling's length)."""
 
     cache: KVCache
     last: Array
-    base: Array
     after: Array
 
 
@@ -490,9 +489,10 @@ class SpelledChainProposer:
 
     Its drafts are shared tokens, one draft token each. The catch-up forward re-reads the
     target's last two tokens, spelled (2K slots, the ones past the spellings ignored), from the
-    draft slot where the older of the two begins: that is the previous round's base when no
-    draft was accepted, else the slot the last accepted draft was read at (the catch-up of the
-    module docstring, by slots of the draft's own)."""
+    draft slot where the older of the two begins: where the last token read begins (its
+    spelling's length before ``after``) when no draft was accepted, else the slot the last
+    accepted draft was read at (the catch-up of the module docstring, by slots of the draft's
+    own)."""
 
     config: ModelConfig  # the draft model's config
     gamma: int
@@ -515,10 +515,8 @@ class SpelledChainProposer:
     def init(self, params: DraftModel, prompts: Array, prompt_lengths: Array,
              capacity: int) -> SpelledState:
         """Prefill the prompts [B, N] (right-padded), spelled, into the draft cache."""
-        cache, total, last_size = spelled_prefill(
-            params, prompts, prompt_lengths, self.capacity(capacity),
-            max(PREFILL_CHUNK, 2 * self.width + self.gamma))
-        return SpelledState(cache, prompt_lengths - 1, total - last_size, total)
+        return spelled_prefill(params, prompts, prompt_lengths, self.capacity(capacity),
+                               max(PREFILL_CHUNK, 2 * self.width + self.gamma))
 
     def propose(self, params: DraftModel, state: SpelledState, history: Array, length: Array,
                 keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters
@@ -529,16 +527,12 @@ class SpelledChainProposer:
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.gamma))(keys)  # [B, G]
         # drafts accepted last round (a finished row's length stops: 0)
         accepted = jnp.clip(length - state.last - 1, 0, self.gamma)
-        start = jnp.where(accepted == 0, state.base, state.after + accepted - 1)
+        base = state.after - _spell(draft.spelling, history[rows, state.last])[1]
+        start = jnp.where(accepted == 0, base, state.after + accepted - 1)
         pair = jnp.stack([history[rows, length - 1], history[rows, length]], 1)  # [B, 2]
-        spelled, sizes = _spell(draft.spelling, pair)  # [B, 2, K], [B, 2]
-        index = jnp.arange(2 * K)[None, :]
-        first = jnp.take_along_axis(spelled[:, 0], jnp.clip(index, 0, K - 1), axis=1)
-        second = jnp.take_along_axis(spelled[:, 1], jnp.clip(index - sizes[:, :1], 0, K - 1),
-                                     axis=1)
-        tokens = jnp.where(index < sizes[:, :1], first, second)
-        read = sizes.sum(1)
-        _, hidden, cache = forward(draft.model, tokens, start[:, None] + index,
+        tokens, read = _packed(*_spell(draft.spelling, pair))  # [B, 2K], [B]
+        _, hidden, cache = forward(draft.model, tokens,
+                                   start[:, None] + jnp.arange(2 * K)[None, :],
                                    state.cache.rollback(start))
         after = start + read
         cache = cache.rollback(after)
@@ -552,28 +546,33 @@ class SpelledChainProposer:
             tokens.append(token)
             probs.append(q)
         chain = stack_chain(tokens, probs, draft.vocab, self.target_vocab)
-        return chain, SpelledState(cache, length, start + sizes[:, 0], after)
+        return chain, SpelledState(cache, length, after)
 
 
 def spelled_prefill(params: DraftModel, prompts: Array, prompt_lengths: Array, slots: int,
-                    span: int) -> tuple[KVCache, Array, Array]:
+                    span: int) -> SpelledState:
     """A draft cache of ``slots`` slots (``span``: as ``KVCache.init``) with the prompts
-    [B, N] (right-padded, target ids) prefilled as their spellings in the draft's tokens; also
-    the spelled length [B] and the length of the last prompt token's spelling [B]."""
+    [B, N] (right-padded, target ids) prefilled as their spellings in the draft's tokens."""
     B, N = prompts.shape
-    K = int(params.spelling.shape[1])
     spelled, sizes = _spell(params.spelling, prompts)  # [B, N, K], [B, N]
     sizes = jnp.where(jnp.arange(N)[None, :] < prompt_lengths[:, None], sizes, 0)
-    ends = jnp.cumsum(sizes, axis=1)
-    where = (ends - sizes)[:, :, None] + jnp.arange(K)[None, None, :]
-    where = jnp.where(jnp.arange(K)[None, None, :] < sizes[:, :, None], where, N * K)
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], where.shape)
-    tokens = jnp.zeros((B, N * K), jnp.int32).at[rows, where].set(spelled, mode="drop")
-    total = ends[:, -1]
+    tokens, total = _packed(spelled, sizes)
     cache = KVCache.init(params.config, B, slots, span=span)
     cache = prefill_chunked(params.model, tokens, total, cache)[2]
-    last = jnp.clip(prompt_lengths - 1, 0, N - 1)
-    return cache, total, sizes[jnp.arange(B), last]
+    return SpelledState(cache, prompt_lengths - 1, total)
+
+
+def _packed(pieces: Array, sizes: Array) -> tuple[Array, Array]:
+    """Pieces [B, N, K] of which the first sizes [B, N] count, back to back: [B, N * K] (0
+    after the last) and the total length [B]. Spellings into a token chunk; draft tokens'
+    bytes into text (specjax/draft/strings.py)."""
+    B, N, K = pieces.shape
+    ends = jnp.cumsum(sizes, axis=1)
+    within = jnp.arange(K)[None, None, :]
+    slot = jnp.where(within < sizes[:, :, None], (ends - sizes)[:, :, None] + within, N * K)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], slot.shape)
+    return (jnp.zeros((B, N * K), pieces.dtype).at[rows, slot].set(pieces, mode="drop"),
+            ends[:, -1])
 
 
 def _spell(spelling: Array, tokens: Array) -> tuple[Array, Array]:

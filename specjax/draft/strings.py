@@ -37,10 +37,10 @@ import numpy as np
 from jax import Array
 
 from .. import sampling
-from ..cache import KVCache
 from ..config import ModelConfig
-from ..model import PREFILL_CHUNK, forward
+from ..model import PREFILL_CHUNK
 from .base import Draft
+from .draft_model import SpelledState, _packed, _spell, spelled_prefill
 
 _P = 1_000_003  # the hash's base (odd, so invertible modulo 2^32)
 _LENGTH_MIX = 0x9E3779B1
@@ -122,20 +122,12 @@ def string_bridge(draft_tokenizer, target_tokenizer, target_vocab_size: int,
 def draft_text(bridge: StringBridge, tokens: Array) -> tuple[Array, Array, Array]:
     """Draft tokens [B, G] -> their bytes, concatenated [B, G * Lb] (0 past the end), the
     text's length [B] (up to the first special token) and whether one ended it [B]."""
-    B, G = tokens.shape
-    Lb = bridge.draft_bytes.shape[1]
     sizes = bridge.draft_len[tokens]  # [B, G]
     stops = sizes < 0
     stopped_before = jnp.cumsum(stops, axis=1) - stops > 0
-    keep = ~stops & ~stopped_before
-    sizes = jnp.where(keep, sizes, 0)
-    ends = jnp.cumsum(sizes, axis=1)
-    slot = (ends - sizes)[:, :, None] + jnp.arange(Lb)[None, None, :]
-    slot = jnp.where(jnp.arange(Lb)[None, None, :] < sizes[:, :, None], slot, G * Lb)
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None, None], slot.shape)
-    text = jnp.zeros((B, G * Lb), jnp.int32).at[rows, slot].set(bridge.draft_bytes[tokens],
-                                                               mode="drop")
-    return text, ends[:, -1], stops.any(axis=1)
+    sizes = jnp.where(~stops & ~stopped_before, sizes, 0)
+    text, length = _packed(bridge.draft_bytes[tokens], sizes)
+    return text, length, stops.any(axis=1)
 
 
 def longest_matches(bridge: StringBridge, text: Array, length: Array) -> tuple[Array, Array]:
@@ -204,17 +196,6 @@ def cut(bridge: StringBridge, text: Array, length: Array, stopped: Array, gamma:
     return jnp.stack(tokens, 1), jnp.stack(valid, 1)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StringState:
-    """The draft cache holding the text up to target token ``last`` [B], spelled, in slots
-    0 .. ``after`` - 1 [B]."""
-
-    cache: KVCache
-    last: Array
-    after: Array
-
-
 @dataclasses.dataclass(frozen=True)
 class StringChainProposer:
     """String-level drafts from a draft model with a tokenizer of its own (module docstring):
@@ -233,64 +214,41 @@ class StringChainProposer:
         """Target tokens the catch-up may read: the accepted drafts and the target's token."""
         return self.gamma + 1
 
-    def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int) -> StringState:
-        from .draft_model import spelled_prefill
+    def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int
+             ) -> SpelledState:
+        """Prefill the prompts, spelled, as ``SpelledChainProposer`` does."""
         slots = self.width * capacity + self.reads * self.width + self.gamma + 1
-        cache, total, _ = spelled_prefill(params, prompts, prompt_lengths, slots,
-                                          max(PREFILL_CHUNK, self.reads * self.width
-                                              + self.gamma + 1))
-        return StringState(cache, prompt_lengths - 1, total)
+        return spelled_prefill(params, prompts, prompt_lengths, slots,
+                               max(PREFILL_CHUNK, self.reads * self.width + self.gamma + 1))
 
-    def catch_up(self, params, state: StringState, history: Array, length: Array
-                 ) -> tuple[Array, StringState]:
+    def catch_up(self, params, state: SpelledState, history: Array, length: Array
+                 ) -> tuple[Array, SpelledState]:
         """Read the target tokens after ``state.last`` up to ``length`` (spelled) from slot
         ``state.after``: the draft's logits after them [B, M] and the new state."""
-        from .draft_model import _spell
         B, S = history.shape
         K, R = self.width, self.reads
         rows = jnp.arange(B)
         index = state.last[:, None] + 1 + jnp.arange(R)[None, :]  # [B, R]
-        new = index <= length[:, None]
         spelled, sizes = _spell(params.spelling, history[rows[:, None], jnp.clip(index, 0, S - 1)])
-        sizes = jnp.where(new, sizes, 0)
-        ends = jnp.cumsum(sizes, axis=1)
-        slot = (ends - sizes)[:, :, None] + jnp.arange(K)[None, None, :]
-        slot = jnp.where(jnp.arange(K)[None, None, :] < sizes[:, :, None], slot, R * K)
-        tokens = jnp.zeros((B, R * K), jnp.int32).at[
-            jnp.broadcast_to(rows[:, None, None], slot.shape), slot].set(spelled, mode="drop")
-        read = ends[:, -1]
+        tokens, read = _packed(spelled, jnp.where(index <= length[:, None], sizes, 0))
         positions = state.after[:, None] + jnp.arange(R * K)[None, :]
-        logits, hidden, cache = forward(params.model, tokens, positions,
-                                        state.cache.rollback(state.after))
+        logits, cache = params.logits(tokens, positions, state.cache.rollback(state.after))
         after = state.after + read
-        at = jnp.maximum(read - 1, 0)
-        logits = _own_logits(params, logits[rows, at], hidden[rows, at])
-        return logits, StringState(cache.rollback(after), jnp.maximum(length, state.last), after)
+        logits = logits[rows, jnp.maximum(read - 1, 0)]
+        return logits, SpelledState(cache.rollback(after), jnp.maximum(length, state.last), after)
 
-    def propose(self, params, state: StringState, history: Array, length: Array, keys: Array,
+    def propose(self, params, state: SpelledState, history: Array, length: Array, keys: Array,
                 sampling_params: sampling.SamplingArrays, filters: sampling.Filters
-                ) -> tuple[Draft, StringState]:
+                ) -> tuple[Draft, SpelledState]:
         logits, state = self.catch_up(params, state, history, length)
         cache = state.cache
-        token = _own_ids(params, sampling.argmax(logits))
+        token = params.token_ids(sampling.argmax(logits))
         drafted = [token]
         for i in range(1, self.gamma + 1):
-            logits, hidden, cache = forward(params.model, token[:, None],
-                                            (state.after + i - 1)[:, None], cache)
-            token = _own_ids(params, sampling.argmax(_own_logits(params, logits[:, 0],
-                                                                 hidden[:, 0])))
+            logits, cache = params.logits(token[:, None], (state.after + i - 1)[:, None], cache)
+            token = params.token_ids(sampling.argmax(logits[:, 0]))
             drafted.append(token)
         bridge = params.strings
         text, size, stopped = draft_text(bridge, jnp.stack(drafted, axis=1))
         tokens, valid = cut(bridge, text, size, stopped, self.gamma)
         return Draft(tokens, None, valid), state
-
-
-def _own_logits(params, logits: Array, hidden: Array) -> Array:
-    """The draft's logits over its draft vocabulary (its own ids): the model's own, or the
-    draft vocabulary's columns of its LM head (the compiler then drops the full ones)."""
-    return logits if params.vocab is None else params.vocab.logits(hidden)
-
-
-def _own_ids(params, index: Array) -> Array:
-    return index.astype(jnp.int32) if params.vocab is None else params.vocab.token_ids(index)
