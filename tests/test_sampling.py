@@ -158,5 +158,7 @@ def test_sample_without_replacement_keeps_the_far_tail():
     draw = jax.jit(lambda k: sampling.sample_without_replacement(
         k, jnp.broadcast_to(q, (k.shape[0], 1, V)), 1))
     tail = sum(int(np.sum(np.asarray(draw(jax.random.split(jax.random.key(c), 20000))) != 0))
-               for c in range(10))
-    assert 20 <= tail <= 70  # 200,000 draws x 2.05e-4 = 41 expected (Gumbel top-k: 0)
+               for c in range(5))
+    # 100,000 draws x 2.05e-4 = 20.5 expected (Gumbel top-k: 0); a correct sampler lands
+    # outside [6, 40] with probability 1e-4 (Poisson)
+    assert 6 <= tail <= 40, tail
