@@ -10,8 +10,13 @@ over it), scored with the same calibration. The two agree when the engine scores
 calibration predicts; both differ from the fit's own held-out figure when the prompts differ from
 those it was fitted on.
 
+``--heads DIR`` (Medusa or EAGLE folders with calibration.json, from ``specjax train calibrate
+--heads``): real rounds only (heads draft from their own features, which teacher forcing does not
+give), with the folder's calibration and with the identity (the raw confidence) beside it.
+
     .venv/bin/python experiments/calibration_check.py                       # checkpoints/code-draft
     .venv/bin/python experiments/calibration_check.py --draft A --draft B --prompts long
+    .venv/bin/python experiments/calibration_check.py --heads checkpoints/code-eagle
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", action="append", help="draft folder(s) with calibration.json "
                     "(default: checkpoints/code-draft)")
+    ap.add_argument("--heads", action="append", default=[],
+                    help="Medusa / EAGLE folder(s) with calibration.json (real rounds only)")
     ap.add_argument("--prompts", default="short", help="a bench prompt set (short, long, a file)")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -40,7 +47,27 @@ def main() -> None:
     target = sj.load_model(ROOT / "checkpoints" / "code-target")
     tok = sj.load_tokenizer(ROOT / "checkpoints" / "code-target")
     prompts = [tok.encode(p["text"]) for p in load_prompts(args.prompts)]
-    for folder in args.draft or [str(ROOT / "checkpoints" / "code-draft")]:
+    for folder in args.heads:
+        heads = sj.load_heads(folder, target)
+        if "calibration" not in heads.params:
+            raise SystemExit(f"{folder} has no calibration.json")
+        for t in map(float, args.temperatures.split(",")):
+            ece = {}
+            for name, d in (("fitted", heads), ("raw", adaptive._uncalibrated(heads))):
+                out = sj.generate(target, prompts, draft=d, sampling=sj.SamplingParams(
+                    temperature=t, max_new_tokens=args.max_new_tokens), spec=sj.SpecConfig(
+                    method=heads.config.method, num_speculative_tokens=4,
+                    survival_threshold=1e-9))
+                rel = out.stats.reliability
+                n = sum(c for _, _, c in rel)
+                ece[name] = (out.stats.calibration_error, sum(p * k for p, _, k in rel) / n,
+                             sum(a * k for _, a, k in rel) / n, n)
+            (f, fp, acc, n), (r, rp, _, _) = ece["fitted"], ece["raw"]
+            print(f"{folder} T={t:g}: real rounds ECE {f:.3f} with its calibration (mean "
+                  f"predicted {fp:.3f}), {r:.3f} raw (mean confidence {rp:.3f}); accepted "
+                  f"{acc:.3f}, {n} drafts")
+    for folder in args.draft or ([] if args.heads else
+                                 [str(ROOT / "checkpoints" / "code-draft")]):
         draft = sj.load_draft_model(folder)
         if draft.calibration is None:
             raise SystemExit(f"{folder} has no calibration.json fitted for its weights")

@@ -360,16 +360,20 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
-def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200) -> tuple[float, float]:
+def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200,
+                  weights: np.ndarray | None = None) -> tuple[float, float]:
     """(a, b) minimising the cross-entropy of sigmoid(a · logit(c) + b) against soft labels y
-    in [0, 1], by Newton's method on the two parameters; a is kept > 0."""
+    in [0, 1] (each sample weighted by ``weights``, default 1), by Newton's method on the two
+    parameters; a is kept > 0."""
     x = np.log(np.clip(c, _EPS, 1 - _EPS)) - np.log1p(-np.clip(c, _EPS, 1 - _EPS))
     X = np.stack([x, np.ones_like(x)], axis=1)
+    n = np.ones_like(x) if weights is None else np.asarray(weights, np.float64)
+    n = n / n.sum()
     w = np.array([1.0, 0.0])
     for _ in range(steps):
         p = _sigmoid(X @ w)
-        grad = X.T @ (p - y) / len(y)
-        hess = (X * (p * (1 - p))[:, None]).T @ X / len(y) + 1e-6 * np.eye(2)
+        grad = X.T @ (n * (p - y))
+        hess = (X * (n * p * (1 - p))[:, None]).T @ X + 1e-6 * np.eye(2)
         step = np.linalg.solve(hess, grad)
         w = w - step
         if np.abs(step).max() < 1e-9:
@@ -464,6 +468,13 @@ def acceptance_samples(target, draft, prompts: list[list[int]], *, temperature: 
     return np.concatenate(conf), np.concatenate(acc), np.concatenate(rows)
 
 
+def _check_fit_args(name: str, prompts, temperature: float, split: str) -> None:
+    if len(prompts) < 2:
+        raise ValueError(f"{name} needs at least 2 prompts ({split}), got {len(prompts)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the sampled rows' fit), got {temperature}")
+
+
 def calibrate(target, draft, prompts: list[list[int]], *, temperature: float = 0.8,
               max_new_tokens: int = 128, seed: int = 0) -> tuple[Calibration, dict]:
     """Fit a draft model's Calibration on the target's own text from ``prompts`` (held-out
@@ -471,11 +482,8 @@ def calibrate(target, draft, prompts: list[list[int]], *, temperature: float = 0
     Rows alternate between fitting and scoring: the report gives, per mode, the held-out
     expected calibration error of the raw confidence and of the fitted map, and the reliability
     diagram's points."""
-    if len(prompts) < 2:
-        raise ValueError(f"calibrate needs at least 2 prompts (rows alternate between fitting "
-                         f"and scoring), got {len(prompts)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (the sampled rows' fit), got {temperature}")
+    _check_fit_args("calibrate", prompts, temperature,
+                    "rows alternate between fitting and scoring")
     fitted, report = {}, {}
     for mode, t in (("greedy", 0.0), ("sampled", float(temperature))):
         c, y, rows = acceptance_samples(target, draft, prompts, temperature=t,
@@ -490,6 +498,96 @@ def calibrate(target, draft, prompts: list[list[int]], *, temperature: float = 0
                         "ece": expected_calibration_error(predicted, y[held]),
                         "mean_acceptance": float(y[held].mean()),
                         "reliability": reliability(predicted, y[held])}
+    return Calibration.of(fitted["greedy"], fitted["sampled"]), report
+
+
+# A survival threshold no chain's product of predictions reaches (each prediction is at least
+# 1 / the draft vocabulary, and products stay far above float32's smallest normal for any γ the
+# engine takes): every row wants every draft, so every draft is verified and scored.
+EVERY_DRAFT = 1e-30
+
+
+def _uncalibrated(drafter):
+    """``drafter`` (a DraftModel, an sj.Model or Heads) with the identity calibration, so the
+    engine's predictions are its raw confidences."""
+    from .draft.draft_model import DraftModel
+    from .draft.heads import Heads
+    if isinstance(drafter, DraftModel):
+        return dataclasses.replace(drafter, calibration=None)
+    if isinstance(drafter, Heads):
+        return Heads(drafter.config, {k: v for k, v in drafter.params.items()
+                                      if k != "calibration"})
+    return drafter  # an sj.Model: no calibration of its own
+
+
+def _method_of(drafter, method: str | None) -> str:
+    from .draft import registry
+    from .draft.heads import Heads
+    if method is None:
+        method = drafter.config.method if isinstance(drafter, Heads) else "draft_model"
+    if not registry.get(method).adaptive:
+        adaptive = [n for n in registry.names() if registry.get(n).adaptive]
+        raise ValueError(f"method {method!r} has no adaptive lengths to calibrate (those that "
+                         f"do: {', '.join(adaptive)})")
+    return method
+
+
+def round_points(target, drafter, prompts: list[list[int]], *, method: str | None = None,
+                 gamma: int = 4, temperature: float, max_new_tokens: int = 128,
+                 seed: int = 0) -> np.ndarray:
+    """Real rounds of a chain of ``gamma`` drafts from ``drafter`` (a draft model or Medusa /
+    EAGLE heads; ``method`` from the heads' own by default) on ``prompts``, every draft verified
+    (survival threshold EVERY_DRAFT) and scored by its raw confidence (identity calibration):
+    the engine's reliability counters as [bins, 3] (mean confidence, fraction accepted, drafts).
+    A draft is counted when the drafts before it in its round were all accepted, so the
+    fraction is the conditional acceptance a calibration predicts."""
+    from .config import SamplingParams, SpecConfig
+    from .engine import generate
+    spec = SpecConfig(method=_method_of(drafter, method), num_speculative_tokens=gamma,
+                      survival_threshold=EVERY_DRAFT)
+    out = generate(target, prompts, spec=spec, draft=_uncalibrated(drafter), key=seed,
+                   sampling=SamplingParams(temperature=temperature,
+                                           max_new_tokens=max_new_tokens))
+    return np.asarray(out.stats.reliability, np.float64).reshape(-1, 3)
+
+
+def _binned_ece(points: np.ndarray, predict=lambda c: c) -> float:
+    """The expected calibration error over ``points`` [bins, 3] of raw confidence, with each
+    bin's mean confidence mapped by ``predict``, weighted by the bin's drafts."""
+    c, y, n = points.T
+    return float(np.sum(n * np.abs(predict(c) - y)) / max(n.sum(), 1.0))
+
+
+def calibrate_rounds(target, drafter, prompts: list[list[int]], *, method: str | None = None,
+                     gamma: int = 4, temperature: float = 0.8, max_new_tokens: int = 128,
+                     seed: int = 0) -> tuple[Calibration, dict]:
+    """Fit a Calibration from real rounds, for any drafter with adaptive lengths (a draft
+    model, Medusa or EAGLE heads): ``round_points`` on the even prompts is fitted (a weighted
+    logistic fit on the binned points), and the odd prompts score it. The report gives per mode
+    (greedy; sampled at ``temperature``) the fit, and the held-out expected calibration error
+    of the raw confidence and of the fitted map, both over bins of the raw confidence."""
+    _check_fit_args("calibrate_rounds", prompts, temperature, "even ones fit, odd ones score")
+    fitted, report = {}, {}
+    for mode, t in (("greedy", 0.0), ("sampled", float(temperature))):
+        fit, held = (round_points(target, drafter, prompts[i::2], method=method, gamma=gamma,
+                                  temperature=t, max_new_tokens=max_new_tokens, seed=seed)
+                     for i in (0, 1))
+        if fit[:, 2].sum() == 0:
+            raise ValueError(f"no drafts were verified in the {mode} rounds (prompts too long "
+                             f"for the context, or max_new_tokens too small)")
+        a, b = _fit_logistic(fit[:, 0], fit[:, 1], weights=fit[:, 2])
+        fitted[mode] = (a, b)
+
+        def mapped(c, a=a, b=b):
+            x = np.log(np.clip(c, _EPS, 1 - _EPS)) - np.log1p(-np.clip(c, _EPS, 1 - _EPS))
+            return _sigmoid(a * x + b)
+        report[mode] = {"temperature": t, "samples": int(fit[:, 2].sum() + held[:, 2].sum()),
+                        "a": a, "b": b, "ece_raw": _binned_ece(held),
+                        "ece": _binned_ece(held, mapped),
+                        "mean_acceptance": float(np.sum(held[:, 1] * held[:, 2])
+                                                 / max(held[:, 2].sum(), 1.0)),
+                        "reliability": [{"predicted": float(mapped(c)), "observed": float(y),
+                                         "count": int(n)} for c, y, n in held]}
     return Calibration.of(fitted["greedy"], fitted["sampled"]), report
 
 
@@ -531,6 +629,13 @@ def calibrate_main(argv=None) -> int:
                     "calibration.json in the draft folder.")
     ap.add_argument("--target", help="the target folder (default: the bundled code-target)")
     ap.add_argument("--draft", help="the draft folder (default: the bundled code-draft)")
+    ap.add_argument("--heads", help="a Medusa or EAGLE folder to calibrate instead of a draft "
+                                    "model (fitted on real rounds: --fit rounds)")
+    ap.add_argument("--fit", choices=("teacher", "rounds"), default=None,
+                    help="teacher: the target's text, both models run over it once (draft "
+                         "models; the default for them); rounds: real rounds of a γ-draft "
+                         "chain with every draft verified (any drafter; the only way for heads)")
+    ap.add_argument("--gamma", type=int, default=4, help="--fit rounds: the chain's γ")
     ap.add_argument("--data", default="~/specjax-work",
                     help="the folder `specjax train pair data` wrote (corpus.json, heldout.npy)")
     ap.add_argument("--prompts", choices=("definitions", "windows"), default="definitions",
@@ -541,17 +646,25 @@ def calibrate_main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="--prompts windows only")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled rows' fit")
-    ap.add_argument("--out", help="folder to write calibration.json to (default: --draft)")
+    ap.add_argument("--out", help="folder to write calibration.json to (default: --draft or "
+                                  "--heads)")
     args = ap.parse_args(argv)
+    if args.heads and args.draft:
+        ap.error("give --draft or --heads, not both")
+    if args.heads and args.fit == "teacher":
+        ap.error("--heads fits on real rounds only (--fit rounds): heads draft from their own "
+                 "features, which teacher forcing does not give")
+    fit = args.fit or ("rounds" if args.heads else "teacher")
     from .bundle import bundled
     from .checkpoint import load_model
     try:
         args.target = args.target or str(bundled("code-target"))
-        args.draft = args.draft or str(bundled("code-draft"))
+        if not args.heads:
+            args.draft = args.draft or str(bundled("code-draft"))
     except FileNotFoundError as e:
         ap.error(str(e))
     from .draft.draft_model import load_draft_model
-    for name in ("num_prompts", "prompt_tokens", "max_new_tokens"):
+    for name in ("num_prompts", "prompt_tokens", "max_new_tokens", "gamma"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     data = pathlib.Path(args.data).expanduser()
@@ -568,19 +681,31 @@ def calibrate_main(argv=None) -> int:
             prompts = stream_prompts(np.load(need), args.num_prompts, args.prompt_tokens)
     except (ValueError, OSError) as e:
         raise SystemExit(f"{need}: {e}") from None
+    folder = args.out or args.heads or args.draft
     try:
         target = load_model(args.target, dtype="float32")
-        draft = load_draft_model(args.draft, dtype="float32")
+        if args.heads:
+            from .draft.heads import load_heads
+            draft = load_heads(args.heads, target)
+        else:
+            draft = load_draft_model(args.draft, dtype="float32")
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
-    calibration, report = calibrate(target, draft, prompts, temperature=args.temperature,
-                                    max_new_tokens=args.max_new_tokens)
+    if fit == "rounds":
+        calibration, report = calibrate_rounds(target, draft, prompts, gamma=args.gamma,
+                                               temperature=args.temperature,
+                                               max_new_tokens=args.max_new_tokens)
+    else:
+        calibration, report = calibrate(target, draft, prompts, temperature=args.temperature,
+                                        max_new_tokens=args.max_new_tokens)
     for mode, r in report.items():
         print(f"{mode}: a={r['a']:.3f} b={r['b']:.3f}; held-out ECE {r['ece']:.3f} (raw "
               f"confidence {r['ece_raw']:.3f}); mean acceptance {r['mean_acceptance']:.3f}, "
               f"{r['samples']} samples")
     report["command"] = ("specjax train calibrate " + " ".join(argv if argv is not None
                                                                 else []))
-    save_calibration(calibration, args.out or args.draft, report, draft)
-    print(f"wrote {pathlib.Path(args.out or args.draft) / FILE}")
+    report["fit"] = fit
+    # a draft model's file records the weights it was fitted for (heads' files do not yet)
+    save_calibration(calibration, folder, report, None if args.heads else draft)
+    print(f"wrote {pathlib.Path(folder) / FILE}")
     return 0

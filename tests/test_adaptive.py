@@ -54,6 +54,25 @@ def test_the_fit_recovers_a_known_calibration():
     assert adaptive.expected_calibration_error(c, y) > 0.05  # the raw confidence is not
 
 
+def test_the_weighted_fit_recovers_a_known_calibration_from_bins():
+    """What calibrate_rounds fits: the engine's binned points (mean confidence, fraction
+    accepted, drafts), each weighted by its drafts."""
+    rng = np.random.default_rng(0)
+    c = rng.uniform(0.02, 0.98, 200000)
+    truth = 1 / (1 + np.exp(-(2.0 * np.log(c / (1 - c)) - 0.7)))
+    y = (rng.random(c.size) < truth).astype(float)
+    which = np.minimum((c * 20).astype(int), 19)
+    n = np.bincount(which, minlength=20)
+    points = np.stack([np.bincount(which, c) / n, np.bincount(which, y) / n, n], axis=1)
+    a, b = adaptive._fit_logistic(points[:, 0], points[:, 1], weights=points[:, 2])
+    assert abs(a - 2.0) < 0.15 and abs(b + 0.7) < 0.15, (a, b)
+    # unweighted, the sparse bins pull it elsewhere: the weights matter
+    skewed = points.copy()
+    skewed[:10, 2] *= 100
+    assert abs(adaptive._fit_logistic(*skewed[:, :2].T, weights=skewed[:, 2])[1]
+               - adaptive._fit_logistic(*skewed[:, :2].T)[1]) > 1e-3
+
+
 def test_calibrate_fits_a_draft_model_on_held_out_rows(models, tmp_path):
     target, drafts = models
     rng = np.random.default_rng(1)

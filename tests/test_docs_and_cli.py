@@ -487,6 +487,11 @@ def test_train_calibrate_names_missing_inputs(capsys, tmp_path):
         cli.main(["train", "calibrate", "--data", str(tmp_path), "--prompts", "windows",
                   "--num-prompts", "32", "--draft", str(tmp_path / "nothing")])
     assert f"{tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+    for extra, message in ((["--draft", "a", "--heads", "b"], "give --draft or --heads"),
+                           (["--heads", "b", "--fit", "teacher"], "--heads fits on real rounds")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["train", "calibrate", "--data", str(tmp_path), *extra])
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_python_dash_m_and_version():
