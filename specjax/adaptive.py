@@ -117,8 +117,8 @@ def checked_calibration(c, name: str = "calibration") -> Calibration:
 def save_calibration(calibration: Calibration, folder, report: dict | None = None,
                      model=None) -> None:
     """Write ``calibration.json`` into a drafter folder (with the fit's report, if given). With
-    ``model`` (the draft model it was fitted for: an sj.Model or DraftModel), the file records
-    its weights' fingerprint, and ``load_calibration`` ignores it beside other weights."""
+    ``model`` (the drafter it was fitted for: an sj.Model, a DraftModel or Heads), the file
+    records its weights' fingerprint, and ``load_calibration`` ignores it beside other weights."""
     from .files import write_atomic
     record = {**calibration.to_json(), "report": report or {}}
     if model is not None:
@@ -128,9 +128,10 @@ def save_calibration(calibration: Calibration, folder, report: dict | None = Non
 
 
 def load_calibration(folder, model=None) -> Calibration | None:
-    """A drafter folder's calibration, or None when it has none. With ``model`` (the draft
-    model loaded from the folder): None, with a warning, when the file records that it was
-    fitted for other weights (a draft trained again after its calibration was fitted)."""
+    """A drafter folder's calibration, or None when it has none. With ``model`` (the drafter
+    loaded from the folder: a draft model or Heads): None, with a warning, when the file records
+    that it was fitted for other weights (a drafter trained again after its calibration was
+    fitted)."""
     path = pathlib.Path(folder) / FILE
     if not path.is_file():
         return None
@@ -138,12 +139,13 @@ def load_calibration(folder, model=None) -> Calibration | None:
     calibration = Calibration.from_json(record, str(path))
     fitted_for = record.get("fitted_for") if isinstance(record, dict) else None
     if model is not None and fitted_for is not None:
-        from .draft.heads import differing_weight
+        from .draft.heads import Heads, differing_weight
         if differing_weight(fitted_for, getattr(model, "model", model)) is not None:
             import warnings
-            warnings.warn(f"{path} was fitted for other weights than the model in {folder}: "
+            flag = "--heads" if isinstance(model, Heads) else "--draft"
+            warnings.warn(f"{path} was fitted for other weights than the drafter in {folder}: "
                           f"ignored, so adaptive lengths use the raw confidence (fit it again: "
-                          f"`specjax train calibrate --draft {folder}`)", stacklevel=2)
+                          f"`specjax train calibrate {flag} {folder}`)", stacklevel=2)
             return None
     return calibration
 
@@ -705,7 +707,6 @@ def calibrate_main(argv=None) -> int:
     report["command"] = ("specjax train calibrate " + " ".join(argv if argv is not None
                                                                 else []))
     report["fit"] = fit
-    # a draft model's file records the weights it was fitted for (heads' files do not yet)
-    save_calibration(calibration, folder, report, None if args.heads else draft)
+    save_calibration(calibration, folder, report, draft)  # with the weights it was fitted for
     print(f"wrote {pathlib.Path(folder) / FILE}")
     return 0

@@ -149,6 +149,19 @@ def test_the_draft_ships_a_calibration_fitted_for_its_weights():
         assert sj.load_draft_model(CKPT / "code-draft").calibration is not None
 
 
+@pytest.mark.parametrize("name", ["code-eagle", "code-medusa"])
+def test_the_heads_ship_a_calibration_fitted_for_their_weights(bundled, name):
+    """The same for the heads (fitted on real rounds, `specjax train calibrate --heads`)."""
+    import warnings
+    record = json.loads((CKPT / name / "calibration.json").read_text())
+    assert "fitted_for" in record and record["report"]["fit"] == "rounds"
+    for mode in ("greedy", "sampled"):  # the fit beats the raw confidence on held-out prompts
+        assert record["report"][mode]["ece"] < record["report"][mode]["ece_raw"], mode
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "calibration" in sj.load_heads(CKPT / name, bundled[0]).params
+
+
 def test_the_draft_was_distilled_from_the_target(bundled):
     """A trained draft agrees with the target far more than chance (1 in 8192 for a random one)
     on the held-out bench prompts (the export measured 0.490 over 128 tokens)."""

@@ -460,9 +460,17 @@ def test_heads_are_calibrated_on_real_rounds(tiny_drafters, method, tmp_path):
     # (min(p, q) summed): the fit corrects it on prompts it never saw
     assert report["sampled"]["ece"] < 0.6 * report["sampled"]["ece_raw"], report["sampled"]
     heads_lib.save_heads(heads, tmp_path / method, target)
-    adaptive.save_calibration(cal, tmp_path / method, report)
+    adaptive.save_calibration(cal, tmp_path / method, report, heads)
     loaded = sj.load_heads(tmp_path / method, target)
     np.testing.assert_allclose(loaded.params["calibration"].b, cal.b)
+    # beside other weights (the heads trained again), the file is ignored, with a warning
+    other = heads_lib.Heads(heads.config, {**heads.params, "weights": jax.tree.map(
+        lambda x: x * 1.5, heads.params["weights"])})
+    heads_lib.save_heads(other, tmp_path / "other", target)
+    (tmp_path / "other" / "calibration.json").write_text(
+        (tmp_path / method / "calibration.json").read_text())
+    with pytest.warns(UserWarning, match="fitted for other weights.*calibrate --heads"):
+        assert "calibration" not in sj.load_heads(tmp_path / "other", target).params
     with pytest.raises(ValueError, match="method 'dflash' has no adaptive lengths"):
         adaptive.calibrate_rounds(target, heads, prompts, method="dflash")
 

@@ -282,16 +282,20 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
     return _with_head(config, weights, vocab, target)
 
 
-def fingerprint(target: Model) -> dict[str, list[float]]:
+def fingerprint(target: Model | Heads) -> dict[str, list[float]]:
     """A few values of every target weight, rounded to bfloat16: the same for the target in any
-    dtype it is stored or loaded in, different for any other trained or initialised model."""
+    dtype it is stored or loaded in, different for any other trained or initialised model.
+    Of Heads: of their own weights (what a heads folder's calibration records)."""
     # A layer weight is fingerprinted as the [L, ...] stack of its L layers' copies (the layout
     # drafters were first saved against), picked one value at a time, so nothing is stacked.
-    L = target.config.num_hidden_layers
+    if isinstance(target, Heads):
+        params, L = target.params["weights"], 0
+    else:
+        params, L = target.params, target.config.num_hidden_layers
     groups: dict[str, list] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = [str(getattr(k, "key", k)) for k in path]
-        if keys[0] == "layers":  # layers/<i>/... -> layers/...
+        if L and keys[0] == "layers":  # layers/<i>/... -> layers/...
             groups.setdefault("/".join(["layers"] + keys[2:]), [None] * L)[int(keys[1])] = leaf
         else:
             groups["/".join(keys)] = [leaf]
@@ -323,7 +327,7 @@ def check_sizes(record: dict, target: Model, source: str) -> None:
                              f"this target has {name}={getattr(c, name)}")
 
 
-def differing_weight(recorded: dict, model: Model) -> str | None:
+def differing_weight(recorded: dict, model: Model | Heads) -> str | None:
     """The first weight of a recorded ``fingerprint`` that ``model`` lacks or whose values differ
     from ``model``'s (beyond bfloat16 rounding), or None when they all match."""
     mine = fingerprint(model)
@@ -433,7 +437,8 @@ def load_heads(path: str | os.PathLike, target: Model, *, same_target: bool = Tr
     weights = jax.tree.map(lambda x: jnp.asarray(x, dtype), weights)
     heads = _with_head(shape.config, weights, vocab, target)
     from ..adaptive import load_calibration
-    calibration = load_calibration(path)  # adaptive lengths' calibration.json, if shipped
+    # adaptive lengths' calibration.json, if shipped (and fitted for these weights)
+    calibration = load_calibration(path, heads)
     if calibration is not None:
         heads = Heads(heads.config, {**heads.params, "calibration": calibration})
     return heads
