@@ -362,12 +362,18 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
+def _np_logit(c: np.ndarray) -> np.ndarray:
+    """log(c / (1 - c)) on the host, c clipped to [_EPS, 1 - _EPS] (as _logit on the device)."""
+    c = np.clip(c, _EPS, 1 - _EPS)
+    return np.log(c) - np.log1p(-c)
+
+
 def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200,
                   weights: np.ndarray | None = None) -> tuple[float, float]:
     """(a, b) minimising the cross-entropy of sigmoid(a · logit(c) + b) against soft labels y
     in [0, 1] (each sample weighted by ``weights``, default 1), by Newton's method on the two
     parameters; a is kept > 0."""
-    x = np.log(np.clip(c, _EPS, 1 - _EPS)) - np.log1p(-np.clip(c, _EPS, 1 - _EPS))
+    x = _np_logit(c)
     X = np.stack([x, np.ones_like(x)], axis=1)
     n = np.ones_like(x) if weights is None else np.asarray(weights, np.float64)
     n = n / n.sum()
@@ -493,7 +499,7 @@ def calibrate(target, draft, prompts: list[list[int]], *, temperature: float = 0
         fit, held = rows % 2 == 0, rows % 2 == 1
         a, b = _fit_logistic(c[fit], y[fit])
         fitted[mode] = (a, b)
-        x = np.log(np.clip(c[held], _EPS, 1 - _EPS)) - np.log1p(-np.clip(c[held], _EPS, 1 - _EPS))
+        x = _np_logit(c[held])
         predicted = _sigmoid(a * x + b)
         report[mode] = {"temperature": t, "samples": int(c.size), "a": a, "b": b,
                         "ece_raw": expected_calibration_error(c[held], y[held]),
@@ -582,7 +588,7 @@ def calibrate_rounds(target, drafter, prompts: list[list[int]], *, method: str |
         fitted[mode] = (a, b)
 
         def mapped(c, a=a, b=b):
-            x = np.log(np.clip(c, _EPS, 1 - _EPS)) - np.log1p(-np.clip(c, _EPS, 1 - _EPS))
+            x = _np_logit(c)
             return _sigmoid(a * x + b)
         report[mode] = {"temperature": t, "samples": int(fit[:, 2].sum() + held[:, 2].sum()),
                         "a": a, "b": b, "ece_raw": _binned_ece(held),
