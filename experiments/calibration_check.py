@@ -10,7 +10,7 @@ over it), scored with the same calibration. The two agree when the engine scores
 calibration predicts; both differ from the fit's own held-out figure when the prompts differ from
 those it was fitted on.
 
-``--heads DIR`` (Medusa or EAGLE folders with calibration.json, from ``specjax train calibrate
+``--heads DIR`` (heads folders with calibration.json, from ``specjax train calibrate
 --heads``): real rounds only (heads draft from their own features, which teacher forcing does not
 give), with the folder's calibration and with the identity (the raw confidence) beside it.
 

@@ -544,12 +544,12 @@ def _method_of(drafter, method: str | None) -> str:
 def round_points(target, drafter, prompts: list[list[int]], *, method: str | None = None,
                  gamma: int = 4, temperature: float, max_new_tokens: int = 128,
                  seed: int = 0) -> np.ndarray:
-    """Real rounds of a chain of ``gamma`` drafts from ``drafter`` (a draft model or Medusa /
-    EAGLE heads; ``method`` from the heads' own by default) on ``prompts``, every draft verified
-    (survival threshold EVERY_DRAFT) and scored by its raw confidence (identity calibration):
-    the engine's reliability counters as [bins, 3] (mean confidence, fraction accepted, drafts).
-    A draft is counted when the drafts before it in its round were all accepted, so the
-    fraction is the conditional acceptance a calibration predicts."""
+    """Real rounds of a chain of ``gamma`` drafts from ``drafter`` (a draft model, or heads
+    with adaptive lengths; ``method`` from the heads' own by default) on ``prompts``, every
+    draft verified (survival threshold EVERY_DRAFT) and scored by its raw confidence (identity
+    calibration): the engine's reliability counters as [bins, 3] (mean confidence, fraction
+    accepted, drafts). A draft is counted when the drafts before it in its round were all
+    accepted, so the fraction is the conditional acceptance a calibration predicts."""
     from .config import SamplingParams, SpecConfig
     from .engine import generate
     spec = SpecConfig(method=_method_of(drafter, method), num_speculative_tokens=gamma,
@@ -571,10 +571,11 @@ def calibrate_rounds(target, drafter, prompts: list[list[int]], *, method: str |
                      gamma: int = 4, temperature: float = 0.8, max_new_tokens: int = 128,
                      seed: int = 0) -> tuple[Calibration, dict]:
     """Fit a Calibration from real rounds, for any drafter with adaptive lengths (a draft
-    model, Medusa or EAGLE heads): ``round_points`` on the even prompts is fitted (a weighted
-    logistic fit on the binned points), and the odd prompts score it. The report gives per mode
-    (greedy; sampled at ``temperature``) the fit, and the held-out expected calibration error
-    of the raw confidence and of the fitted map, both over bins of the raw confidence."""
+    model; Medusa, EAGLE, MTP or block-drafter heads): ``round_points`` on the even prompts is
+    fitted (a weighted logistic fit on the binned points), and the odd prompts score it. The
+    report gives per mode (greedy; sampled at ``temperature``) the fit, and the held-out
+    expected calibration error of the raw confidence and of the fitted map, both over bins of
+    the raw confidence."""
     _check_fit_args("calibrate_rounds", prompts, temperature, "even ones fit, odd ones score")
     fitted, report = {}, {}
     for mode, t in (("greedy", 0.0), ("sampled", float(temperature))):
@@ -638,8 +639,9 @@ def calibrate_main(argv=None) -> int:
                     "calibration.json in the draft folder.")
     ap.add_argument("--target", help="the target folder (default: the bundled code-target)")
     ap.add_argument("--draft", help="the draft folder (default: the bundled code-draft)")
-    ap.add_argument("--heads", help="a Medusa or EAGLE folder to calibrate instead of a draft "
-                                    "model (fitted on real rounds: --fit rounds)")
+    ap.add_argument("--heads", help="a Medusa, EAGLE, MTP or block-drafter folder to calibrate "
+                                    "instead of a draft model (fitted on real rounds: --fit "
+                                    "rounds)")
     ap.add_argument("--fit", choices=("teacher", "rounds"), default=None,
                     help="teacher: the target's text, both models run over it once (draft "
                          "models; the default for them); rounds: real rounds of a γ-draft "
@@ -690,7 +692,12 @@ def calibrate_main(argv=None) -> int:
             prompts = stream_prompts(np.load(need), args.num_prompts, args.prompt_tokens)
     except (ValueError, OSError) as e:
         raise SystemExit(f"{need}: {e}") from None
-    folder = args.out or args.heads or args.draft
+    folder = pathlib.Path(args.out or args.heads or args.draft)
+    if args.out:  # made now, not after minutes of fitting
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out {args.out}: {e}")
     try:
         target = load_model(args.target, dtype="float32")
         if args.heads:
@@ -715,5 +722,5 @@ def calibrate_main(argv=None) -> int:
                                                                 else []))
     report["fit"] = fit
     save_calibration(calibration, folder, report, draft)  # with the weights it was fitted for
-    print(f"wrote {pathlib.Path(folder) / FILE}")
+    print(f"wrote {folder / FILE}")
     return 0

@@ -459,8 +459,8 @@ TRAIN_HELP = """usage: specjax train {pair,heads,calibrate} ...
       build the bundled target/draft pair (resumable); `specjax train pair --help`
   specjax train heads {medusa,eagle,dflash,mtp} --workdir DIR
       train drafting heads on a target; `specjax train heads --help`
-  specjax train calibrate --draft DIR --data DIR
-      fit a draft model's confidence calibration; `specjax train calibrate --help`"""
+  specjax train calibrate {--draft,--heads} DIR --data DIR
+      fit a drafter's confidence calibration; `specjax train calibrate --help`"""
 
 
 def main(argv=None) -> int:

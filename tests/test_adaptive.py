@@ -282,8 +282,8 @@ def test_bad_settings_are_refused_by_name(target, draft):
     for bad in (0, 1, 1.5, -0.1, "0.5", True):
         with pytest.raises(ValueError, match="survival_threshold must be in \\(0, 1\\)"):
             sj.SpecConfig(survival_threshold=bad)
-    with pytest.raises(ValueError, match="for chains of method draft_model, medusa, eagle; "
-                                         "got method 'ngram'"):
+    with pytest.raises(ValueError, match="for chains of method draft_model, medusa, eagle, "
+                                         "dflash, mtp; got method 'ngram'"):
         sj.SpecConfig(method="ngram", survival_threshold=0.5)
     with pytest.raises(ValueError, match="got method 'draft_model' with a tree"):
         sj.SpecConfig(tree=((0,), (1,)), survival_threshold=0.5)

@@ -149,7 +149,7 @@ def test_the_draft_ships_a_calibration_fitted_for_its_weights():
         assert sj.load_draft_model(CKPT / "code-draft").calibration is not None
 
 
-@pytest.mark.parametrize("name", ["code-eagle", "code-medusa"])
+@pytest.mark.parametrize("name", ["code-eagle", "code-medusa", "code-mtp", "code-dflash"])
 def test_the_heads_ship_a_calibration_fitted_for_their_weights(bundled, name):
     """The same for the heads (fitted on real rounds, `specjax train calibrate --heads`)."""
     import warnings

@@ -6,9 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
+from test_adaptive import pairs_of_rows, scoring_the_drawn_token  # noqa: F401
 from test_heads import (
     PROMPTS,
     TREE,
+    adaptive_greedy_stats,
+    adaptive_pvalue,
     differs_when_verification_accepts_everything,
     greedy_rounds,
     quick,
@@ -126,6 +129,12 @@ def test_greedy_equals_autoregressive(target, trained, gamma):
     assert out.stats.accepted_tokens > 0 and out.stats.draft_calls == 1 + out.stats.num_rounds
 
 
+def test_adaptive_greedy_equals_autoregressive(target, trained):
+    """Adaptive lengths: rows verify fewer drafts where the block is unsure, and the output
+    stays greedy decoding's."""
+    adaptive_greedy_stats(target, trained["dflash"], "dflash", BLOCK, ADAPTIVE)
+
+
 def test_greedy_tree_equals_autoregressive(target, trained):
     """A tree: every node at depth d takes position d + 1's top-ranked tokens as children."""
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
@@ -228,6 +237,24 @@ def test_reporting_the_wrong_q_fails_the_same_test(tiny_dflash, monkeypatch, fre
     monkeypatch.setattr(DFlashProposer, "propose", reporting_uniform_q(DFlashProposer.propose))
     spec = sj.SpecConfig(method="dflash", **spec)
     assert first_three_pvalue(target, d, spec, t, k, p) < 1e-6
+
+
+# thresholds at which the trained drafter's rows verify different numbers of drafts (greedy,
+# the V = 32 target) and the V = 8 drafter's rows 1 or 2 (T = 0.7, top-k 5)
+ADAPTIVE, TINY_ADAPTIVE = 0.02, 0.15
+
+
+def test_adaptive_lengths_follow_the_target(tiny_dflash, pairs_of_rows):
+    """Draft j's confidence is read from position j's distribution, which no draft depends on."""
+    target, d = tiny_dflash
+    assert adaptive_pvalue(target, d, "dflash", TINY_ADAPTIVE, t=0.7) > 1e-3
+
+
+def test_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_dflash, monkeypatch,
+                                                                 pairs_of_rows):
+    target, d = tiny_dflash
+    monkeypatch.setattr(dflash, "draw_scored", scoring_the_drawn_token(dflash.draw_scored))
+    assert adaptive_pvalue(target, d, "dflash", TINY_ADAPTIVE, t=0.7, lengths_vary=False) < 1e-6
 
 
 def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_dflash, tail_joints):

@@ -487,6 +487,12 @@ def test_train_calibrate_names_missing_inputs(capsys, tmp_path):
         cli.main(["train", "calibrate", "--data", str(tmp_path), "--prompts", "windows",
                   "--num-prompts", "32", "--draft", str(tmp_path / "nothing")])
     assert f"{tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")  # --out can't be made: refused before any fitting
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "calibrate", "--data", str(tmp_path), "--prompts", "windows",
+                  "--num-prompts", "32", "--out", str(tmp_path / "a-file" / "cal")])
+    assert e.value.code == 2 and f"--out {tmp_path / 'a-file' / 'cal'}:" in \
+        capsys.readouterr().err
     for extra, message in ((["--draft", "a", "--heads", "b"], "give --draft or --heads"),
                            (["--heads", "b", "--fit", "teacher"], "--heads fits on real rounds")):
         with pytest.raises(SystemExit) as e:

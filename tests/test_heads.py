@@ -471,8 +471,8 @@ def test_heads_are_calibrated_on_real_rounds(tiny_drafters, method, tmp_path):
         (tmp_path / method / "calibration.json").read_text())
     with pytest.warns(UserWarning, match="fitted for other weights.*calibrate --heads"):
         assert "calibration" not in sj.load_heads(tmp_path / "other", target).params
-    with pytest.raises(ValueError, match="method 'dflash' has no adaptive lengths"):
-        adaptive.calibrate_rounds(target, heads, prompts, method="dflash")
+    with pytest.raises(ValueError, match="method 'ngram' has no adaptive lengths"):
+        adaptive.calibrate_rounds(target, heads, prompts, method="ngram")
 
 
 @pytest.mark.parametrize("method,spec,block", [
@@ -496,21 +496,42 @@ def test_first_three_tokens_follow_the_target(tiny_drafters, monkeypatch, method
 ADAPTIVE = {"eagle": 0.2, "medusa": 0.5}
 
 
+def adaptive_greedy_stats(target, drafter, method: str, gamma: int, threshold: float):
+    """Greedy decoding of PROMPTS with adaptive lengths of ``method`` at ``threshold``: checks
+    that the output equals autoregressive decoding's and that rounds stopped at different depths
+    (fewer than 90% drafting all γ, over 10% at least 2), and returns its Stats."""
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    ref = sj.generate(target, PROMPTS, sampling=sampling)
+    out = sj.generate(target, PROMPTS, sampling=sampling, draft=drafter,
+                      spec=dict(method=method, num_speculative_tokens=gamma,
+                                survival_threshold=threshold))
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    lengths = out.stats.proposed_length_distribution
+    assert lengths[gamma] < 0.9 and lengths[2:].sum() > 0.1, lengths
+    return out.stats
+
+
+def adaptive_pvalue(target, drafter, method: str, threshold: float, t: float = 0.8,
+                    k: int = 5, *, lengths_vary: bool = True) -> float:
+    """The G-test p-value of the first three tokens sampled with adaptive lengths of ``method``
+    at ``threshold`` (temperature t, top-k k, chains of 3) against the target's exact joint.
+    ``lengths_vary``: first check, on 512 rows, that rounds really propose different lengths
+    (at least two lengths in over a fifth of the rounds each, fewer than 4 in 80%)."""
+    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
+    spec = sj.SpecConfig(method=method, num_speculative_tokens=3, survival_threshold=threshold)
+    if lengths_vary:
+        out = sj.generate(target, [PROMPT] * 512, sampling=sampling, spec=spec, draft=drafter)
+        lengths = out.stats.proposed_length_distribution
+        assert (lengths > 0.2).sum() >= 2 and lengths[3] < 0.8, lengths
+    return g_test(generate_samples(target, drafter, sampling, spec), exact_joint(target, t, k, 1.0))
+
+
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_adaptive_lengths_follow_the_target(tiny_drafters, pairs_of_rows, method):
     """Adaptive lengths for the heads: confidence from the head's own distribution, read
     before the draw (EAGLE's sampled q; Medusa's softmax, whose argmax is its draft)."""
     target, drafters = tiny_drafters
-    t, k = 0.8, 5
-    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
-    spec = sj.SpecConfig(method=method, num_speculative_tokens=3,
-                         survival_threshold=ADAPTIVE[method])
-    out = sj.generate(target, [PROMPT] * 512, sampling=sampling, spec=spec,
-                      draft=drafters[method])
-    lengths = out.stats.proposed_length_distribution
-    assert (lengths > 0.2).sum() >= 2 and lengths[3] < 0.8, lengths
-    samples = generate_samples(target, drafters[method], sampling, spec)
-    assert g_test(samples, exact_joint(target, t, k, 1.0)) > 1e-3
+    assert adaptive_pvalue(target, drafters[method], method, ADAPTIVE[method]) > 1e-3
 
 
 def test_eagle_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_drafters,
@@ -518,12 +539,8 @@ def test_eagle_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_draf
                                                                        pairs_of_rows):
     target, drafters = tiny_drafters
     monkeypatch.setattr(eagle, "draw_scored", scoring_the_drawn_token(eagle.draw_scored))
-    t, k = 0.8, 5
-    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
-    spec = sj.SpecConfig(method="eagle", num_speculative_tokens=3,
-                         survival_threshold=ADAPTIVE["eagle"])
-    samples = generate_samples(target, drafters["eagle"], sampling, spec)
-    assert g_test(samples, exact_joint(target, t, k, 1.0)) < 1e-6
+    assert adaptive_pvalue(target, drafters["eagle"], "eagle", ADAPTIVE["eagle"],
+                           lengths_vary=False) < 1e-6
 
 
 def reporting_uniform_q(propose):

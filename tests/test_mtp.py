@@ -6,8 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
+from test_adaptive import pairs_of_rows, scoring_the_drawn_token  # noqa: F401
 from test_heads import (
     PROMPTS,
+    adaptive_greedy_stats,
+    adaptive_pvalue,
     differs_when_verification_accepts_everything,
     greedy_rounds,
     quick,
@@ -26,6 +29,7 @@ from test_lossless import (  # noqa: F401
 import specjax as sj
 from specjax import attention
 from specjax.draft import heads as heads_lib
+from specjax.draft import mtp
 from specjax.draft.mtp import MTPProposer, MTPState
 from specjax.train.data import sample_batch
 from specjax.train.heads import HeadsObjective, train_heads
@@ -109,6 +113,13 @@ def test_greedy_check_fails_when_verification_accepts_everything(target, trained
                                                                  fresh_programs):
     assert differs_when_verification_accepts_everything(
         target, trained["mtp"], dict(method="mtp", num_speculative_tokens=3), monkeypatch)
+
+
+def test_adaptive_greedy_equals_autoregressive(target, trained):
+    """Adaptive lengths: rows verify fewer drafts where the modules are unsure, the output stays
+    greedy decoding's, and every module still runs every round."""
+    stats = adaptive_greedy_stats(target, trained["mtp"], "mtp", K, ADAPTIVE)
+    assert stats.draft_calls == 1 + stats.num_rounds * K
 
 
 # -- the modules' caches ------------------------------------------------------------------------
@@ -214,6 +225,24 @@ def test_reporting_the_wrong_q_fails_the_same_test(tiny_mtp, monkeypatch, fresh_
     monkeypatch.setattr(MTPProposer, "propose", reporting_uniform_q(MTPProposer.propose))
     spec = sj.SpecConfig(method="mtp", num_speculative_tokens=2)
     assert first_three_pvalue(target, d, spec, t, k, p) < 1e-6
+
+
+# a threshold at which the trained modules' rows verify different numbers of drafts (greedy,
+# the V = 32 target) and the V = 8 modules' rows 1 or 2 (T = 0.8, top-k 5)
+ADAPTIVE, TINY_ADAPTIVE = 0.02, 0.2
+
+
+def test_adaptive_lengths_follow_the_target(tiny_mtp, pairs_of_rows):
+    """Module k's confidence is read from its distribution before its draw."""
+    target, d = tiny_mtp
+    assert adaptive_pvalue(target, d, "mtp", TINY_ADAPTIVE) > 1e-3
+
+
+def test_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_mtp, monkeypatch,
+                                                                 pairs_of_rows):
+    target, d = tiny_mtp
+    monkeypatch.setattr(mtp, "draw_scored", scoring_the_drawn_token(mtp.draw_scored))
+    assert adaptive_pvalue(target, d, "mtp", TINY_ADAPTIVE, lengths_vary=False) < 1e-6
 
 
 def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_mtp, tail_joints):

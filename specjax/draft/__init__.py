@@ -52,8 +52,9 @@ register("medusa", rider.build, draft="heads", tree=True, params=heads_lib.progr
          adaptive=True)
 register("eagle", rider.build, draft="heads", tree=True, params=heads_lib.program_params,
          adaptive=True)
-register("dflash", dflash.build, draft="heads", tree=True, params=lambda heads: heads.params)
-register("mtp", mtp.build, draft="heads", params=lambda heads: heads.params)
+register("dflash", dflash.build, draft="heads", tree=True, params=heads_lib.program_params,
+         adaptive=True)
+register("mtp", mtp.build, draft="heads", params=heads_lib.program_params, adaptive=True)
 register("suffix", suffix.build, draft="corpus", tree=True, params=suffix.corpus,
          after_call=suffix.after_call)
 register("lookahead", lookahead.build, tree=True)

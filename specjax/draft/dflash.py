@@ -57,7 +57,7 @@ from ..attention import BLOCK, current_block
 from ..cache import KVCache, write_chunk
 from ..model import Layers, RMSNorm, apply_rope, rope_tables
 from ..model import view as model_view
-from .base import Draft, draw, expand_tree, tree_candidates
+from .base import Draft, draw_scored, expand_tree, tree_candidates
 from .heads import HeadsConfig, embed
 from .rider import Features, RiderProposer, check_heads, spec_tree
 
@@ -197,8 +197,8 @@ class DFlashProposer(RiderProposer):
         return DFlashState(state.cache, Features(hidden, start))
 
     def propose(self, params, state: DFlashState, history: Array, length: Array, keys: Array,
-                sampling_params: sampling.SamplingArrays, filters: sampling.Filters
-                ) -> tuple[Draft, DFlashState]:
+                sampling_params: sampling.SamplingArrays, filters: sampling.Filters,
+                active: Array | None = None) -> tuple[Draft, DFlashState]:
         p, G = params["heads"], self.depth
         f = state.features
         cache = inject(self.config, p["weights"], f.feats,
@@ -214,10 +214,21 @@ class DFlashProposer(RiderProposer):
         step_keys = jax.vmap(lambda k: jax.random.split(k, G))(keys)  # [B, G]
         # All G drafts in one draw over B * G rows, each with its row's sampling settings.
         per_draft = jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), sampling_params)
-        tokens, q = draw(logits.reshape(B * G, -1), step_keys.reshape(-1), per_draft, filters,
-                         p["vocab"])
+        tokens, q, score = draw_scored(logits.reshape(B * G, -1), step_keys.reshape(-1),
+                                       per_draft, filters, p["vocab"], scored=self.adaptive)
         q = None if q is None else p["vocab"].widen(q.reshape(B, G, -1), self.config.vocab_size)
-        return Draft(tokens.reshape(B, G), q), DFlashState(cache, f)
+        draft = Draft(tokens.reshape(B, G), q)
+        if self.adaptive:
+            # Adaptive lengths (specjax/adaptive.py): draft j's confidence is the largest
+            # probability of position j's own distribution, which no draft of the block depends
+            # on; all of them come from the one forward, so there are no draft steps to skip.
+            control = self.control(params, sampling_params, active)
+            score = score.reshape(B, G)
+            for j in range(G):
+                control.step(score[:, j])
+            valid, predicted = control.arrays()
+            draft = dataclasses.replace(draft, valid=valid, predicted=predicted)
+        return draft, DFlashState(cache, f)
 
     def _tree(self, logits: Array, keys: Array, sampling_params: sampling.SamplingArrays,
               filters: sampling.Filters, vocab) -> Draft:
@@ -246,4 +257,5 @@ def build(spec, heads, target):
     if max(c.taps) >= target.num_hidden_layers:
         raise ValueError(f"the block drafter reads target layers {c.taps}; the target has "
                          f"{target.num_hidden_layers}")
-    return DFlashProposer(c, spec.num_speculative_tokens, spec_tree(spec, c))
+    return DFlashProposer(c, spec.num_speculative_tokens, spec_tree(spec, c),
+                          spec.survival_threshold, spec.budget)

@@ -48,7 +48,7 @@ from jax import Array
 from .. import sampling
 from ..cache import KVCache
 from ..model import PREFILL_CHUNK, over_chunks
-from .base import Draft, draw, stack_chain
+from .base import Draft, draw_scored, stack_chain
 from .heads import eagle_forward, embed
 from .rider import Features, RiderProposer, check_heads, spec_tree
 
@@ -110,9 +110,13 @@ class MTPProposer(RiderProposer):
         return MTPState(state.caches, state.saved, Features(hidden, start))
 
     def propose(self, params, state: MTPState, history: Array, length: Array, keys: Array,
-                sampling_params: sampling.SamplingArrays, filters: sampling.Filters
-                ) -> tuple[Draft, MTPState]:
+                sampling_params: sampling.SamplingArrays, filters: sampling.Filters,
+                active: Array | None = None) -> tuple[Draft, MTPState]:
         p, G = params["heads"], self.chain
+        # adaptive lengths (specjax/adaptive.py): module k's confidence is read from its
+        # distribution before its draw. Every module still runs every round: each must rewrite
+        # the entries the accepted tokens made final, which a skipped module would leave stale.
+        control = self.control(params, sampling_params, active) if self.adaptive else None
         vocab = p["vocab"]
         f = state.features
         B, S = history.shape
@@ -141,8 +145,11 @@ class MTPProposer(RiderProposer):
             out, cache = self._module(params, k, h, x, positions,
                                       state.caches[k - 1].rollback(s))
             caches.append(cache)
-            token, q = draw(vocab.logits(_at(out, length - 1 - s)), step_keys[:, k - 1],
-                            sampling_params, filters, vocab)
+            token, q, score = draw_scored(vocab.logits(_at(out, length - 1 - s)),
+                                          step_keys[:, k - 1], sampling_params, filters, vocab,
+                                          scored=control is not None)
+            if control is not None:
+                control.step(score)
             tokens.append(token)
             probs.append(q)
             if k < G:  # final: module k + 1 reads it at s_{k+1} next round
@@ -150,8 +157,11 @@ class MTPProposer(RiderProposer):
             prev = out
         saved = (jnp.stack(saved, axis=1).astype(state.saved.dtype) if saved
                  else state.saved)
-        return (stack_chain(tokens, probs, vocab, self.config.vocab_size),
-                MTPState(tuple(caches), saved, f))
+        chain = stack_chain(tokens, probs, vocab, self.config.vocab_size)
+        if control is not None:
+            valid, predicted = control.arrays()
+            chain = dataclasses.replace(chain, valid=valid, predicted=predicted)
+        return chain, MTPState(tuple(caches), saved, f)
 
 
 def _at(x: Array, index: Array) -> Array:
@@ -165,4 +175,5 @@ def build(spec, heads, target):
     this target), after checking they fit the target and the spec."""
     c = check_heads("mtp", heads, target)
     spec_tree(spec, c)  # a chain (the registry refuses trees): γ <= K
-    return MTPProposer(c, spec.num_speculative_tokens)
+    return MTPProposer(c, spec.num_speculative_tokens, None, spec.survival_threshold,
+                       spec.budget)
