@@ -59,7 +59,9 @@ def profile(method: str, temperature: float, top: int, batch: int = 1, gamma: in
     target = sj.load_model(CKPT / "code-target")
     draft = {"draft_model": lambda: sj.load_draft_model(CKPT / "code-draft"),
              "eagle": lambda: sj.load_heads(CKPT / "code-eagle", target),
-             "medusa": lambda: sj.load_heads(CKPT / "code-medusa", target)}.get(
+             "medusa": lambda: sj.load_heads(CKPT / "code-medusa", target),
+             "mtp": lambda: sj.load_heads(CKPT / "code-mtp", target),
+             "dflash": lambda: sj.load_heads(CKPT / "code-dflash", target)}.get(
         method, lambda: None)()
     prompt = tok.encode(bench.load_prompts()[0]["text"])
     spec = None if method == "ar" else sj.SpecConfig(method=method, num_speculative_tokens=gamma,
@@ -119,7 +121,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--survival-threshold", type=float, default=None,
-                    help="adaptive lengths (chains of draft_model, eagle, medusa)")
+                    help="adaptive lengths (chains of draft_model, eagle, medusa, mtp, dflash)")
     args = ap.parse_args()
     for method in args.methods.split(","):
         profile(method, args.temperature, args.top, args.batch, args.gamma,
