@@ -14,7 +14,7 @@ from test_lossless import PROMPT, N, exact_joint, g_test, models  # noqa: F401
 
 import specjax as sj
 from specjax import engine, verify
-from specjax.draft import suffix
+from specjax.draft import base, suffix
 from specjax.tree import Tree
 
 # -- the proposer against a reference -----------------------------------------------------------
@@ -93,21 +93,24 @@ TREES = [((0,), (0, 0), (0, 0, 0)), ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (
 
 
 @pytest.mark.parametrize("paths", TREES, ids=["chain", "wide", "branching"])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_the_proposer_matches_a_python_reference(paths, seed):
     rng = np.random.default_rng(seed)
     V, S, B = 4, 40, 6  # a small vocabulary: many matches, many ties
-    cache = suffix.SuffixCache(48)
-    for _ in range(rng.integers(3, 12)):  # usually more than fits: the oldest are evicted
-        cache.add([rng.integers(0, V, size=rng.integers(1, 14))])
+    big = seed >= 4  # a corpus of several blocks (suffix.BLOCK): the newest hits picked by block
+    cache = suffix.SuffixCache(700 if big else 48)
+    for _ in range(rng.integers(3, 12) * (12 if big else 1)):  # usually more than fits: the
+        cache.add([rng.integers(0, V, size=rng.integers(1, 14))])  # oldest are evicted
     history = rng.integers(0, V, size=(B, S)).astype(np.int32)
     length = rng.integers(0, S, size=B).astype(np.int32)
     P, factor, min_prob, M = int(rng.integers(1, 6)), float(rng.choice([0.5, 1.0, 2.0])), \
         float(rng.choice([0.0, 0.2, 0.5])), int(rng.choice([8, 64]))
+    if big:  # many occurrences: a share threshold would often leave nothing to compare
+        min_prob = 0.0
     tree = Tree(paths)
     min_match = min(P, 1 + seed % 3)
     proposer = suffix.SuffixProposer(tree, P, factor, min_prob, M, min_match)
-    use_cache = seed % 2 == 0
+    use_cache = seed % 2 == 0 or big
     params = cache.params if use_cache else None
     draft, _ = jax.jit(lambda p, h, n: proposer.propose(p, None, h, n, None, None, None))(
         params, jnp.asarray(history), jnp.asarray(length))
@@ -117,6 +120,47 @@ def test_the_proposer_matches_a_python_reference(paths, seed):
     np.testing.assert_array_equal(np.asarray(draft.valid), want_valid)
     np.testing.assert_array_equal(np.asarray(draft.tokens), want_tokens)
     assert want_valid.any()  # the case proposes something
+
+
+@pytest.mark.parametrize("paths", [tuple((0,) * d for d in range(1, 6)), TREES[1]],
+                         ids=["chain", "wide"])
+def test_the_fill_matches_a_python_reference(paths):
+    """fill_by_count alone (a chain takes its own, lexicographic route): 64 random cases of
+    16 candidates over 3 tokens, where the most frequent continuation at depth >= 2 is often
+    not the earliest candidate's."""
+    tree, rng = Tree(paths), np.random.default_rng(7)
+    B, M, D = 64, 16, 6
+    conts = rng.integers(0, 3, size=(B, M, D))
+    conts[rng.random((B, M, D)) < 0.05] = -1  # some continuations end early
+    conts = np.where(np.cumsum(conts < 0, axis=2) > 0, -1, conts).astype(np.int32)
+    support = rng.random((B, M)) < 0.7
+    cap = rng.integers(0, D + 1, size=B).astype(np.int32)
+    for min_share in (0.0, 0.4):
+        tokens, valid = jax.jit(lambda c, s, k, ms=min_share: base.fill_by_count(
+            tree, c, s, min_share=ms, depth_cap=k))(conts, support, cap)
+        for b in range(B):
+            want = fill_reference(tree, conts[b].tolist(), support[b].tolist(), min_share, cap[b])
+            np.testing.assert_array_equal(np.asarray(tokens[b]), want[0])
+            np.testing.assert_array_equal(np.asarray(valid[b]), want[1])
+        assert np.asarray(valid)[:, 2:].any()  # deep nodes are proposed, so compared
+
+
+@pytest.mark.parametrize("length", [40, 128, 1000, 3000])
+def test_newest_hits_are_the_newest(length):
+    """suffix.newest_hits against a plain count: the M newest hits, ranked newest first, for
+    sparse and dense hits over one block or many (and a length that is not a whole block)."""
+    rng = np.random.default_rng(length)
+    for density in (0.002, 0.05, 0.5):
+        hit = rng.random((5, length)) < density
+        hit[0] = False  # a row without hits
+        for M in (1, 4, 16):
+            rank, slot, seen = jax.jit(suffix.newest_hits, static_argnums=1)(hit, M)
+            rank, slot = np.asarray(rank), np.asarray(slot)
+            np.testing.assert_array_equal(np.asarray(seen), hit.sum(axis=1))
+            for b in range(5):
+                want = np.flatnonzero(hit[b])[::-1][:M]
+                kept = rank[b] < M
+                np.testing.assert_array_equal(slot[b][kept][np.argsort(rank[b][kept])], want)
 
 
 def test_the_cache_evicts_the_oldest_and_keeps_documents_whole():

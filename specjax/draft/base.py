@@ -289,7 +289,11 @@ def rank_by_count(tokens: Array, support: Array, ranks: int) -> tuple[Array, Arr
     freq = jnp.sum(same, axis=2)  # candidates sharing m's token
     first = ~jnp.any(same & (jnp.arange(M)[None, None, :] < jnp.arange(M)[None, :, None]), axis=2)
     key = jnp.where(ok & first, freq * M + (M - 1 - jnp.arange(M))[None, :], -1)
-    top, index = jax.lax.top_k(key, ranks)
+    if ranks == 1:  # a max and the index reaching it: XLA's CPU top_k sorts
+        top = jnp.max(key, axis=1, keepdims=True)
+        index = jnp.argmax(key == top, axis=1)[:, None]
+    else:
+        top, index = jax.lax.top_k(key, ranks)
     found = top >= 0
     ids = jnp.where(found, jnp.take_along_axis(tokens, index, axis=1), 0)
     return ids, jnp.where(found, top // M, 0)
@@ -306,6 +310,14 @@ def fill_by_count(tree, continuations: Array, support: Array, *, min_share: floa
     its parent's candidates is at least ``min_share``, and its depth is at most ``depth_cap``
     [B] (when given). Returns the nodes' tokens [B, N-1] int32 (0 where not proposed) and
     valid [B, N-1]: the point-mass drafts of suffix decoding and lookahead decoding."""
+    if all(path == (0,) * len(path) for path in tree.paths):
+        return _fill_chain(tree.depth, continuations, support, min_share, depth_cap)
+    return _fill_tree(tree, continuations, support, min_share, depth_cap)
+
+
+def _fill_tree(tree, continuations: Array, support: Array, min_share: float,
+               depth_cap: Array | None) -> tuple[Array, Array]:
+    """fill_by_count for any tree: node by node, breadth first."""
     B = continuations.shape[0]
     parents = [int(x) for x in tree.parents]
     widths = np.zeros(tree.num_nodes, np.int64)
@@ -329,3 +341,42 @@ def fill_by_count(tree, continuations: Array, support: Array, *, min_share: floa
         tokens.append(jnp.where(v, token, 0))
         valid.append(v)
     return jnp.stack(tokens, 1).astype(jnp.int32), jnp.stack(valid, 1)
+
+
+def _fill_chain(depth: int, continuations: Array, support: Array, min_share: float,
+                depth_cap: Array | None) -> tuple[Array, Array]:
+    """fill_by_count for a chain, without a chain of reductions (each a pair of operations on a
+    CPU, and a round's proposer would be dozens of them).
+
+    Candidate m's class at depth d is the supported candidates whose continuation agrees with
+    m's through depth d, and key[m, d] ranks it: its size, then its earliest member (-1 where
+    m itself is unsupported or has no token at d). Filling node by node picks, inside the class
+    of node d - 1, the class with the best key at d; so the chain is the continuation of the
+    candidate whose keys are lexicographically largest (compared over [B, M, M, D] at once),
+    and node d's count is that candidate's class size at d."""
+    B, M, _ = continuations.shape
+    cont = continuations[:, :, :depth]
+    ok = support[:, :, None] & (cont >= 0)  # [B, M, D]
+    same = cont[:, :, None, :] == cont[:, None, :, :]  # [B, m, m', D]
+    agree = [same[..., 0]]
+    for d in range(1, depth):  # agreeing through depth d (a cumulative AND, unrolled)
+        agree.append(agree[-1] & same[..., d])
+    members = jnp.stack(agree, axis=3) & ok[:, None, :, :]  # m' in m's class at depth d
+    size = jnp.sum(members, axis=2)  # [B, M, D]
+    earliest = jnp.min(jnp.where(members, jnp.arange(M)[None, None, :, None], M), axis=2)
+    key = jnp.where(ok, size * M + (M - 1 - earliest), -1)  # [B, M, D]
+    a, b = key[:, :, None, :], key[:, None, :, :]
+    at_least = jnp.ones((B, M, M), bool)  # m's keys >= m''s from depth d on (lexicographic)
+    for d in reversed(range(depth)):
+        at_least = (a[..., d] > b[..., d]) | ((a[..., d] == b[..., d]) & at_least)
+    best = jnp.min(jnp.where(jnp.all(at_least, axis=2), jnp.arange(M)[None, :], M), axis=1)
+    rows = jnp.arange(B)
+    tokens = cont[rows, best]  # [B, D]
+    count = jnp.where(key[rows, best] >= 0, key[rows, best] // M, 0)
+    parent = jnp.concatenate([jnp.sum(support, axis=1)[:, None], count[:, :-1]], axis=1)
+    fine = (count > 0) & (count / jnp.maximum(parent, 1) >= min_share)
+    if depth_cap is not None:
+        fine &= jnp.arange(1, depth + 1)[None, :] <= depth_cap[:, None]
+    first_bad = jnp.min(jnp.where(fine, depth, jnp.arange(depth)[None, :]), axis=1)
+    valid = jnp.arange(depth)[None, :] < first_bad[:, None]
+    return jnp.where(valid, tokens, 0).astype(jnp.int32), valid

@@ -34,6 +34,7 @@ import json
 import os
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
@@ -70,7 +71,7 @@ class SuffixCache:
         self.include_prompts = bool(include_prompts)
         self._tokens = np.full(self.capacity_tokens, SEPARATOR, np.int32)
         self._write = 0  # the next slot to write
-        self._device = None
+        self._device = self._ordered = None
 
     @property
     def tokens(self) -> Array:
@@ -81,9 +82,16 @@ class SuffixCache:
 
     @property
     def params(self) -> dict:
-        """What the compiled program reads: the ring and its write point (data, so adding to
-        the cache never recompiles)."""
-        return {"tokens": self.tokens, "write": jnp.asarray(self._write, jnp.int32)}
+        """What the compiled program reads: the ring's tokens in time order (oldest first: the
+        ring rotated to start at its write point, a separator where it wrapped), padded at the
+        front to a whole number of BLOCKs. Data of a fixed shape, so adding to the cache never
+        recompiles; reordered once per change, on the host, not once per round."""
+        if self._ordered is None:
+            w = self._write
+            ordered = np.concatenate([self._tokens[w:], [SEPARATOR], self._tokens[:w]])
+            pad = np.full(-ordered.size % BLOCK, SEPARATOR, np.int32)
+            self._ordered = jnp.asarray(np.concatenate([pad, ordered]).astype(np.int32))
+        return {"tokens": self._ordered}
 
     @property
     def nbytes(self) -> int:
@@ -134,7 +142,7 @@ class SuffixCache:
             self._tokens[self._write:end] = ids
             self._tokens[end] = SEPARATOR
             self._write = (end + 1) % self.capacity_tokens
-        self._device = None
+        self._device = self._ordered = None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the cache to a folder (atomically: ``specjax/files.py``)."""
@@ -198,6 +206,34 @@ def _following(source: Array, ends: Array, depth: int, stop: Array | None = None
     return jnp.where(ended, SEPARATOR, tokens)
 
 
+BLOCK = 128  # newest_hits' block size; the corpus is padded to a multiple of it
+
+
+def newest_hits(hit: Array, M: int) -> tuple[Array, Array, Array]:
+    """The M newest True positions of hit [B, L] (newest = last): (rank [B, n] of each position
+    looked at, 0 = the newest, >= M when not among the M newest; its slot [B, n] int32; how many
+    hits [B]). Counts per block of BLOCK positions say which blocks hold the M newest (at most
+    M), and only those are looked at: n = M × BLOCK positions, whatever L is."""
+    B, L = hit.shape
+    K = min(BLOCK, L)
+    hit = jnp.pad(hit, ((0, 0), (-L % K, 0)))  # whole blocks (the padding is older, no hits)
+    nb = hit.shape[1] // K
+    blocks = hit.reshape(B, nb, K)
+    count = jnp.sum(blocks, axis=2, dtype=jnp.int32)  # [B, nb]
+    newer = jnp.cumsum(count[:, ::-1], axis=1)[:, ::-1] - count  # hits in newer blocks
+    holds = count > 0  # the M newest blocks that hold hits hold the M newest hits
+    order = jnp.cumsum(holds[:, ::-1], axis=1)[:, ::-1] - holds  # newer blocks holding hits
+    pick = jnp.full((B, M), -1, jnp.int32).at[jnp.arange(B)[:, None], jnp.where(
+        holds, order, M)].set(jnp.arange(nb, dtype=jnp.int32)[None, :], mode="drop")  # ids
+    got = pick >= 0
+    block = jnp.clip(pick, 0, nb - 1)
+    part = jnp.take_along_axis(blocks, block[:, :, None], axis=1) & got[:, :, None]  # [B, M, K]
+    within = jnp.cumsum(part[:, :, ::-1], axis=2)[:, :, ::-1] - part  # newer hits in the block
+    rank = jnp.where(part, jnp.take_along_axis(newer, block, axis=1)[:, :, None] + within, M)
+    slot = block[:, :, None] * K + jnp.arange(K)[None, None, :] - (-L % K)
+    return rank.reshape(B, M * K), slot.reshape(B, M * K).astype(jnp.int32), jnp.sum(count, 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class SuffixProposer:
     """Suffix-decoding drafts over a static tree (see the module docstring). A chain (every
@@ -208,7 +244,7 @@ class SuffixProposer:
     max_depth: int = 24  # longest match looked for (vLLM's suffix_decoding_max_tree_depth)
     max_spec_factor: float = 1.0  # a match of n tokens drafts at most ceil(factor × n) deep
     min_token_prob: float = 0.1  # a node's least share of its parent's occurrences
-    candidates: int = 64  # occurrences kept a round, the longest matches first
+    candidates: int = 16  # occurrences kept a round, the longest matches first
     min_match: int = 1  # the shortest match that drafts anything
 
     @property
@@ -232,34 +268,22 @@ class SuffixProposer:
         own = match_runs(history, want, P)
         own = jnp.where(jnp.arange(S)[None, :] < length[:, None], own, 0)  # end before the last
         longest = jnp.max(own, axis=1)
-        if params is not None:  # the corpus [C], shared by every row
-            corpus, write = params["tokens"], params["write"]
+        if params is not None:  # the corpus [C'], in time order, shared by every row
+            corpus = params["tokens"]
             C = corpus.shape[0]
-            other = match_runs(corpus, want, P)  # [B, C]
+            other = jax.lax.optimization_barrier(match_runs(corpus, want, P))  # [B, C'], once
             longest = jnp.maximum(longest, jnp.max(other, axis=1))
         # The occurrences whose match is the longest support the draft: the M most recent of
-        # them, the row's own text first (newest first), then the corpus from the slot just
-        # before the ring's write point backwards. Ranked by counting (no sort: a top-k over a
-        # large corpus is slow on a CPU).
+        # them, the row's own text first (newest first), then the corpus, newest first. Ranked
+        # by counting within the few blocks that hold them (no sort: a top-k over a large
+        # corpus is slow on a CPU, and so is a running count over all of it).
         M = self.candidates
-        hit = (own == longest[:, None]) & (longest[:, None] >= self.min_match)
-        after = jnp.cumsum(hit[:, ::-1], axis=1)[:, ::-1]  # hits at or after each slot
-        rank = jnp.where(hit, after - 1, M)
-        seen = after[:, 0]
-        slots = jnp.arange(S)[None, :]
+        enough = longest[:, None] >= self.min_match
+        rank, slots, seen = newest_hits((own == longest[:, None]) & enough, M)
+        index = jnp.full((B, M), -1, jnp.int32).at[rows[:, None], rank].set(slots, mode="drop")
         if params is not None:
-            hit_c = (other == longest[:, None]) & (longest[:, None] >= self.min_match)
-            after_c = jnp.cumsum(hit_c[:, ::-1], axis=1)[:, ::-1]  # [B, C]
-            after_c = jnp.pad(after_c, ((0, 0), (0, 1)))  # after_c[:, C] = 0
-            at_write = after_c[:, write]
-            older = after_c[:, 0] - at_write  # hits before the write point (the newer part)
-            e = jnp.arange(C)[None, :]
-            rank_c = jnp.where(e < write, after_c[:, :C] - at_write[:, None] - 1,
-                               older[:, None] + after_c[:, :C] - 1)
-            rank = jnp.concatenate([rank, jnp.where(hit_c, seen[:, None] + rank_c, M)], axis=1)
-            slots = jnp.concatenate([slots, S + jnp.arange(C)[None, :]], axis=1)
-        index = jnp.full((B, M), -1, jnp.int32).at[rows[:, None], rank].set(
-            jnp.broadcast_to(slots, rank.shape).astype(jnp.int32), mode="drop")
+            rank_c, slots_c, _ = newest_hits((other == longest[:, None]) & enough, M)
+            index = index.at[rows[:, None], seen[:, None] + rank_c].set(S + slots_c, mode="drop")
         support = index >= 0
         # the continuation of each kept occurrence [B, M, D], from whichever source it lies in
         cont = _following(history, jnp.clip(index, 0, S - 1), D, length)
