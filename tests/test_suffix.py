@@ -98,15 +98,15 @@ def test_the_proposer_matches_a_python_reference(paths, seed):
     rng = np.random.default_rng(seed)
     V, S, B = 4, 40, 6  # a small vocabulary: many matches, many ties
     big = seed >= 4  # a corpus of several blocks (suffix.BLOCK): the newest hits picked by block
-    cache = suffix.SuffixCache(700 if big else 48)
-    for _ in range(rng.integers(3, 12) * (12 if big else 1)):  # usually more than fits: the
+    cache = suffix.SuffixCache(2500 if big else 48)
+    for _ in range(rng.integers(3, 12) * (40 if big else 1)):  # usually more than fits: the
         cache.add([rng.integers(0, V, size=rng.integers(1, 14))])  # oldest are evicted
     history = rng.integers(0, V, size=(B, S)).astype(np.int32)
     length = rng.integers(0, S, size=B).astype(np.int32)
     P, factor, min_prob, M = int(rng.integers(1, 6)), float(rng.choice([0.5, 1.0, 2.0])), \
         float(rng.choice([0.0, 0.2, 0.5])), int(rng.choice([8, 64]))
-    if big:  # many occurrences: a share threshold would often leave nothing to compare
-        min_prob = 0.0
+    if big:  # many occurrences: a share threshold would often leave nothing to compare; 8
+        min_prob, M = 0.0, 8  # kept, so 8 blocks of the 2,560 positions are looked at
     tree = Tree(paths)
     min_match = min(P, 1 + seed % 3)
     proposer = suffix.SuffixProposer(tree, P, factor, min_prob, M, min_match)

@@ -212,10 +212,15 @@ BLOCK = 128  # newest_hits' block size; the corpus is padded to a multiple of it
 def newest_hits(hit: Array, M: int) -> tuple[Array, Array, Array]:
     """The M newest True positions of hit [B, L] (newest = last): (rank [B, n] of each position
     looked at, 0 = the newest, >= M when not among the M newest; its slot [B, n] int32; how many
-    hits [B]). Counts per block of BLOCK positions say which blocks hold the M newest (at most
-    M), and only those are looked at: n = M × BLOCK positions, whatever L is."""
+    hits [B]). Past M × BLOCK positions, counts per block of BLOCK positions say which blocks
+    hold the M newest (at most M), and only those are looked at: n = M × BLOCK, whatever L is;
+    below, every position is (n = L)."""
     B, L = hit.shape
-    K = min(BLOCK, L)
+    if L <= M * BLOCK:  # no fewer positions to look at: a running count over all of them
+        newer = jnp.cumsum(hit[:, ::-1], axis=1, dtype=jnp.int32)[:, ::-1] - hit
+        slot = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None, :], (B, L))
+        return jnp.where(hit, newer, M), slot, jnp.sum(hit, axis=1, dtype=jnp.int32)
+    K = BLOCK
     hit = jnp.pad(hit, ((0, 0), (-L % K, 0)))  # whole blocks (the padding is older, no hits)
     nb = hit.shape[1] // K
     blocks = hit.reshape(B, nb, K)
