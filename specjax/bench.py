@@ -737,7 +737,10 @@ def main(args) -> int:
                                       if draft is not None else None,
                                       drafters={m: f"random weights, {shape}" for m in drafters})
         else:
+            chosen = getattr(args, "prompts", None)
             result["settings"].update(
+                prompt_kind="held-out prompts" if chosen in (None, "short") else
+                "long held-out prompts" if chosen == "long" else f"prompts from {chosen}",
                 target=str(args.target), draft=str(args.draft) if draft is not None else None,
                 drafters={m: repr(d) if isinstance(d, SuffixCache) else
                           str(getattr(args, m, None) or bundled(f"code-{m}"))

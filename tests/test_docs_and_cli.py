@@ -408,6 +408,7 @@ def test_bench_suffix_with_a_corpus_per_pass(model_folders, capsys, tmp_path, mo
     result = json.loads(out.read_text())
     row, = result["rows"]
     assert row["method"] == "suffix" and row["identical_to_autoregressive"]
+    assert f"3 prompts from {workload}, batch 1" in capsys.readouterr().out  # not "held-out"
     assert result["settings"]["drafters"]["suffix"].startswith("SuffixCache(")
     assert passes == [0, 0, 0]  # warm-up and two repeats, each from an empty copy
 
