@@ -160,6 +160,7 @@ def test_newest_hits_are_the_newest(length):
             for b in range(5):
                 want = np.flatnonzero(hit[b])[::-1][:M]
                 kept = rank[b] < M
+                np.testing.assert_array_equal(np.sort(rank[b][kept]), np.arange(want.size))
                 np.testing.assert_array_equal(slot[b][kept][np.argsort(rank[b][kept])], want)
 
 
