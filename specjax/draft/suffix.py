@@ -34,7 +34,6 @@ import json
 import os
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
@@ -71,14 +70,13 @@ class SuffixCache:
         self.include_prompts = bool(include_prompts)
         self._tokens = np.full(self.capacity_tokens, SEPARATOR, np.int32)
         self._write = 0  # the next slot to write
-        self._device = self._ordered = None
+        self._ordered = None
 
     @property
     def tokens(self) -> Array:
-        """The ring as a device array [capacity_tokens] int32 (SEPARATOR where empty)."""
-        if self._device is None:
-            self._device = jnp.asarray(self._tokens)
-        return self._device
+        """The ring as a device array [capacity_tokens] int32 (SEPARATOR where empty), in slot
+        order (``params`` holds it in time order, as the program reads it)."""
+        return jnp.asarray(self._tokens)
 
     @property
     def params(self) -> dict:
@@ -142,7 +140,7 @@ class SuffixCache:
             self._tokens[self._write:end] = ids
             self._tokens[end] = SEPARATOR
             self._write = (end + 1) % self.capacity_tokens
-        self._device = self._ordered = None
+        self._ordered = None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the cache to a folder (atomically: ``specjax/files.py``)."""
@@ -276,7 +274,7 @@ class SuffixProposer:
         if params is not None:  # the corpus [C'], in time order, shared by every row
             corpus = params["tokens"]
             C = corpus.shape[0]
-            other = jax.lax.optimization_barrier(match_runs(corpus, want, P))  # [B, C'], once
+            other = match_runs(corpus, want, P)  # [B, C']
             longest = jnp.maximum(longest, jnp.max(other, axis=1))
         # The occurrences whose match is the longest support the draft: the M most recent of
         # them, the row's own text first (newest first), then the corpus, newest first. Ranked
