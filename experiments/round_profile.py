@@ -27,6 +27,7 @@ import re
 import tempfile
 
 import jax
+import numpy as np
 
 import specjax as sj
 from specjax import bench, timing
@@ -54,7 +55,7 @@ def group(name: str, op_name: str, line: str) -> str:
 
 
 def profile(method: str, temperature: float, top: int, batch: int = 1, gamma: int = 4,
-            threshold: float | None = None) -> None:
+            threshold: float | None = None, no_match: bool = False) -> None:
     tok = sj.load_tokenizer(CKPT / "code-target")
     target = sj.load_model(CKPT / "code-target")
     draft = {"draft_model": lambda: sj.load_draft_model(CKPT / "code-draft"),
@@ -64,9 +65,13 @@ def profile(method: str, temperature: float, top: int, batch: int = 1, gamma: in
              "dflash": lambda: sj.load_heads(CKPT / "code-dflash", target)}.get(
         method, lambda: None)()
     prompt = tok.encode(bench.load_prompts()[0]["text"])
+    if no_match:  # distinct ids: n-gram and suffix find nothing to copy, rounds propose nothing
+        prompt = [int(t) for t in np.random.default_rng(0).permutation(
+            np.arange(1, target.config.vocab_size))[:200]]
     spec = None if method == "ar" else sj.SpecConfig(method=method, num_speculative_tokens=gamma,
                                                      survival_threshold=threshold)
-    timers = timing.round_timers(target, prompt, spec=spec, draft=draft, decoded=64,
+    timers = timing.round_timers(target, prompt, spec=spec, draft=draft,
+                                 decoded=2 if no_match else 64,
                                  sampling=sj.SamplingParams(temperature=temperature,
                                                             max_new_tokens=256), batch=batch)
     run = timers["round"]
@@ -122,10 +127,13 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--survival-threshold", type=float, default=None,
                     help="adaptive lengths (chains of draft_model, eagle, medusa, mtp, dflash)")
+    ap.add_argument("--no-match", action="store_true",
+                    help="a prompt of 200 distinct random ids, so n-gram and suffix rounds "
+                         "propose nothing (a round's fixed cost)")
     args = ap.parse_args()
     for method in args.methods.split(","):
         profile(method, args.temperature, args.top, args.batch, args.gamma,
-                None if method == "ar" else args.survival_threshold)
+                None if method == "ar" else args.survival_threshold, args.no_match)
 
 
 if __name__ == "__main__":

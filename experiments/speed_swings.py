@@ -18,6 +18,15 @@ The single-core rows show whether XLA spreads a one-token product over both core
 the one-core bandwidth, not the two-core figure the roofline divides by.
 
     .venv/bin/python experiments/speed_swings.py [--processes 8] [--repeats 15]
+
+``--watch SECONDS`` instead keeps one process measuring, window after window (about one second
+each): the decode step, ``compute`` (a chain of products of one 128 x 128 matrix held in the
+first-level caches: arithmetic, no memory traffic) and ``bw`` over 64 MiB, with the CPU time the
+hypervisor took from this machine in that window (the ``steal`` column of ``/proc/stat``,
+in percent of both cores). If the step swings together with ``compute`` and ``steal``, the
+swings are the machine's (time taken from the cores), not the program's.
+
+    .venv/bin/python experiments/speed_swings.py --watch 300 --json FILE
 """
 
 from __future__ import annotations
@@ -70,6 +79,55 @@ def child(repeats: int) -> dict:
     return {"first": first, "last": measure()}
 
 
+def _cpu_times() -> list[int]:
+    """The first line of /proc/stat: user nice system idle iowait irq softirq steal (jiffies)."""
+    with open("/proc/stat") as f:
+        return [int(v) for v in f.readline().split()[1:9]]
+
+
+def watch(seconds: float, json_path: str | None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import specjax as sj
+    from specjax import timing
+
+    target = sj.load_model(sj.bundled("code-target"), "float32")
+    step = timing.forward_timer(target, 1, 256, 64)
+    a = jax.random.normal(jax.random.key(0), (128, 128), jnp.float32) / 16
+
+    @jax.jit
+    def compute(x):  # 64 products with the same small matrix: in cache, arithmetic only
+        return jax.lax.fori_loop(0, 64, lambda _, y: jnp.tanh(y @ a), x)
+
+    x = jnp.ones((128, 128), jnp.float32)
+    timing.timed(compute, x)
+    ones = jnp.ones((64 * 2 ** 20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    timing.timed(total, ones)
+    rows, start = [], time.time()
+    while time.time() - start < seconds:
+        before, t0 = _cpu_times(), time.time()
+        s = statistics.median(step() for _ in range(9))
+        c = statistics.median(timing.timed(compute, x)[1] for _ in range(9))
+        bw = ones.nbytes / statistics.median(timing.timed(total, ones)[1] for _ in range(9))
+        after = _cpu_times()
+        delta = [b - a for a, b in zip(before, after)]
+        row = {"t": round(t0 - start, 1), "step_ms": s * 1e3, "compute_ms": c * 1e3,
+               "bw": bw, "steal": delta[7] / max(sum(delta), 1)}
+        rows.append(row)
+        print(f"{row['t']:6.1f} s  step {row['step_ms']:5.2f} ms  compute {row['compute_ms']:5.2f} "
+              f"ms  bw {bw / 1e9:5.1f} GB/s  steal {row['steal']:5.1%}", flush=True)
+    steps = [r["step_ms"] for r in rows]
+    print(f"\n{len(rows)} windows: step {min(steps):.2f}-{max(steps):.2f} ms "
+          f"(median {statistics.median(steps):.2f}); corr(step, compute) = "
+          f"{pearson(steps, [r['compute_ms'] for r in rows]):.2f}; corr(step, 1/bw) = "
+          f"{pearson(steps, [1 / r['bw'] for r in rows]):.2f}; corr(step, steal) = "
+          f"{pearson(steps, [r['steal'] for r in rows]):.2f}")
+    if json_path:
+        pathlib.Path(json_path).write_text(json.dumps(rows, indent=1))
+
+
 def pearson(xs, ys) -> float:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
@@ -83,7 +141,13 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                        help="one process, measuring window after window for SECONDS")
+    parser.add_argument("--json", default=None, help="with --watch: write the windows here")
     args = parser.parse_args()
+    if args.watch:
+        watch(args.watch, args.json)
+        return
     if args.child:
         print(json.dumps(child(args.repeats)))
         return

@@ -124,6 +124,47 @@ def test_write_at_per_row_offsets(trailing, dtype, layered, rows):
     assert (np.asarray(out, np.float32) != buffer).any()  # something was written
 
 
+@pytest.mark.parametrize("rings", [None, (True, False, True, True)], ids=["full", "rings"])
+def test_write_chunk_writes_every_layer_at_each_row_length(rings):
+    """``write_chunk`` (all layers of a buffer in one scatter) against a slot-by-slot reference:
+    every layer, each row at its own length, slots past the capacity dropped; ring layers at
+    virtual slot mod R, their slots past the capacity dropped too."""
+    rng = np.random.default_rng(5)
+    B, S, R, T, K, D = 4, 12, 6, 3, 2, 3
+    layout = rings or (False,) * 3
+    L = len(layout)
+    full = rng.integers(-50, 50, (L - sum(layout), 2, B, S, K, D)).astype(np.float32)
+    ring = rng.integers(-50, 50, (sum(layout), 2, B, R, K, D)).astype(np.float32)
+    length = np.array([0, 5, S - 1, S + 1], np.int32)  # from 0; middle; one slot left; past
+    new = rng.integers(100, 200, (2, L, B, T, K, D)).astype(np.float32)
+    cache = kv.KVCache(k=jnp.asarray(full[:, 0]), v=jnp.asarray(full[:, 1]),
+                       length=jnp.asarray(length),
+                       ring_k=jnp.asarray(ring[:, 0]) if rings else None,
+                       ring_v=jnp.asarray(ring[:, 1]) if rings else None, rings=rings)
+    out = kv.write_chunk(cache, jnp.asarray(new[0]), jnp.asarray(new[1]))
+    want_full, want_ring = full.copy(), ring.copy()
+    counts = [0, 0]
+    for layer, is_ring in enumerate(layout):
+        index = counts[is_ring]
+        counts[is_ring] += 1
+        for b in range(B):
+            for t in range(T):
+                s = length[b] + t
+                if s >= S:
+                    continue
+                if is_ring:
+                    want_ring[index, :, b, s % R] = new[:, layer, b, t]
+                else:
+                    want_full[index, :, b, s] = new[:, layer, b, t]
+    np.testing.assert_array_equal(np.asarray(out.k), want_full[:, 0])
+    np.testing.assert_array_equal(np.asarray(out.v), want_full[:, 1])
+    if rings:
+        np.testing.assert_array_equal(np.asarray(out.ring_k), want_ring[:, 0])
+        np.testing.assert_array_equal(np.asarray(out.ring_v), want_ring[:, 1])
+    np.testing.assert_array_equal(np.asarray(out.length), length + T)
+    assert (want_full != full).any() and (not rings or (want_ring != ring).any())
+
+
 # -- masks ----------------------------------------------------------------------------------------
 
 def test_attention_mask_causal_chunk():
