@@ -126,8 +126,9 @@ def write_chunk(cache: KVCache, k: Array, v: Array) -> KVCache:
     """Write a chunk's keys and values k, v [L, B, T, K, D] (``model.forward(write=False)``,
     every layer in order) at each row's length; the returned cache has length + T.
 
-    One scatter per buffer for all its layers at once (a write per layer cost a scatter and a
-    copy of the layer's slice each: 24 operations a round for a 6-layer target, against 2)."""
+    One scatter per buffer for all its layers at once. A write per layer cost a scatter and a
+    copy of the layer's slice for each layer and buffer: the bundled target's round that
+    proposes nothing ran 534 XLA operations that way, 502 this way."""
     layout = cache.layout(k.shape[0])
     out = {}
     for ring, names in ((False, ("k", "v")), (True, ("ring_k", "ring_v"))):
@@ -168,8 +169,8 @@ def _write_rows(buffer: Array, new: Array, start: Array, layer: Array | None,
     elif layer is None:
         index, row, indexed = slots[..., None], 0, (1,)
     else:
-        layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B, T))
-        index, row, indexed = jnp.stack([layers, slots], axis=-1), 1, (0, 2)
+        layer_ids = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B, T))
+        index, row, indexed = jnp.stack([layer_ids, slots], axis=-1), 1, (0, 2)
     dims = jax.lax.ScatterDimensionNumbers(
         update_window_dims=window, inserted_window_dims=indexed,
         scatter_dims_to_operand_dims=indexed, operand_batching_dims=(row,),
