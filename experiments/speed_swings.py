@@ -102,15 +102,12 @@ def watch(seconds: float, json_path: str | None) -> None:
 
     x = jnp.ones((128, 128), jnp.float32)
     timing.timed(compute, x)
-    ones = jnp.ones((64 * 2 ** 20 // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    timing.timed(total, ones)
     rows, start = [], time.time()
     while time.time() - start < seconds:
         before, t0 = _cpu_times(), time.time()
         s = statistics.median(step() for _ in range(9))
         c = statistics.median(timing.timed(compute, x)[1] for _ in range(9))
-        bw = ones.nbytes / statistics.median(timing.timed(total, ones)[1] for _ in range(9))
+        bw = timing.memory_bandwidth(64, 9)
         after = _cpu_times()
         delta = [b - a for a, b in zip(before, after)]
         row = {"t": round(t0 - start, 1), "step_ms": s * 1e3, "compute_ms": c * 1e3,
