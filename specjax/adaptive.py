@@ -5,9 +5,13 @@
   for a greedy row (whose draft is that argmax). Never q(token) of the drawn token: see below.
 * **Calibration.** Confidence is not acceptance. A ``Calibration`` maps a confidence c to the
   predicted probability that the draft is accepted given that the drafts before it were:
-  sigmoid(a · logit(c) + b), with a > 0 so the order of confidences is kept, one (a, b) for greedy
-  rows and one for sampled rows. ``calibrate`` fits it on the target's own text from held-out
-  prompts (see there); the identity (a = 1, b = 0) is the default.
+  sigmoid(a · logit(c) + b), with a > 0 so the order of confidences is kept, one (a, b) per draft
+  position for greedy rows and one for sampled rows. ``calibrate`` fits a draft model's on the
+  target's own text from held-out prompts (one map for every position: teacher forcing has no
+  positions), ``calibrate_rounds`` any drafter's on real rounds, one map per position where the
+  position has drafts enough (a block drafter's later positions, drawn without seeing the
+  drafts before them, are accepted less at the same confidence); the identity (a = 1, b = 0)
+  is the default.
 * **Survival.** The product of the predictions along a row's chain: the predicted chance that
   every draft so far is accepted. A row wants draft k while its survival is at least the
   threshold (``SpecConfig.survival_threshold``). The batch verifies draft k while some row wants
@@ -53,41 +57,75 @@ def _logit(c):
     return jnp.log(c) - jnp.log1p(-c)
 
 
+POSITIONS = 16
+"""Draft positions a Calibration holds a map for (the deepest block a block drafter makes);
+drafts deeper in a chain use the last position's."""
+
+
+def _per_position(value, mode: str, name: str) -> np.ndarray:
+    """A calibration parameter as [POSITIONS] float64: a number (every position alike), or a
+    list of one per position from the first (the last repeated to POSITIONS)."""
+    try:
+        x = np.atleast_1d(np.asarray(value, np.float64))
+    except (TypeError, ValueError):
+        x = np.zeros((0,))
+    if x.ndim != 1 or not 1 <= x.size <= POSITIONS:
+        raise ValueError(f"a calibration's {mode} {name} must be a number or a list of 1 to "
+                         f"{POSITIONS} numbers (one per draft position), got {value!r}")
+    return np.concatenate([x, np.full(POSITIONS - x.size, x[-1])])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Confidence -> predicted acceptance, sigmoid(a · logit(c) + b); index 0 greedy rows, 1
-    sampled rows. Arrays, so a new calibration is new data for the same compiled program."""
+    """Confidence -> predicted acceptance at draft position k, sigmoid(a · logit(c) + b) with
+    that position's (a, b); row 0 of each for greedy rows, row 1 for sampled rows. Arrays, so a
+    new calibration is new data for the same compiled program."""
 
-    a: Array  # [2] float32, > 0
-    b: Array  # [2] float32
+    a: Array  # [2, POSITIONS] float32, > 0
+    b: Array  # [2, POSITIONS] float32
 
     @classmethod
     def identity(cls) -> Calibration:
-        return cls(jnp.ones((2,), jnp.float32), jnp.zeros((2,), jnp.float32))
+        return cls(jnp.ones((2, POSITIONS), jnp.float32), jnp.zeros((2, POSITIONS), jnp.float32))
 
     @classmethod
-    def of(cls, greedy: tuple[float, float], sampled: tuple[float, float]) -> Calibration:
-        """From (a, b) pairs; ValueError unless each a is a finite number > 0."""
-        for name, (a, b) in (("greedy", greedy), ("sampled", sampled)):
-            if not (np.isfinite(a) and a > 0 and np.isfinite(b)):
-                raise ValueError(f"a calibration's {name} (a, b) must be finite with a > 0 (it "
-                                 f"must keep the order of confidences), got ({a}, {b})")
-        return cls(jnp.asarray([greedy[0], sampled[0]], jnp.float32),
-                   jnp.asarray([greedy[1], sampled[1]], jnp.float32))
+    def of(cls, greedy: tuple, sampled: tuple) -> Calibration:
+        """From (a, b) pairs, each a number (every draft position alike) or a list with one
+        per position from the first (the last one repeated for deeper positions); ValueError
+        unless every a is a finite number > 0 and every b finite."""
+        rows = {}
+        for mode, (given_a, given_b) in (("greedy", greedy), ("sampled", sampled)):
+            a, b = _per_position(given_a, mode, "a"), _per_position(given_b, mode, "b")
+            if not (np.all(np.isfinite(a)) and np.all(a > 0) and np.all(np.isfinite(b))):
+                shown = (lambda v: np.asarray(v, np.float64).tolist())
+                raise ValueError(f"a calibration's {mode} (a, b) must be finite with a > 0 (it "
+                                 f"must keep the order of confidences), got "
+                                 f"({shown(given_a)}, {shown(given_b)})")
+            rows[mode] = a, b
+        return cls(jnp.asarray([rows["greedy"][0], rows["sampled"][0]], jnp.float32),
+                   jnp.asarray([rows["greedy"][1], rows["sampled"][1]], jnp.float32))
 
-    def predict(self, confidence: Array, greedy: Array) -> Array:
-        """Predicted acceptance [B, ...] of drafts with confidence [B, ...] in rows whose
-        greedy flag is greedy [B]."""
+    def predict(self, confidence: Array, greedy: Array, position: int = 1) -> Array:
+        """Predicted acceptance [B, ...] of drafts at draft ``position`` (1 = the first draft
+        of a round) with confidence [B, ...] in rows whose greedy flag is greedy [B]."""
         i = jnp.where(greedy, 0, 1)
+        k = min(max(int(position), 1), POSITIONS) - 1
         shape = (-1,) + (1,) * (confidence.ndim - 1)
-        a, b = self.a[i].reshape(shape), self.b[i].reshape(shape)
+        a, b = self.a[i, k].reshape(shape), self.b[i, k].reshape(shape)
         return jax.nn.sigmoid(a * _logit(confidence) + b)
 
     def to_json(self) -> dict:
+        """{"greedy": {"a", "b"}, "sampled": {...}}: a number where every position has the
+        same value, else a list with one per position (trailing repeats dropped)."""
+        def compact(row):
+            last = len(row)
+            while last > 1 and row[last - 2] == row[-1]:
+                last -= 1
+            return float(row[0]) if last == 1 else [float(v) for v in row[:last]]
         a, b = np.asarray(self.a, np.float64), np.asarray(self.b, np.float64)
-        return {"greedy": {"a": float(a[0]), "b": float(b[0])},
-                "sampled": {"a": float(a[1]), "b": float(b[1])}}
+        return {mode: {"a": compact(a[i]), "b": compact(b[i])}
+                for i, mode in enumerate(("greedy", "sampled"))}
 
     @classmethod
     def from_json(cls, record: dict, source: str = "calibration") -> Calibration:
@@ -99,18 +137,21 @@ class Calibration:
 
 
 def checked_calibration(c, name: str = "calibration") -> Calibration:
-    """``c`` checked (a Calibration with a [2] > 0 and b [2], finite), or the identity for
-    None: what a compiled program takes, so drafters with and without one share the program."""
+    """``c`` checked (a Calibration with a [2, POSITIONS] > 0 and b [2, POSITIONS], finite), or
+    the identity for None: what a compiled program takes, so drafters with and without one
+    share the program."""
     if c is None:
         return Calibration.identity()
     if not isinstance(c, Calibration):
         raise ValueError(f"{name} must be a specjax.adaptive.Calibration, got "
                          f"{type(c).__name__}")
     a, b = np.asarray(c.a), np.asarray(c.b)
-    if a.shape != (2,) or b.shape != (2,) or not (np.all(np.isfinite(a)) and np.all(a > 0)
-                                                  and np.all(np.isfinite(b))):
-        raise ValueError(f"{name} must hold a [2] > 0 and b [2], finite "
-                         f"(Calibration.of checks this), got a={a.tolist()}, b={b.tolist()}")
+    shape = (2, POSITIONS)
+    if a.shape != shape or b.shape != shape or not (
+            np.all(np.isfinite(a)) and np.all(a > 0) and np.all(np.isfinite(b))):
+        raise ValueError(f"{name} must hold a {list(shape)} > 0 and b {list(shape)}, finite "
+                         f"(Calibration.of checks this), got a of shape {list(a.shape)} "
+                         f"{a.ravel()[:4].tolist()}..., b of shape {list(b.shape)}")
     return c
 
 
@@ -293,7 +334,7 @@ class ChainControl:
     def step(self, score: Array) -> Array:
         """Rows [B] whose next draft is verified, given its confidence [B]."""
         k = len(self.valid) + 1
-        predicted = self.calibration.predict(score, self.greedy_rows)
+        predicted = self.calibration.predict(score, self.greedy_rows, k)
         self.survival = self.survival * predicted
         self.wants = self.wants & keep(self.survival, self.threshold)
         alive = self.alive & _shared(self.wants, self.group)
@@ -368,11 +409,14 @@ def _np_logit(c: np.ndarray) -> np.ndarray:
     return np.log(c) - np.log1p(-c)
 
 
+_MIN_SLOPE = 1e-3  # a fitted a is kept at least this: a calibration keeps the confidences' order
+
+
 def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200,
                   weights: np.ndarray | None = None) -> tuple[float, float]:
     """(a, b) minimising the cross-entropy of sigmoid(a · logit(c) + b) against soft labels y
     in [0, 1] (each sample weighted by ``weights``, default 1), by Newton's method on the two
-    parameters; a is kept > 0."""
+    parameters; where the best a is below ``_MIN_SLOPE``, a is that and b the best for it."""
     x = _np_logit(c)
     X = np.stack([x, np.ones_like(x)], axis=1)
     n = np.ones_like(x) if weights is None else np.asarray(weights, np.float64)
@@ -386,7 +430,19 @@ def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200,
         w = w - step
         if np.abs(step).max() < 1e-9:
             break
-    return max(float(w[0]), 1e-3), float(w[1])
+    if w[0] >= _MIN_SLOPE:
+        return float(w[0]), float(w[1])
+    # The best slope is not positive (confidence says nothing, or the wrong thing, here): the
+    # best order-keeping map is then the flattest, with its intercept fitted for that slope.
+    # (the mean prediction rises with b: bisect for the b where it meets the mean outcome)
+    lo, hi = -50.0, 50.0
+    for _ in range(100):
+        b = 0.5 * (lo + hi)
+        if np.sum(n * (_sigmoid(_MIN_SLOPE * x + b) - y)) > 0:
+            hi = b
+        else:
+            lo = b
+    return _MIN_SLOPE, 0.5 * (lo + hi)
 
 
 def expected_calibration_error(predicted: np.ndarray, observed: np.ndarray,
@@ -476,9 +532,10 @@ def acceptance_samples(target, draft, prompts: list[list[int]], *, temperature: 
     return np.concatenate(conf), np.concatenate(acc), np.concatenate(rows)
 
 
-def _check_fit_args(name: str, prompts, temperature: float, split: str) -> None:
-    if len(prompts) < 2:
-        raise ValueError(f"{name} needs at least 2 prompts ({split}), got {len(prompts)}")
+def _check_fit_args(name: str, prompts, temperature: float, split: str,
+                    least: int = 2) -> None:
+    if len(prompts) < least:
+        raise ValueError(f"{name} needs at least {least} prompts ({split}), got {len(prompts)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (the sampled rows' fit), got {temperature}")
 
@@ -543,13 +600,14 @@ def _method_of(drafter, method: str | None) -> str:
 
 def round_points(target, drafter, prompts: list[list[int]], *, method: str | None = None,
                  gamma: int = 4, temperature: float, max_new_tokens: int = 128,
-                 seed: int = 0) -> np.ndarray:
+                 seed: int = 0) -> list[np.ndarray]:
     """Real rounds of a chain of ``gamma`` drafts from ``drafter`` (a draft model, or heads
     with adaptive lengths; ``method`` from the heads' own by default) on ``prompts``, every
     draft verified (survival threshold EVERY_DRAFT) and scored by its raw confidence (identity
-    calibration): the engine's reliability counters as [bins, 3] (mean confidence, fraction
-    accepted, drafts). A draft is counted when the drafts before it in its round were all
-    accepted, so the fraction is the conditional acceptance a calibration predicts."""
+    calibration): per draft position, the engine's reliability counters as [bins, 3] (mean
+    confidence, fraction accepted, drafts; non-empty bins). A draft is counted when the drafts
+    before it in its round were all accepted, so the fraction is the conditional acceptance a
+    calibration predicts."""
     from .config import SamplingParams, SpecConfig
     from .engine import generate
     spec = SpecConfig(method=_method_of(drafter, method), num_speculative_tokens=gamma,
@@ -557,14 +615,76 @@ def round_points(target, drafter, prompts: list[list[int]], *, method: str | Non
     out = generate(target, prompts, spec=spec, draft=_uncalibrated(drafter), key=seed,
                    sampling=SamplingParams(temperature=temperature,
                                            max_new_tokens=max_new_tokens))
-    return np.asarray(out.stats.reliability, np.float64).reshape(-1, 3)
+    return [np.asarray(bins, np.float64).reshape(-1, 3)
+            for bins in out.stats.reliability_by_draft_position]
 
 
-def _binned_ece(points: np.ndarray, predict=lambda c: c) -> float:
-    """The expected calibration error over ``points`` [bins, 3] of raw confidence, with each
-    bin's mean confidence mapped by ``predict``, weighted by the bin's drafts."""
+def _ece_of_cells(points: np.ndarray, predict=lambda c: c, bins: int = 10) -> float:
+    """The expected calibration error (as Stats.calibration_error: equal-width bins of the
+    prediction, weighted by drafts) of cells ``points`` [n, 3] (mean raw confidence, fraction
+    accepted, drafts), each cell's drafts predicted ``predict`` of its mean confidence."""
     c, y, n = points.T
-    return float(np.sum(n * np.abs(predict(c) - y)) / max(n.sum(), 1.0))
+    p = predict(c)
+    which = np.minimum((p * bins).astype(int), bins - 1)
+    gap = sum(abs(np.sum(n[which == i] * (p - y)[which == i])) for i in range(bins))
+    return float(gap / max(n.sum(), 1.0))
+
+
+MIN_POSITION_DRAFTS = 1000
+"""calibrate_rounds fits a draft position a map of its own when its fitting rounds verified at
+least this many drafts there; a position with fewer takes the map of the one before it."""
+
+
+def _logistic_map(a: float, b: float):
+    return lambda c: _sigmoid(a * _np_logit(c) + b)
+
+
+def fit_positions(fit: list[np.ndarray]) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+    """(a map (a, b) per draft position, the map of every position pooled) fitted to binned
+    points per position, each [n, 3] (mean raw confidence, fraction accepted, drafts): a
+    position's own weighted logistic fit when it has ``MIN_POSITION_DRAFTS`` drafts, else the
+    map of the position before it (the pooled map for the first)."""
+    pooled = np.concatenate(fit)
+    pooled_map = _fit_logistic(pooled[:, 0], pooled[:, 1], weights=pooled[:, 2])
+    maps = []
+    for points in fit:
+        if points[:, 2].sum() >= MIN_POSITION_DRAFTS:
+            maps.append(_fit_logistic(points[:, 0], points[:, 1], weights=points[:, 2]))
+        else:
+            maps.append(maps[-1] if maps else pooled_map)
+    return maps, pooled_map
+
+
+def _log_loss(points: np.ndarray, predict) -> float:
+    """Cross-entropy of cells [n, 3] (mean raw confidence, fraction accepted, drafts) under
+    ``predict`` of each cell's mean confidence, summed over drafts."""
+    c, y, n = points.T
+    p = np.clip(predict(c), _EPS, 1 - _EPS)
+    return float(-np.sum(n * (y * np.log(p) + (1 - y) * np.log1p(-p))))
+
+
+def _positions_loss(maps, points: list[np.ndarray]) -> float:
+    return sum(_log_loss(h, _logistic_map(*m)) for m, h in zip(maps, points))
+
+
+def choose_form(first: list[np.ndarray], second: list[np.ndarray]) -> tuple[str, dict]:
+    """("per position" or "one map", the cross-entropy of each and the margin): two-fold
+    cross-validation between two sets of binned points per position, each [n, 3] (mean raw
+    confidence, fraction accepted, drafts), each fitted (``fit_positions``) and scored on the
+    other. A map per position must win by a margin, one nat per parameter it adds (two per
+    position with a map of its own): where positions are alike, the two forms score within
+    noise of each other and the simpler one ships."""
+    losses = {"per position": 0.0, "one map": 0.0, "margin": 0.0}
+    for fit, score in ((first, second), (second, first)):
+        if np.concatenate(fit)[:, 2].sum() == 0:
+            return "one map", {**losses, "per position": np.inf}  # nothing to fit a fold on
+        maps, one = fit_positions(fit)
+        losses["per position"] += _positions_loss(maps, score)
+        losses["one map"] += _positions_loss([one] * len(maps), score)
+        losses["margin"] += 2.0 * (len(set(maps)) - 1)
+    better = (losses["margin"] > 0  # a map per position only where some position has its own
+              and losses["per position"] + losses["margin"] < losses["one map"])
+    return ("per position" if better else "one map"), losses
 
 
 def calibrate_rounds(target, drafter, prompts: list[list[int]], *, method: str | None = None,
@@ -572,32 +692,56 @@ def calibrate_rounds(target, drafter, prompts: list[list[int]], *, method: str |
                      seed: int = 0) -> tuple[Calibration, dict]:
     """Fit a Calibration from real rounds, for any drafter with adaptive lengths (a draft
     model; Medusa, EAGLE, MTP or block-drafter heads): ``round_points`` on the even prompts is
-    fitted (a weighted logistic fit on the binned points), and the odd prompts score it. The
-    report gives per mode (greedy; sampled at ``temperature``) the fit, and the held-out
-    expected calibration error of the raw confidence and of the fitted map, both over bins of
-    the raw confidence."""
-    _check_fit_args("calibrate_rounds", prompts, temperature, "even ones fit, odd ones score")
+    fitted, and the odd prompts score it.
+
+    Two forms are fitted: a map per draft position (``fit_positions``: a position's own
+    weighted logistic fit where it has ``MIN_POSITION_DRAFTS`` drafts) and one map for every
+    position. Which one ships is chosen on the fitting prompts alone, by two-fold cross-
+    validation between their two halves (prompts 0, 4, 8, ... and 2, 6, 10, ...; lower
+    cross-entropy wins): a map per position pays where positions differ at the same
+    confidence (a block drafter's later drafts, drawn without seeing the ones before them), and
+    overfits where they do not. The report gives per mode (greedy; sampled at ``temperature``)
+    the fit, the choice, and the held-out expected calibration error (binned by prediction, as
+    Stats.calibration_error) of the raw confidence, of the shipped maps and of the other form."""
+    _check_fit_args("calibrate_rounds", prompts, temperature,
+                    "even ones fit, odd ones score; the even ones split in two to choose the form",
+                    least=4)
     fitted, report = {}, {}
     for mode, t in (("greedy", 0.0), ("sampled", float(temperature))):
-        fit, held = (round_points(target, drafter, prompts[i::2], method=method, gamma=gamma,
-                                  temperature=t, max_new_tokens=max_new_tokens, seed=seed)
-                     for i in (0, 1))
-        if fit[:, 2].sum() == 0:
+        quarters = [round_points(target, drafter, prompts[i::4], method=method, gamma=gamma,
+                                 temperature=t, max_new_tokens=max_new_tokens, seed=seed)
+                    for i in range(4)]
+        fit = [np.concatenate(x) for x in zip(quarters[0], quarters[2])]
+        held = [np.concatenate(x) for x in zip(quarters[1], quarters[3])]
+        pooled = np.concatenate(fit)
+        if pooled[:, 2].sum() == 0:
             raise ValueError(f"no drafts were verified in the {mode} rounds (prompts too long "
                              f"for the context, or max_new_tokens too small)")
-        a, b = _fit_logistic(fit[:, 0], fit[:, 1], weights=fit[:, 2])
-        fitted[mode] = (a, b)
+        form, losses = choose_form(quarters[0], quarters[2])
+        maps, one = fit_positions(fit)
+        shipped = maps if form == "per position" else [one] * len(maps)
+        fitted[mode] = ([m[0] for m in shipped], [m[1] for m in shipped])
 
-        def mapped(c, a=a, b=b):
-            x = _np_logit(c)
-            return _sigmoid(a * x + b)
-        report[mode] = {"temperature": t, "samples": int(fit[:, 2].sum() + held[:, 2].sum()),
-                        "a": a, "b": b, "ece_raw": _binned_ece(held),
-                        "ece": _binned_ece(held, mapped),
-                        "mean_acceptance": float(np.sum(held[:, 1] * held[:, 2])
-                                                 / max(held[:, 2].sum(), 1.0)),
-                        "reliability": [{"predicted": float(mapped(c)), "observed": float(y),
-                                         "count": int(n)} for c, y, n in held]}
+        def mapped_cells(ms, held=held):
+            return np.concatenate([np.stack([_logistic_map(*m)(h[:, 0]), h[:, 1], h[:, 2]], 1)
+                                   for m, h in zip(ms, held)])
+        other = [one] * len(maps) if form == "per position" else maps
+        cells = np.concatenate(held)
+        report[mode] = {
+            "temperature": t, "samples": int(pooled[:, 2].sum() + cells[:, 2].sum()),
+            "a": fitted[mode][0], "b": fitted[mode][1], "form": form,
+            "cross_validated_loss": losses,
+            "ece_raw": _ece_of_cells(cells), "ece": _ece_of_cells(mapped_cells(shipped)),
+            "ece_other_form": _ece_of_cells(mapped_cells(other)),
+            "drafts_by_position": {"fit": [int(p[:, 2].sum()) for p in fit],
+                                   "held": [int(h[:, 2].sum()) for h in held]},
+            "mean_acceptance": float(np.sum(cells[:, 1] * cells[:, 2])
+                                     / max(cells[:, 2].sum(), 1.0)),
+            "reliability": [{"position": k + 1, "predicted": float(p), "observed": float(y),
+                             "count": int(n)}
+                            for k, h in enumerate(held)
+                            for p, y, n in zip(_logistic_map(*shipped[k])(h[:, 0]), h[:, 1],
+                                               h[:, 2])]}
     return Calibration.of(fitted["greedy"], fitted["sampled"]), report
 
 
@@ -653,7 +797,9 @@ def calibrate_main(argv=None) -> int:
                     help="definitions: 15 lines ending with a function definition, from the "
                          "held-out files no bench prompt set uses (default); windows: "
                          "--prompt-tokens tokens cut from the held-out token stream")
-    ap.add_argument("--num-prompts", type=int, default=96)
+    ap.add_argument("--num-prompts", type=int, default=256,
+                    help="half fit, half score (with fewer, the fit follows those prompts' own "
+                         "acceptance more than the drafter's; docs/adaptive.md)")
     ap.add_argument("--prompt-tokens", type=int, default=64, help="--prompts windows only")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled rows' fit")
@@ -715,9 +861,12 @@ def calibrate_main(argv=None) -> int:
         calibration, report = calibrate(target, draft, prompts, temperature=args.temperature,
                                         max_new_tokens=args.max_new_tokens)
     for mode, r in report.items():
-        print(f"{mode}: a={r['a']:.3f} b={r['b']:.3f}; held-out ECE {r['ece']:.3f} (raw "
-              f"confidence {r['ece_raw']:.3f}); mean acceptance {r['mean_acceptance']:.3f}, "
-              f"{r['samples']} samples")
+        shown = (lambda v: " ".join(f"{x:.3f}" for x in np.atleast_1d(v)))
+        one = (f"; {r['form']} chosen, the other form {r['ece_other_form']:.3f}"
+               if "form" in r else "")
+        print(f"{mode}: a={shown(r['a'])} b={shown(r['b'])}; held-out ECE {r['ece']:.3f} (raw "
+              f"confidence {r['ece_raw']:.3f}{one}); mean acceptance "
+              f"{r['mean_acceptance']:.3f}, {r['samples']} samples")
     report["command"] = ("specjax train calibrate " + " ".join(argv if argv is not None
                                                                 else []))
     report["fit"] = fit

@@ -31,9 +31,9 @@ class Counters:
     near_ties: Array  # [] int32: emitted greedy tokens chosen at a near tie (sampling.near_ties)
     proposed_count: Array  # [G+1] int32: active row-rounds that proposed exactly k drafts
     rejecting: Array  # [] int32: active row-rounds that rejected one of their drafts
-    # [BINS, 3] float32, adaptive chains (Draft.predicted): per bin of predicted acceptance, the
-    # verified drafts (reached: every draft before it accepted) and the sums of their predictions
-    # and of their outcomes (1 accepted, 0 rejected)
+    # [G, BINS, 3] float32, adaptive chains (Draft.predicted): per draft position and bin of
+    # predicted acceptance, the verified drafts (reached: every draft before it accepted) and
+    # the sums of their predictions and of their outcomes (1 accepted, 0 rejected)
     reliability: Array
     proposed_by_row: Array  # [B] int32: drafts each row proposed while active
     rounds_by_row: Array  # [B] int32: rounds each row was active in
@@ -49,7 +49,7 @@ class Counters:
         z = jnp.zeros((), jnp.int32)
         return cls(z, z, z, z, z, z, jnp.zeros((gamma,), jnp.int32),
                    jnp.zeros((gamma + 1,), jnp.int32), z, jnp.zeros((gamma + 1,), jnp.int32),
-                   z, jnp.zeros((BINS, 3), jnp.float32), jnp.zeros((batch,), jnp.int32),
+                   z, jnp.zeros((gamma, BINS, 3), jnp.float32), jnp.zeros((batch,), jnp.int32),
                    jnp.zeros((batch,), jnp.int32), z, jnp.zeros((), bool),
                    jnp.zeros((len(POSITION_EDGES) + 1, 2), jnp.int32))
 
@@ -67,13 +67,14 @@ class Counters:
         lengths = jnp.arange(G + 1)[None, :]
         reliability = self.reliability
         if predicted is not None:
+            assert predicted.shape[1] == G, (predicted.shape, G)  # one column per position
             k = jnp.arange(predicted.shape[1])[None, :]
             reached = active[:, None] & (k < proposed[:, None]) & (k <= n[:, None])
             outcome = (k < n[:, None]).astype(jnp.float32)
             bins = jnp.clip((predicted * BINS).astype(jnp.int32), 0, BINS - 1)
             one_hot = (bins[..., None] == jnp.arange(BINS)) & reached[..., None]  # [B, G, BINS]
             add = jnp.stack([jnp.ones_like(predicted), predicted, outcome], -1)  # [B, G, 3]
-            reliability = reliability + jnp.einsum("bgn,bgc->nc", one_hot.astype(jnp.float32),
+            reliability = reliability + jnp.einsum("bgn,bgc->gnc", one_hot.astype(jnp.float32),
                                                    add)
         return Counters(
             rounds=self.rounds + 1,
@@ -153,9 +154,12 @@ class Stats:
     # error of the calibrated predictions on this call's own verified drafts (each draft whose
     # predecessors were all accepted: predicted chance of acceptance against the outcome),
     # binned in 10 equal bins and weighted by count; nan without predictions. ``reliability``:
-    # per non-empty bin, (mean predicted, fraction accepted, drafts).
+    # per non-empty bin, (mean predicted, fraction accepted, drafts);
+    # ``reliability_by_draft_position``: the same for each draft position of a round (the first
+    # draft, the second, ...), a tuple per position.
     calibration_error: float = float("nan")
     reliability: tuple[tuple[float, float, int], ...] = ()
+    reliability_by_draft_position: tuple[tuple[tuple[float, float, int], ...], ...] = ()
     # Per bin of context position (POSITION_EDGES) that some round started in: (first position,
     # end position or None for the last bin, mean accepted length, row-rounds): how acceptance
     # holds up deeper into the context
@@ -240,13 +244,19 @@ def position_summary(by_position: np.ndarray) -> tuple[tuple[int, int | None, fl
                  for i, (rounds, emitted) in enumerate(by_position) if rounds > 0)
 
 
+def _reliability(bins: np.ndarray) -> tuple[tuple[float, float, int], ...]:
+    return tuple((float(p / n), float(a / n), int(n)) for n, p, a in bins if n > 0)
+
+
 def calibration_summary(bins: np.ndarray) -> dict:
-    """calibration_error and reliability from the [BINS, 3] counters (count, sum predicted, sum
-    accepted)."""
-    count = bins[:, 0]
-    total = count.sum()
+    """calibration_error, reliability and reliability_by_draft_position from the [G, BINS, 3]
+    counters (count, sum predicted, sum accepted per draft position and bin; [BINS, 3]: one
+    position)."""
+    by_position = bins.reshape(-1, BINS, 3)
+    pooled = by_position.sum(axis=0)
+    total = pooled[:, 0].sum()
     if total == 0:
         return {}
-    ece = float(np.abs(bins[:, 1] - bins[:, 2]).sum() / total)
-    return dict(calibration_error=ece, reliability=tuple(
-        (float(p / n), float(a / n), int(n)) for n, p, a in bins if n > 0))
+    ece = float(np.abs(pooled[:, 1] - pooled[:, 2]).sum() / total)
+    return dict(calibration_error=ece, reliability=_reliability(pooled),
+                reliability_by_draft_position=tuple(_reliability(b) for b in by_position))

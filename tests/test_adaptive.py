@@ -42,6 +42,102 @@ def test_calibration_is_order_preserving_and_round_trips(tmp_path):
         Calibration.of((-1.0, 0.0), (1.0, 0.0))
 
 
+def test_a_calibration_holds_a_map_per_draft_position(tmp_path):
+    """Position k's drafts go through position k's (a, b); deeper positions than it holds take
+    the last; the file keeps lists where positions differ and numbers where they do not, and a
+    file of one (a, b) per mode (as fitted before positions) still loads."""
+    c = Calibration.of(([1.0, 2.0], [0.0, -1.0]), (0.5, 0.3))
+    conf = jnp.asarray([0.3, 0.7, 0.3])
+    greedy = jnp.asarray([True, True, False])
+    x = np.log(np.asarray(conf) / (1 - np.asarray(conf)))
+    want = {1: [x[0], x[1], 0.5 * x[2] + 0.3], 2: [2 * x[0] - 1, 2 * x[1] - 1, 0.5 * x[2] + 0.3]}
+    for position in (1, 2, 7, adaptive.POSITIONS + 5):
+        np.testing.assert_allclose(np.asarray(c.predict(conf, greedy, position)),
+                                   jax.nn.sigmoid(np.asarray(want[min(position, 2)])), rtol=1e-5)
+    # the chain control asks position k's map at its k-th step
+    control = adaptive.ChainControl(c, None, None, greedy, None)
+    for _ in range(3):
+        control.step(conf)
+    predicted = np.asarray(control.arrays()[1])
+    np.testing.assert_allclose(predicted[:, 0], jax.nn.sigmoid(np.asarray(want[1])), rtol=1e-5)
+    np.testing.assert_allclose(predicted[:, 2], jax.nn.sigmoid(np.asarray(want[2])), rtol=1e-5)
+    assert c.to_json() == {"greedy": {"a": [1.0, 2.0], "b": [0.0, -1.0]},
+                           "sampled": {"a": 0.5, "b": pytest.approx(0.3)}}
+    adaptive.save_calibration(c, tmp_path)
+    loaded = adaptive.load_calibration(tmp_path)
+    np.testing.assert_allclose(loaded.a, c.a)
+    np.testing.assert_allclose(loaded.b, c.b)
+    old = Calibration.from_json({"greedy": {"a": 1.5, "b": 0.1}, "sampled": {"a": 0.5, "b": 0}})
+    assert np.asarray(old.a).shape == (2, adaptive.POSITIONS) and np.all(old.a[0] == 1.5)
+    for bad in ([1.0] * (adaptive.POSITIONS + 1), "x", [], [[1.0]]):
+        with pytest.raises(ValueError, match="greedy a must be a number or a list of 1 to 16"):
+            Calibration.of((bad, 0.0), (1.0, 0.0))
+    with pytest.raises(ValueError, match="sampled \\(a, b\\) must be finite with a > 0 .* "
+                                         "got \\(\\[1.0, -1.0\\], 0.0\\)"):
+        Calibration.of((1.0, 0.0), ([1.0, -1.0], 0.0))
+
+
+def test_each_position_gets_its_own_fit_where_it_has_drafts_enough():
+    """What calibrate_rounds fits per draft position: each position's own map from its binned
+    points; a position with fewer than MIN_POSITION_DRAFTS drafts takes the one before it."""
+    rng = np.random.default_rng(4)
+
+    def points(a, b, n):
+        c = rng.uniform(0.02, 0.98, n)
+        y = (rng.random(n) < 1 / (1 + np.exp(-(a * np.log(c / (1 - c)) + b)))).astype(float)
+        which = np.minimum((c * 20).astype(int), 19)
+        m = np.bincount(which, minlength=20)
+        keep = m > 0
+        return np.stack([np.bincount(which, c, 20)[keep] / m[keep],
+                         np.bincount(which, y, 20)[keep] / m[keep], m[keep]], axis=1)
+    truths = [(2.0, -0.7), (0.7, 0.8), (3.0, 2.0)]
+    fit = [points(*truths[0], 100000), points(*truths[1], 60000),
+           points(*truths[2], adaptive.MIN_POSITION_DRAFTS - 1)]
+    maps, pooled = adaptive.fit_positions(fit)
+    for (a, b), (ta, tb) in zip(maps[:2], truths[:2]):
+        assert abs(a - ta) < 0.15 and abs(b - tb) < 0.15, (maps, truths)
+    assert maps[2] == maps[1]  # too few drafts: the position before it
+    assert abs(pooled[0] - truths[0][0]) > 0.3  # one map for both fits neither
+    maps, pooled = adaptive.fit_positions([fit[2], fit[0]])
+    assert maps[0] == pooled and abs(maps[1][0] - 2.0) < 0.15
+    # cross-validation picks a map per position where positions differ, one map where not
+    differ = [[points(*truths[0], 20000), points(*truths[1], 20000)] for _ in range(2)]
+    form, losses = adaptive.choose_form(*differ)
+    assert form == "per position" and losses["one map"] > losses["per position"], losses
+    alike = [[points(1.2, 0.3, 3000), points(1.2, 0.3, 1500), points(1.2, 0.3, 1500)]
+             for _ in range(2)]
+    form, losses = adaptive.choose_form(*alike)
+    assert form == "one map", losses
+    # a slope the data would make negative stays at the floor, with the intercept refitted
+    c = rng.uniform(0.5, 0.99, 50000)
+    y = (rng.random(c.size) < 1.2 - c).astype(float)  # accepted less when confident
+    a, b = adaptive._fit_logistic(c, y)
+    assert a == adaptive._MIN_SLOPE
+    assert abs(np.mean(1 / (1 + np.exp(-(a * np.log(c / (1 - c)) + b)))) - y.mean()) < 0.01
+
+
+def test_the_stats_count_each_draft_position_apart(models):
+    """Stats.reliability_by_draft_position: with every draft verified, position k + 1 holds
+    a draft in each row-round whose draft k was accepted, and its accepted drafts are those
+    per_position_acceptance counts; pooled, the positions give Stats.reliability."""
+    target, drafts = models  # a close draft: about half its drafts accepted
+    sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=40)
+    spec = sj.SpecConfig(num_speculative_tokens=3, survival_threshold=adaptive.EVERY_DRAFT)
+    s = sj.generate(target, [[1, 2, 3]] * 8, sampling=sampling, spec=spec, draft=drafts["close"],
+                    key=2).stats
+    by = [np.asarray(b, np.float64).reshape(-1, 3) for b in s.reliability_by_draft_position]
+    assert len(by) == 3
+    drafts = [b[:, 2].sum() for b in by]
+    accepted = [np.sum(b[:, 1] * b[:, 2]) for b in by]
+    rounds = drafts[0]  # every row-round verifies its first draft
+    np.testing.assert_allclose(accepted, np.asarray(s.per_position_acceptance) * rounds,
+                               atol=1e-3)
+    np.testing.assert_allclose(drafts[1:], accepted[:-1], atol=1e-3)
+    assert 0 < accepted[-1] < drafts[-1] < drafts[0]  # some rejected at each depth
+    pooled = np.asarray(s.reliability).reshape(-1, 3)
+    assert pooled[:, 2].sum() == sum(drafts)
+
+
 def test_the_fit_recovers_a_known_calibration():
     rng = np.random.default_rng(0)
     c = rng.uniform(0.02, 0.98, 20000)
@@ -275,10 +371,11 @@ def test_changing_lengths_and_calibrations_do_not_recompile(target, draft):
 
 
 def test_bad_settings_are_refused_by_name(target, draft):
-    with pytest.raises(ValueError, match="calibration must hold a \\[2\\] > 0"):
-        sj.generate(target, PROMPTS, spec=sj.SpecConfig(survival_threshold=0.5),
-                    draft=DraftModel(draft, None, Calibration(jnp.asarray([-1.0, 1.0]),
-                                                              jnp.zeros((2,)))))
+    for a, b in ((jnp.asarray([1.0, 1.0]), jnp.zeros((2,))),  # one map, not one per position
+                 (-jnp.ones((2, adaptive.POSITIONS)), jnp.zeros((2, adaptive.POSITIONS)))):
+        with pytest.raises(ValueError, match="calibration must hold a \\[2, 16\\] > 0"):
+            sj.generate(target, PROMPTS, spec=sj.SpecConfig(survival_threshold=0.5),
+                        draft=DraftModel(draft, None, Calibration(a, b)))
     for bad in (0, 1, 1.5, -0.1, "0.5", True):
         with pytest.raises(ValueError, match="survival_threshold must be in \\(0, 1\\)"):
             sj.SpecConfig(survival_threshold=bad)

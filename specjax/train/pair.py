@@ -105,7 +105,7 @@ DRAFT_VOCAB_SIZE = 2048
 # How export fits the draft's calibration (adaptive lengths; `specjax train calibrate`'s
 # settings): function-definition prompts from held-out files (calibration_prompts), the target's
 # own text from them.
-CALIBRATION = dict(num_prompts=96, max_new_tokens=128, temperature=0.8)
+CALIBRATION = dict(num_prompts=256, max_new_tokens=128, temperature=0.8)
 
 log = logging.getLogger(__name__)
 
