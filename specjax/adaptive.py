@@ -8,10 +8,10 @@
   sigmoid(a · logit(c) + b), with a > 0 so the order of confidences is kept, one (a, b) per draft
   position for greedy rows and one for sampled rows. ``calibrate`` fits a draft model's on the
   target's own text from held-out prompts (one map for every position: teacher forcing has no
-  positions), ``calibrate_rounds`` any drafter's on real rounds, one map per position where the
-  position has drafts enough (a block drafter's later positions, drawn without seeing the
-  drafts before them, are accepted less at the same confidence); the identity (a = 1, b = 0)
-  is the default.
+  positions), ``calibrate_rounds`` any drafter's on real rounds, a map per position or one for
+  all as cross-validation on the fitting prompts chooses (a block drafter's later positions,
+  drawn without seeing the drafts before them, are accepted less at the same confidence); the
+  identity (a = 1, b = 0) is the default.
 * **Survival.** The product of the predictions along a row's chain: the predicted chance that
   every draft so far is accepted. A row wants draft k while its survival is at least the
   threshold (``SpecConfig.survival_threshold``). The batch verifies draft k while some row wants

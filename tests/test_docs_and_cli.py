@@ -482,7 +482,7 @@ def test_train_calibrate_names_missing_inputs(capsys, tmp_path):
     assert e.value.code == 2
     assert f"--data {tmp_path}: no heldout.npy there" in capsys.readouterr().err
     np.save(tmp_path / "heldout.npy", np.zeros(64 * 32, np.int32))
-    with pytest.raises(SystemExit, match="2048 tokens, fewer than 96 prompts x 64 tokens"):
+    with pytest.raises(SystemExit, match="2048 tokens, fewer than 256 prompts x 64 tokens"):
         cli.main(["train", "calibrate", "--data", str(tmp_path), "--prompts", "windows"])
     with pytest.raises(SystemExit):
         cli.main(["train", "calibrate", "--data", str(tmp_path), "--prompts", "windows",
