@@ -445,18 +445,28 @@ def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200,
     return _MIN_SLOPE, 0.5 * (lo + hi)
 
 
+def _logistic_map(a: float, b: float):
+    return lambda c: _sigmoid(a * _np_logit(c) + b)
+
+
+def _ece_of_cells(points: np.ndarray, predict=lambda c: c, bins: int = 10) -> float:
+    """The expected calibration error (as Stats.calibration_error: equal-width bins of the
+    prediction, weighted by drafts) of cells ``points`` [n, 3] (mean raw confidence, fraction
+    accepted, drafts), each cell's drafts predicted ``predict`` of its mean confidence."""
+    c, y, n = points.T
+    p = predict(c)
+    which = np.minimum((p * bins).astype(int), bins - 1)
+    gap = sum(abs(np.sum(n[which == i] * (p - y)[which == i])) for i in range(bins))
+    return float(gap / max(n.sum(), 1.0))
+
+
 def expected_calibration_error(predicted: np.ndarray, observed: np.ndarray,
                                bins: int = 10) -> float:
     """ECE: over equal-width bins of the prediction, the mean |mean prediction − mean outcome|
     weighted by the bin's share of the samples."""
     predicted, observed = np.asarray(predicted, np.float64), np.asarray(observed, np.float64)
-    which = np.minimum((predicted * bins).astype(int), bins - 1)
-    total = 0.0
-    for i in range(bins):
-        m = which == i
-        if m.any():
-            total += m.mean() * abs(predicted[m].mean() - observed[m].mean())
-    return float(total)
+    return _ece_of_cells(np.stack([predicted, observed, np.ones_like(predicted)], axis=1),
+                         bins=bins)
 
 
 def reliability(predicted: np.ndarray, observed: np.ndarray, bins: int = 10) -> list[dict]:
@@ -556,8 +566,7 @@ def calibrate(target, draft, prompts: list[list[int]], *, temperature: float = 0
         fit, held = rows % 2 == 0, rows % 2 == 1
         a, b = _fit_logistic(c[fit], y[fit])
         fitted[mode] = (a, b)
-        x = _np_logit(c[held])
-        predicted = _sigmoid(a * x + b)
+        predicted = _logistic_map(a, b)(c[held])
         report[mode] = {"temperature": t, "samples": int(c.size), "a": a, "b": b,
                         "ece_raw": expected_calibration_error(c[held], y[held]),
                         "ece": expected_calibration_error(predicted, y[held]),
@@ -619,24 +628,9 @@ def round_points(target, drafter, prompts: list[list[int]], *, method: str | Non
             for bins in out.stats.reliability_by_draft_position]
 
 
-def _ece_of_cells(points: np.ndarray, predict=lambda c: c, bins: int = 10) -> float:
-    """The expected calibration error (as Stats.calibration_error: equal-width bins of the
-    prediction, weighted by drafts) of cells ``points`` [n, 3] (mean raw confidence, fraction
-    accepted, drafts), each cell's drafts predicted ``predict`` of its mean confidence."""
-    c, y, n = points.T
-    p = predict(c)
-    which = np.minimum((p * bins).astype(int), bins - 1)
-    gap = sum(abs(np.sum(n[which == i] * (p - y)[which == i])) for i in range(bins))
-    return float(gap / max(n.sum(), 1.0))
-
-
 MIN_POSITION_DRAFTS = 1000
 """calibrate_rounds fits a draft position a map of its own when its fitting rounds verified at
 least this many drafts there; a position with fewer takes the map of the one before it."""
-
-
-def _logistic_map(a: float, b: float):
-    return lambda c: _sigmoid(a * _np_logit(c) + b)
 
 
 def fit_positions(fit: list[np.ndarray]) -> tuple[list[tuple[float, float]], tuple[float, float]]:
