@@ -584,3 +584,24 @@ def test_measure_costs_times_forwards_steps_and_rounds(target, draft):
     assert costs.draft_cost > 0 and np.isfinite(costs.round_cost) and costs.round_cost >= 0
     heads_only = adaptive.measure_costs(target, None, gamma=2, context=16, repeats=1)
     assert heads_only.draft_cost == 0 and heads_only.round_cost == 0
+
+
+def test_confidence_is_the_largest_probability():
+    """Greedy rows: the largest probability of the softmax of the logits (a -inf logit is a
+    zero, a row of equal logits gives 1/M); sampled rows: the largest probability of q."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, 50)) * 3
+    logits[1, :25] = -np.inf
+    logits[2] = 0.5
+    q = rng.dirichlet(np.ones(50), size=4)
+    temperature = jnp.asarray([0.0, 0.0, 0.0, 0.8])
+    got = np.asarray(adaptive.confidence(jnp.asarray(logits, jnp.float32),
+                                         jnp.asarray(q, jnp.float32), temperature))
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.where(np.asarray(temperature) == 0, p.max(-1), q.max(-1))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert got[2] == pytest.approx(1 / 50, rel=1e-5)
+    np.testing.assert_allclose(np.asarray(adaptive.confidence(jnp.asarray(logits, jnp.float32),
+                                                              None, temperature)),
+                               p.max(-1), rtol=1e-5)
