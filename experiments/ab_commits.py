@@ -6,6 +6,11 @@ the machine hits both alike.
     python experiments/ab_commits.py d3de7ca --methods ar,ngram --prompts 6 --repeats 7
     python experiments/ab_commits.py 4ec6d03 --methods ar,draft_model,eagle --temperature 0.8 \
         --tree '[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]'
+    python experiments/ab_commits.py HEAD --methods ar,draft_model,draft_model~0.2 --gamma 2 \
+        --batch 16 --temperature 0.8 --max-new-tokens 96
+
+A method written ``name~X`` runs adaptive lengths with ``survival_threshold=X``. ``--batch B``
+runs the prompts as batches of B rows (cycled to fill them) instead of one at a time.
 
 The older package is extracted with ``git archive`` into a temporary folder and imported as
 ``specjax_old`` (specjax imports itself relatively, so the copy runs its own code). Prints each
@@ -41,15 +46,19 @@ def setup(sj, num_prompts: int):
 
 
 def runner(sj, target, drafts, prompts, method: str, gamma: int, max_new_tokens: int,
-           temperature: float, tree):
+           temperature: float, tree, batch: int = 1):
+    method, _, threshold = method.partition("~")
     spec = None if method == "ar" else sj.SpecConfig(
-        method=method, **(dict(tree=tree) if tree else dict(num_speculative_tokens=gamma)))
+        method=method, **(dict(tree=tree) if tree else dict(num_speculative_tokens=gamma)),
+        **(dict(survival_threshold=float(threshold)) if threshold else {}))
     sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+    cycled = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // batch) * batch)]
+    groups = [cycled[i:i + batch] for i in range(0, len(cycled), batch)]
 
     def run():
         seconds, tokens, accepted, rounds = 0.0, [], 0, 0
-        for i, p in enumerate(prompts):
-            out = sj.generate(target, [p], sampling=sampling, spec=spec,
+        for i, group in enumerate(groups):
+            out = sj.generate(target, group, sampling=sampling, spec=spec,
                               draft=drafts.get(method), key=i)
             seconds += out.stats.decode_seconds
             tokens.append(out.tokens.tolist())
@@ -68,6 +77,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--batch", type=int, default=1, help="rows per generate call")
     ap.add_argument("--tree", type=json.loads, default=None,
                     help="a static tree for every method, e.g. '[[0],[1],[0,0]]'")
     args = ap.parse_args()
@@ -83,11 +93,13 @@ def main() -> None:
 
         import specjax as new
         runs = {}
-        for name, sj in (("old", old), ("new", new)):
-            target, drafts, prompts = setup(sj, args.prompts)
-            for m in methods:
+        setups = {name: (sj, *setup(sj, args.prompts)) for name, sj in (("old", old),
+                                                                        ("new", new))}
+        for m in methods:  # each method's old and new runs back to back: the fairest pairing
+            for name, (sj, target, drafts, prompts) in setups.items():
                 runs[(name, m)] = runner(sj, target, drafts, prompts, m, args.gamma,
-                                         args.max_new_tokens, args.temperature, tree)
+                                         args.max_new_tokens, args.temperature, tree,
+                                         args.batch)
                 runs[(name, m)]()  # compile
         times = {k: [] for k in runs}
         tokens, accepted = {}, {}
@@ -96,7 +108,8 @@ def main() -> None:
                 seconds, tokens[k], accepted[k] = run()
                 times[k].append(seconds)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.prompts} bench prompts x {args.max_new_tokens} tokens at T = "
+    print(f"{args.prompts} bench prompts (batch {args.batch}) x {args.max_new_tokens} tokens "
+          f"at T = "
           f"{args.temperature}, {f'tree {args.tree}' if tree else f'gamma {args.gamma}'}, "
           f"median of {args.repeats} interleaved repeats; old = {args.old}")
     for m in methods:

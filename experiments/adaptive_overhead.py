@@ -1,30 +1,27 @@
-"""What an adaptive chain's round costs beyond the static chain's, part by part.
+"""What an adaptive chain's round costs beyond the static chain's.
 
 Issue 21's batch-16 cell: the adaptive draft-model chain yields the same tokens a round as the
-static one and each round costs more. This times one round of ``sj.generate``'s own program
+static one, and each round cost more. This times one round of ``sj.generate``'s own program
 (``sj.timing.round_timers``, the bundled pair, the first bench prompt copied to ``--batch``
-rows), interleaved, for four programs that verify every draft (threshold 1e-9, so the work is
-the same and only the program differs):
+rows), interleaved, for programs that verify every draft (threshold 1e-9, so the work is the
+same and only the program differs):
 
 - ``static``: the static chain of γ.
-- ``adaptive``: adaptive lengths as shipped (a ``lax.cond`` per later draft step, the verify
-  forward's width chosen by a ``lax.switch`` whose branches leave the cache unwritten, the
-  chunk written after it).
-- ``adaptive, one width``: the same, but the verify forward always γ + 1 wide and written in
-  place, as the static chain's (no switch).
-- ``adaptive, one width unwritten``: one width, but forward(write=False) then ``write_chunk``, as
-  inside the switch's branches, without the switch.
+- ``adaptive``: adaptive lengths as shipped: a ``lax.cond`` per later draft step, the drafts
+  proposed a round ahead and verified at the width generate's loop picks for them
+  (``engine._rounds``; here all γ + 1).
+- ``adaptive, width by switch``: the same round with its width chosen inside it by a
+  ``lax.switch`` whose branches leave the cache unwritten, the chunk written after it (how
+  generate's loop ran adaptive rounds until 2026-12-04; ``engine.round_step`` with no width).
 
-The last two patch engine internals for this process only (each program is traced under its own
-threshold, so none is reused by another). Prints each program's round time and its ratio to the
-static chain's, per repeat block.
+Prints each program's round time and its ratio to the static chain's, per repeat block.
 
     python experiments/adaptive_overhead.py --batch 16 --temperature 0.8
     python experiments/adaptive_overhead.py --max-new-tokens 256   # a cache past one block
 
 The cache's capacity follows ``--max-new-tokens``: up to 256 slots attention is one dense
-block, past it blocked, and the switch costs differ between the two
-(experiments/results/2026-12-03-adaptive-round-cost.md).
+block, past it blocked (experiments/results/2026-12-03-adaptive-round-cost.md,
+experiments/results/2026-12-04-verify-width-loops.md).
 """
 
 from __future__ import annotations
@@ -33,21 +30,9 @@ import argparse
 import pathlib
 
 import specjax as sj
-from specjax import bench, engine, timing
-from specjax import cache as kv
+from specjax import bench, timing
 
 CKPT = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
-
-
-def one_width(plan, target, request, state, chunk, draft, keys):
-    return engine._verify_chain(plan, target, request, state, chunk, draft, keys,
-                                plan.gamma + 1)
-
-
-def one_width_unwritten(plan, target, request, state, chunk, draft, keys):
-    verdict, (k, v), hidden = engine._verify_chain(plan, target, request, state, chunk, draft,
-                                                   keys, plan.gamma + 1, write=False)
-    return verdict, kv.write_chunk(state.cache.rollback(state.length), k, v), hidden
 
 
 def main() -> None:
@@ -64,22 +49,15 @@ def main() -> None:
     target = sj.load_model(CKPT / "code-target")
     draft = sj.load_draft_model(CKPT / "code-draft")
     prompt = tok.encode(bench.load_prompts()[0]["text"])
-    shipped = engine._verify_chain_any_length
-    programs = {"static": (None, shipped), "adaptive": (1e-9, shipped),
-                "adaptive, one width": (2e-9, one_width),
-                "adaptive, one width unwritten": (3e-9, one_width_unwritten)}
+    sampling = sj.SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     timers = {}
-    try:
-        for name, (threshold, verify) in programs.items():
-            engine._verify_chain_any_length = verify  # traced now, by round_timers' compile
-            spec = sj.SpecConfig(method="draft_model", num_speculative_tokens=args.gamma,
-                                 survival_threshold=threshold)
-            timers[name] = timing.round_timers(
-                target, prompt, spec=spec, draft=draft, decoded=32, batch=args.batch,
-                sampling=sj.SamplingParams(temperature=args.temperature,
-                                           max_new_tokens=args.max_new_tokens))["round"]
-    finally:
-        engine._verify_chain_any_length = shipped
+    for name, threshold, switch in (("static", None, False), ("adaptive", 1e-9, False),
+                                    ("adaptive, width by switch", 1e-9, True)):
+        spec = sj.SpecConfig(method="draft_model", num_speculative_tokens=args.gamma,
+                             survival_threshold=threshold)
+        timers[name] = timing.round_timers(target, prompt, spec=spec, draft=draft, decoded=32,
+                                           batch=args.batch, sampling=sampling,
+                                           switch=switch)["round"]
     print(f"batch {args.batch}, γ {args.gamma}, T {args.temperature}: one round, ms "
           f"(÷ static), median of {args.repeats} interleaved")
     for _ in range(args.blocks):

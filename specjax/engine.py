@@ -136,6 +136,10 @@ class LoopState:
     # [B] int32: the generated-token index at which the row's target logits were first not
     # finite (the row stopped there), or -1
     nonfinite: Array | None = None
+    # A chain with per-row lengths (Draft.valid: n-gram, suffix, adaptive lengths): the next
+    # round's drafts, proposed at the end of the round before (by prefill for the first), so the
+    # decode loop knows a round's verify width before running it (``_rounds``); else None.
+    pending: draft_base.Draft | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -203,10 +207,12 @@ def _write_logprobs(stored, new, start: Array):
 
 
 def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, prompt_lengths: Array,
-                  request: Request) -> LoopState:
+                  request: Request, ahead: bool = True) -> LoopState:
     """Run the prompts [B, N] (right-padded; the engine passes N = S rounded up to whole
     prefill chunks) through target and proposer, a chunk at a time up to the longest prompt;
-    draw the first token."""
+    draw the first token. A chain with per-row lengths then proposes the first round's drafts
+    (``LoopState.pending``), unless ``ahead`` is False (tests: every round then proposes its
+    own drafts and chooses its width by a switch, as before drafts were proposed ahead)."""
     B, N = prompts.shape
     S = plan.capacity
     cache = KVCache.init(plan.target, B, S, span=plan.span)
@@ -244,11 +250,14 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
             (jnp.zeros((B, S), jnp.float32), jnp.zeros((B, S, K), jnp.int32),
              jnp.zeros((B, S, K), jnp.float32)),
             _logprobs(plan, request, last_logits[:, None], first[:, None]), prompt_lengths)
-    return LoopState(
+    state = LoopState(
         history=history, length=prompt_lengths, num_generated=finite.astype(jnp.int32),
         done=done, cache=cache, draft_state=draft_state,
         counters=Counters.zeros(plan.depth, B), step=jnp.zeros((), jnp.int32),
         logprobs=logprobs, nonfinite=jnp.where(finite, -1, 0).astype(jnp.int32))
+    if ahead and _per_row_lengths(plan, target_params, draft_params, request, state):
+        state = _propose_next(plan, target_params, draft_params, request, state)
+    return state
 
 
 def round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
@@ -257,6 +266,27 @@ def round_keys(keys: Array, step: Array) -> tuple[Array, Array]:
     keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step + 1)
     draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
     return draft_keys, verify_keys
+
+
+def _per_row_lengths(plan: Plan, target_params, draft_params, request: Request,
+                     state: LoopState) -> bool:
+    """Whether the plan is a chain whose drafts come with per-row lengths (``Draft.valid``), so
+    its rounds are proposed one round ahead (``LoopState.pending``). Decided at trace time."""
+    if plan.proposer is None or plan.tree is not None:
+        return False
+    shape = jax.eval_shape(lambda: _propose(plan, target_params, draft_params, request, state,
+                                            request.keys)[0])
+    return shape.valid is not None
+
+
+def _propose_next(plan: Plan, target_params, draft_params, request: Request,
+                  state: LoopState) -> LoopState:
+    """The state with the drafts of round ``state.step`` proposed (``LoopState.pending``): what
+    that round's own start would propose, with the same keys."""
+    with jax.named_scope("propose"):
+        draft, draft_state = _propose(plan, target_params, draft_params, request, state,
+                                      round_keys(request.keys, state.step)[0])
+    return dataclasses.replace(state, pending=draft, draft_state=draft_state)
 
 
 def _propose(plan: Plan, target_params, draft_params, request: Request, state: LoopState,
@@ -345,7 +375,9 @@ def _verify_chain_any_length(plan: Plan, target: Model, request: Request, state:
                              chunk: Array, draft: draft_base.Draft, keys: Array):
     """Per-row draft lengths (``Draft.valid``, e.g. n-gram lookup): feed only as many drafts as
     the longest row proposed, so rounds without a match cost one decode step, not a γ + 1 verify.
-    One branch per length, all with static shapes; the choice is made on the device.
+    One branch per length, all with static shapes; the choice is made on the device. Used by a
+    round run alone (``round_step`` with no width: ``Program.step``, tests); the decode loop
+    picks the width outside its rounds instead (``_rounds``).
 
     The branches only read the cache; the chunk's keys and values are written after the switch
     (γ + 1 slots, those past the chunk garbage past the length). Written inside, XLA copied the
@@ -477,14 +509,22 @@ def _emitted_near_ties(verdict: verify.Verdict, n_emit: Array) -> Array | int:
 
 
 def round_step(plan: Plan, target_params, draft_params, request: Request,
-               state: LoopState) -> LoopState:
-    """One speculative round (γ = 0: one autoregressive step) for every row."""
+               state: LoopState, width: int | None = None) -> LoopState:
+    """One speculative round (γ = 0: one autoregressive step) for every row.
+
+    A chain with per-row lengths verifies the pending drafts (``LoopState.pending``) over
+    ``width`` positions (static; at least one more than the widest row's drafts), or with None
+    over as many as the widest row needs, chosen by a ``lax.switch``; it then proposes the next
+    round's drafts. The decode loop picks the width per round outside the round (``_rounds``)."""
     B = state.length.shape[0]
     draft_keys, verify_keys = round_keys(request.keys, state.step)
-    # The named scopes label each part's operations in profiles (experiments/round_profile.py).
-    with jax.named_scope("propose"):
-        draft, draft_state = _propose(plan, target_params, draft_params, request, state,
-                                      draft_keys)
+    if state.pending is None:
+        # The named scopes label each part's operations in profiles (experiments/round_profile.py).
+        with jax.named_scope("propose"):
+            draft, draft_state = _propose(plan, target_params, draft_params, request, state,
+                                          draft_keys)
+    else:
+        draft, draft_state = state.pending, state.draft_state
     last = state.history[jnp.arange(B), state.length]
     chunk = jnp.concatenate([last[:, None], draft.tokens], axis=1)  # [B, G+1] (tree: [B, N])
     target = Model(plan.target, target_params)
@@ -494,8 +534,10 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
             verdict, cache, hidden, draft_state = _verify_tree(*args, draft_state)
         elif draft.valid is None:
             verdict, cache, hidden = _verify_chain(*args, plan.gamma + 1)
-        else:
+        elif width is None:
             verdict, cache, hidden = _verify_chain_any_length(*args)
+        else:
+            verdict, cache, hidden = _verify_chain(*args, width)
     if plan.rides:
         with jax.named_scope("observe"):
             draft_state = plan.proposer.observe(draft_state, state.length, hidden)
@@ -511,7 +553,7 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
                           state.nonfinite)
     length = state.length + n_emit
     num_generated = state.num_generated + n_emit
-    return LoopState(
+    state = LoopState(
         history=history, length=length, num_generated=num_generated,
         done=state.done | hit_eos | broken | (num_generated >= request.max_new_tokens),
         cache=cache.rollback(length), draft_state=draft_state,
@@ -521,14 +563,65 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
         step=state.step + 1,
         logprobs=None if state.logprobs is None else _write_logprobs(
             state.logprobs, verdict.logprobs, state.length + 1),
-        nonfinite=nonfinite)
+        nonfinite=nonfinite, pending=state.pending)
+    if state.pending is not None:
+        state = _propose_next(plan, target_params, draft_params, request, state)
+    return state
+
+
+def verify_width(plan: Plan, state: LoopState) -> Array:
+    """Which of ``loop_widths(plan.gamma)`` the pending drafts are verified over ([] int32, an
+    index): the narrowest that holds the drafts of the generating row with the most."""
+    proposed = jnp.where(state.done, 0, jnp.sum(state.pending.valid, axis=1, dtype=jnp.int32))
+    return jnp.searchsorted(jnp.asarray(loop_widths(plan.gamma)), jnp.max(proposed) + 1)
+
+
+def _rounds(plan: Plan, target_params, draft_params, request: Request, state: LoopState,
+            more) -> LoopState:
+    """Rounds while ``more(state)``.
+
+    A chain with per-row lengths knows each round's drafts before the round
+    (``LoopState.pending``), and runs one while loop per verify width (``loop_widths``) in
+    turn, each for as long as the pending drafts' widest row fits it and needs no narrower
+    one: a round with no drafts is a plain decode step, one whose widest row drafted all γ a
+    static chain's round. Every loop writes the caches in place, as a decode step does.
+    Choosing the width inside the round (a ``lax.switch`` over the widths, whose branches
+    cannot write the cache in place without XLA copying it) made an adaptive chain's round cost
+    5-10% more than a static chain's at batch 16 on a 2-core CPU
+    (experiments/results/2026-12-04-verify-width-loops.md). The width depends only on the
+    drafts' lengths, never on the target's output at the positions verified."""
+    if state.pending is None:
+        body = lambda s: round_step(plan, target_params, draft_params, request, s)  # noqa: E731
+        return jax.lax.while_loop(more, body, state)
+    widths = loop_widths(plan.gamma)
+
+    def loop(i: int, state: LoopState) -> LoopState:
+        body = lambda s: round_step(plan, target_params, draft_params, request, s, widths[i])  # noqa: E731
+        return jax.lax.while_loop(lambda s: more(s) & (verify_width(plan, s) == i), body, state)
+
+    def each(state: LoopState) -> LoopState:
+        for i in range(len(widths)):
+            state = loop(i, state)
+        return state
+    return jax.lax.while_loop(more, each, state)
+
+
+def loop_widths(gamma: int) -> tuple[int, ...]:
+    """The verify widths the decode loop of a chain with per-row lengths has a loop for: 1 (no
+    drafts: a decode step), 2, 3, 5, 9, ... up to γ + 1. A round verifies over the narrowest
+    that holds its widest row's drafts."""
+    widths, w = [1], 2
+    while w < gamma + 1:
+        widths.append(w)
+        w = 2 * w - 1
+    return tuple(widths) + (gamma + 1,)
 
 
 def decode(plan: Plan, target_params, draft_params, request: Request,
            state: LoopState) -> LoopState:
     """Rounds until every row is done; no host sync inside."""
-    body = lambda s: round_step(plan, target_params, draft_params, request, s)  # noqa: E731
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return _rounds(plan, target_params, draft_params, request, state,
+                   lambda s: ~jnp.all(s.done))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,8 +642,8 @@ def decode_until(plan: Plan, target_params, draft_params, request: Request, stat
     """Rounds until every row is done or ``until`` ([] int32) rounds have run in all
     (``state.step``): a segment of the decode loop, for streaming. ``until`` is data, so every
     segment length runs the same executable."""
-    body = lambda s: round_step(plan, target_params, draft_params, request, s)  # noqa: E731
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.step < until), body, state)
+    state = _rounds(plan, target_params, draft_params, request, state,
+                    lambda s: ~jnp.all(s.done) & (s.step < until))
     # what the host reads, apart from the state (which the next segment takes over)
     return state, (state.done, state.num_generated, state.history)
 

@@ -104,7 +104,7 @@ def _repeated(stage: str):
 
     from . import engine
 
-    def run(plan, target_params, draft_params, request, state):
+    def run(plan, width, target_params, draft_params, request, state):
         if stage == "propose":
             keys, _ = engine.round_keys(request.keys, state.step)
 
@@ -123,7 +123,7 @@ def _repeated(stage: str):
 
         def body(_, carry):
             s, total = carry
-            out = engine.round_step(plan, target_params, draft_params, request, s)
+            out = engine.round_step(plan, target_params, draft_params, request, s, width)
             # What the round decided feeds the result, so none of it is dead code.
             for x in jax.tree.leaves((out.history, out.length, out.num_generated, out.done,
                                       out.counters)):
@@ -132,9 +132,10 @@ def _repeated(stage: str):
                 out, history=state.history, length=state.length,
                 num_generated=state.num_generated, done=state.done,
                 cache=out.cache.rollback(state.length), counters=state.counters,
-                step=state.step), total
+                step=state.step, pending=state.pending), total
         return jax.lax.fori_loop(0, INNER, body, (state, jnp.zeros((), jnp.int32)))
-    return jax.jit(engine._with_blocks(run), static_argnums=0)  # the plan's attention block
+    # the plan's attention block; width: as round_step's
+    return jax.jit(engine._with_blocks(run), static_argnums=(0, 1))
 
 
 _REPEATED = {stage: _repeated(stage) for stage in ("round", "propose")}
@@ -142,7 +143,7 @@ _REPEATED = {stage: _repeated(stage) for stage in ("round", "propose")}
 
 def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=None,
                  decoded: int = 64, key=0, max_cache_len: int | None = None,
-                 allow_synthetic: bool = False, batch: int = 1
+                 allow_synthetic: bool = False, batch: int = 1, switch: bool = False
                  ) -> dict[str, Callable[[], float]]:
     """Functions timing (seconds per call) one round of ``sj.generate``'s own program for the
     single row ``prompt`` after ``decoded`` tokens of it have been generated (so the caches hold
@@ -150,7 +151,9 @@ def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=No
     verification, bookkeeping; with no spec, one autoregressive step), "propose" the proposer's
     part alone (absent with no spec). Arguments as ``generate``'s (``sampling.max_new_tokens``
     must leave room for ``decoded`` tokens and a round). ``batch``: that many copies of the
-    row, each with its own key. Compiles before returning."""
+    row, each with its own key. ``switch``: a chain with per-row lengths chooses the round's
+    verify width inside the round (``engine.round_step`` with no width) instead of verifying
+    at the width generate's loop picks for its drafts. Compiles before returning."""
     from . import engine
 
     rows, sampling, plan, target, draft_params, inputs = engine._prepare(
@@ -170,9 +173,12 @@ def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=No
                          f"were decoded: nothing left to time")
     args = (params, draft_params, inputs.request, state)
     stages = ["round"] + (["propose"] if plan.proposer is not None else [])
+    # a chain with per-row lengths: the width generate's loop verifies these pending drafts over
+    width = None if state.pending is None or switch else engine.loop_widths(plan.gamma)[
+        int(engine.verify_width(plan, state))]
     timers = {}
     for stage in stages:
-        exe = _REPEATED[stage].lower(plan, *args).compile()
+        exe = _REPEATED[stage].lower(plan, width, *args).compile()
 
         def run(exe=exe) -> float:
             return timed(exe, *args)[1] / INNER

@@ -170,12 +170,12 @@ def test_stats_report_capacity_and_cache_bytes(long_pair):
     assert S == 256 and out.stats.cache_bytes_per_row == per_slot * S + 2 * 4
 
 
-def _cache_copies(target, draft, method="draft_model"):
+def _cache_copies(target, draft, method="draft_model", **spec):
     """Instructions of a batch-2 decode loop (512 slots) that copy a whole KV cache buffer."""
     engine.PROGRAMS.clear()
     sj.generate(target, prompts_of([5, 9]), sampling=GREEDY, max_cache_len=512,
                 draft=draft if method == "draft_model" else None,
-                spec=sj.SpecConfig(method=method, num_speculative_tokens=3))
+                spec=sj.SpecConfig(method=method, num_speculative_tokens=3, **spec))
     (decode,) = engine.PROGRAMS.programs()[-1].executables("decode")
     # a copy spanning all 512 slots (a block of the blocked attention spans 256)
     return [dims for dims in re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", decode.as_text())
@@ -201,12 +201,18 @@ def test_the_decode_loop_copies_no_cache_buffer(long_pair, monkeypatch, fresh_pr
     assert _cache_copies(target, draft) != []
 
 
-def test_the_ngram_round_copies_no_cache_buffer(long_pair, monkeypatch, fresh_programs):
-    """N-gram's verify width is chosen on the device by a ``lax.switch``; the branches only read
-    the cache, the chunk is written after it. Writing inside the branches (as before) made XLA
-    copy the whole cache every round, and fails the same check."""
-    target, _ = long_pair
-    assert _cache_copies(target, None, "ngram") == []
+@pytest.mark.parametrize("method", ["ngram", "adaptive"])
+def test_a_chain_with_per_row_lengths_copies_no_cache_buffer(long_pair, monkeypatch,
+                                                             fresh_programs, method):
+    """N-gram's and adaptive chains' verify width is chosen on the device: one loop per width,
+    each writing the cache in place (``engine._rounds``). Choosing it inside the round by a
+    ``lax.switch`` whose branches write the cache (as n-gram once did) made XLA copy the whole
+    cache every round, and fails the same check."""
+    target, draft = long_pair
+    if method == "adaptive":
+        assert _cache_copies(target, draft, "draft_model", survival_threshold=0.3) == []
+    else:
+        assert _cache_copies(target, None, "ngram") == []
 
     def written_inside(plan, target, request, state, chunk, draft, keys):
         branches = [lambda T=T: engine._verify_chain(plan, target, request, state, chunk, draft,
@@ -214,7 +220,11 @@ def test_the_ngram_round_copies_no_cache_buffer(long_pair, monkeypatch, fresh_pr
                     for T in range(1, plan.gamma + 2)]
         proposed = jnp.where(state.done, 0, jnp.sum(draft.valid, axis=1, dtype=jnp.int32))
         return jax.lax.switch(jnp.max(proposed), branches)
+    if method == "adaptive":
+        return
     monkeypatch.setattr(engine, "_verify_chain_any_length", written_inside)
+    # rounds that propose their own drafts, so the width is chosen inside each
+    monkeypatch.setattr(engine, "_per_row_lengths", lambda *args: False)
     jax.clear_caches()
     assert _cache_copies(target, None, "ngram") != []
 

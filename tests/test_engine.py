@@ -287,3 +287,52 @@ def test_stats_print_as_a_short_summary(target, draft):
     plain = str(sj.generate(target, [[1, 2, 3]], sampling=sj.SamplingParams(max_new_tokens=5))
                 .stats)
     assert "no drafts proposed" in plain and "acceptance rate" not in plain
+
+
+def run_round_by_round(target, prompts, sampling, spec, draft, ahead: bool):
+    """generate's rounds driven from the host, one compiled round at a time: ``ahead`` False
+    proposes each round's drafts at its start and picks its verify width by a switch (the
+    reference); True verifies the drafts the round before proposed, at the width the decode
+    loop would pick (``engine.verify_width``). Returns the final history and lengths."""
+    import functools
+    _, _, plan, model, draft_params, inputs = engine._prepare(
+        target, prompts, sampling, spec, draft, None, 0, None, False, None, None)
+    prefill = jax.jit(engine._with_blocks(functools.partial(engine.prefill_state, ahead=ahead)),
+                      static_argnums=0)
+    step = jax.jit(engine._with_blocks(engine.round_step), static_argnums=(0, 5))
+    state = prefill(plan, model.params, draft_params, inputs.prompts, inputs.lengths,
+                    inputs.request)
+    assert (state.pending is not None) == ahead
+    widths = set()
+    while not np.asarray(state.done).all():
+        width = None if not ahead else engine.loop_widths(plan.gamma)[
+            int(engine.verify_width(plan, state))]
+        widths.add(width)
+        state = step(plan, model.params, draft_params, inputs.request, state, width)
+    return np.asarray(state.history), np.asarray(state.num_generated), widths
+
+
+@pytest.mark.parametrize("method,temperature", [("ngram", 0.0), ("ngram", 1.0),
+                                                ("adaptive", 0.8)])
+def test_drafts_proposed_a_round_ahead_give_the_rounds_of_a_round_by_round_run(
+        target, draft, method, temperature):
+    """A chain with per-row lengths proposes each round's drafts at the end of the round before
+    and the decode loop verifies them in one of its loops of fixed widths (``engine._rounds``).
+    Those are the same rounds, with the same keys, as proposing at a round's start and choosing
+    its width inside it: the tokens equal, greedy and sampled, and over rounds of several
+    widths; and the compiled loop gives what rounds driven from the host give."""
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=24)
+    spec = (sj.SpecConfig(method="ngram", num_speculative_tokens=4,
+                          prompt_lookup_min=1, prompt_lookup_max=2) if method == "ngram" else
+            sj.SpecConfig(num_speculative_tokens=4, survival_threshold=0.3))
+    d = None if method == "ngram" else draft
+    ref = run_round_by_round(target, prompts, sampling, spec, d, ahead=False)
+    ahead = run_round_by_round(target, prompts, sampling, spec, d, ahead=True)
+    np.testing.assert_array_equal(ahead[1], ref[1])
+    np.testing.assert_array_equal(ahead[0], ref[0])
+    assert len(ahead[2]) >= 2, ahead[2]  # rounds of more than one width
+    out = sj.generate(target, prompts, sampling=sampling, spec=spec, draft=d, key=0)
+    for b, n in enumerate(ref[1]):
+        start = len(prompts[b])
+        np.testing.assert_array_equal(out.tokens[b, :n], ref[0][b, start:start + n])
