@@ -277,11 +277,14 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
 def fit(objective, params, aux, tokens: np.ndarray, cfg: TrainConfig, workdir, run: dict, *,
         evaluate_fn: Callable[[Any], float] | None = None, progress: bool = True,
         on_eval: Callable[[int, float], None] | None = None,
-        max_seconds: float | None = None) -> tuple[Any, list[dict]]:
+        max_seconds: float | None = None,
+        batches: Callable[[int], Any] | None = None) -> tuple[Any, list[dict]]:
     """The loop under every training run: minimise objective(params, batch, aux) over batches of
-    ``tokens``, resuming from the latest checkpoint in workdir (whose run.json must match
-    ``run``). evaluate_fn(params) -> held-out loss, every cfg.eval_every steps and at the end.
-    Returns the trained params and the evaluations [{"step", "heldout_loss"}]."""
+    ``tokens`` (or ``batches(step)``, a pure function of the step, so a resumed run sees the
+    batches it would have seen; ``tokens`` is then unused), resuming from the latest checkpoint
+    in workdir (whose run.json must match ``run``). evaluate_fn(params) -> held-out loss, every
+    cfg.eval_every steps and at the end. Returns the trained params and the evaluations
+    [{"step", "heldout_loss"}]."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     _check_run(workdir, run)
@@ -315,8 +318,9 @@ def fit(objective, params, aux, tokens: np.ndarray, cfg: TrainConfig, workdir, r
 
     try:
         while step < cfg.steps:
-            batch = sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step)
-            state, loss_arr = _step(objective, cfg, state, jnp.asarray(batch), aux)
+            batch = (sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+                     if batches is None else batches(step))
+            state, loss_arr = _step(objective, cfg, state, jax.tree.map(jnp.asarray, batch), aux)
             step += 1
             tokens_done += cfg.batch_size * cfg.seq_len
             if step % cfg.checkpoint_every == 0:

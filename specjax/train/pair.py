@@ -98,6 +98,19 @@ KD_PROMPT, KD_NEW, KD_BATCH = 64, 192, 64
 DRAFT_BPE4K_KD_TRAINING = TrainConfig(steps=800, batch_size=16, seq_len=256, learning_rate=5e-4,
                                       warmup_steps=50, checkpoint_every=25, eval_every=200,
                                       eval_batches=4, seed=5)
+# Then token by token where the two tokenizers cut the text alike (nearly every target token
+# end: this draft's cuts refine the target's): its distribution over its drafting vocabulary is
+# trained towards the target's, restricted to the same tokens and renormalised
+# (`specjax train pair draft-bpe4k-soft`, specjax/train/crossvocab.py). Sequences alone taught
+# it the target's greedy choices (acceptance 0.338 -> 0.526) but not its distribution (T = 0.8:
+# 0.283 -> 0.303, against code-draft's 0.407).
+DRAFT_BPE4K_SOFT_TRAINING = TrainConfig(steps=600, batch_size=16, seq_len=256, learning_rate=3e-4,
+                                        warmup_steps=30, checkpoint_every=25, eval_every=150,
+                                        eval_batches=4, seed=6, distill_ce_weight=0.1)
+SOFT_DRAFT_LEN = 320  # draft tokens read per window of seq_len target tokens (about 1.15 x)
+# half of each soft-label batch is the target's own text (continuations of training windows,
+# chunks of KD_BATCH, half greedy, half at T = 1), generated for this long first
+SOFT_GENERATE_MINUTES, SOFT_GENERATED_SHARE = 5.0, 0.5
 # The bundled draft drafts from the most frequent tokens of the training stream only (its LM
 # head cut to these columns, `draft_vocab.npy`; see specjax/draft/vocab.py).
 DRAFT_VOCAB_SIZE = 2048
@@ -237,6 +250,32 @@ def stage_draft_bpe4k(workdir: pathlib.Path, minutes: float | None,
           f"step {history[-1]['step']}")
 
 
+def _continuations(target, stream: np.ndarray, i: int) -> tuple[np.ndarray, float]:
+    """Chunk ``i`` of the target's own text: KD_BATCH windows of ``stream`` (a pure function of
+    ``i``) continued by the target, greedy for even ``i``, at T = 1 for odd: (target ids
+    [KD_BATCH, prompt + new], seconds it took)."""
+    import time
+
+    from ..config import SamplingParams
+    from ..engine import generate
+    context = target.config.max_position_embeddings  # a small one cuts both
+    n, new = min(KD_PROMPT, context // 4), min(KD_NEW, context - min(KD_PROMPT, context // 4))
+    rng = np.random.default_rng([7, i])
+    starts = rng.integers(0, len(stream) - n, KD_BATCH)
+    prompts = np.stack([np.asarray(stream[s:s + n], np.int64) for s in starts])
+    began = time.perf_counter()
+    out = generate(target, prompts.tolist(), key=i, sampling=SamplingParams(
+        temperature=0.0 if i % 2 == 0 else 1.0, max_new_tokens=new))
+    tokens = np.asarray(out.tokens)[:, :new]  # no end-of-text token: every row runs ``new`` long
+    return np.concatenate([prompts, tokens], 1), time.perf_counter() - began
+
+
+def _save_chunk(path: pathlib.Path, chunk: np.ndarray) -> None:
+    with open(path.with_suffix(".tmp"), "wb") as f:
+        np.save(f, chunk)
+    path.with_suffix(".tmp").rename(path)
+
+
 def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
                          generate_minutes: float = 10.0, config: ModelConfig = DRAFT_BPE4K,
                          settings: TrainConfig = DRAFT_BPE4K_KD_TRAINING,
@@ -249,12 +288,8 @@ def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
     bundled one) continues training-stream windows; the text is encoded with the draft's
     tokenizer, and the draft from workdir/draft-bpe4k is fine-tuned on it into
     workdir/draft-bpe4k-kd (resumable)."""
-    import time
-
     from ..bundle import bundled
     from ..checkpoint import load_model
-    from ..config import SamplingParams
-    from ..engine import generate
     from ..tokenizer import load_tokenizer
     folder = workdir / "bpe4k"
     kd = folder / "kd"
@@ -267,26 +302,15 @@ def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
         tok = load_tokenizer(target_folder)
         own = load_tokenizer(folder / "tokenizer")
         stream = np.load(workdir / "train.npy", mmap_mode="r")
-        context = target.config.max_position_embeddings  # a small one cuts both
-        n, new = min(KD_PROMPT, context // 4), min(KD_NEW, context - min(KD_PROMPT, context // 4))
         while spent < generate_minutes * 60:
             i = len(chunks)
-            rng = np.random.default_rng([7, i])
-            starts = rng.integers(0, len(stream) - n, KD_BATCH)
-            prompts = [stream[s:s + n].astype(np.int64).tolist() for s in starts]
-            began = time.perf_counter()
-            out = generate(target, prompts, key=i, sampling=SamplingParams(
-                temperature=0.0 if i % 2 == 0 else 1.0, max_new_tokens=new))
+            rows, seconds = _continuations(target, stream, i)
             ids = []
-            for b in range(KD_BATCH):
-                text = tok.decode(prompts[b] + np.asarray(out.tokens[b, :out.lengths[b]]).tolist())
-                ids += own.encode(text, add_special_tokens=False) + [0]
-            spent += time.perf_counter() - began
-            chunk = np.concatenate([[time.perf_counter() - began], ids]).astype(np.float64)
+            for row in rows:
+                ids += own.encode(tok.decode(row.tolist()), add_special_tokens=False) + [0]
+            spent += seconds
             path = kd / f"chunk-{i:05d}.npy"
-            with open(path.with_suffix(".tmp"), "wb") as f:
-                np.save(f, chunk)
-            path.with_suffix(".tmp").rename(path)
+            _save_chunk(path, np.concatenate([[seconds], ids]).astype(np.float64))
             chunks.append(path)
             log.info("kd chunk %d: %d tokens, %.0f s of %.0f", i, len(ids), spent,
                      generate_minutes * 60)
@@ -299,6 +323,105 @@ def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
                            max_seconds=minutes * 60 if minutes else None)
     print(f"draft-bpe4k-kd: {len(tokens)} tokens of the target's text; held-out loss "
           f"{history[-1]['heldout_loss']:.4f} at step {history[-1]['step']}")
+
+
+def _generated_text(folder: pathlib.Path, target, stream: np.ndarray,
+                    minutes: float) -> np.ndarray:
+    """The target's continuations of ``stream`` windows (``_continuations``) as rows [n, L] of
+    target ids, generated into ``folder`` (a file a chunk, its seconds in times.jsonl) until
+    ``minutes`` of generation are there; resumes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    times = folder / "times.jsonl"
+    spent = sum(json.loads(line)["seconds"] for line in times.read_text().splitlines()) \
+        if times.exists() else 0.0
+    chunks = sorted(folder.glob("chunk-*.npy"))
+    while spent < minutes * 60:
+        i = len(chunks)
+        rows, seconds = _continuations(target, stream, i)
+        path = folder / f"chunk-{i:05d}.npy"
+        _save_chunk(path, rows.astype(np.int32))
+        with open(times, "a") as f:
+            f.write(json.dumps({"chunk": i, "seconds": seconds}) + "\n")
+        spent += seconds
+        chunks.append(path)
+        log.info("target text chunk %d: %d rows, %.0f s of %.0f", i, len(rows), spent,
+                 minutes * 60)
+    return np.concatenate([np.load(c) for c in chunks])
+
+
+def stage_draft_bpe4k_soft(workdir: pathlib.Path, minutes: float | None,
+                           start: pathlib.Path, config: ModelConfig = DRAFT_BPE4K,
+                           settings: TrainConfig = DRAFT_BPE4K_SOFT_TRAINING,
+                           target_folder: pathlib.Path | None = None,
+                           progress: bool = True) -> dict:
+    """Distil the draft with its own tokenizer in ``start`` (a model folder with its
+    tokenizer.json and draft_vocab.npy, as export-bpe4k writes it) token by token from the
+    target (``target_folder``, default the bundled one) at the positions where the two cut the
+    text alike (``crossvocab.SoftLabelObjective``), the draft reading each target token as its
+    spelling as the chain does, into workdir/draft-bpe4k-soft (resumable). Each batch is
+    windows of the target's training stream and, SOFT_GENERATED_SHARE of it, of the target's
+    own continuations of training windows (the text it drafts for when the target writes;
+    generated first, SOFT_GENERATE_MINUTES, into workdir/soft-gen, resumable). Returns the
+    teacher-forced acceptance estimate (``crossvocab.expected_acceptance``) on held-out windows
+    before and after."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..bundle import bundled
+    from ..checkpoint import load_model
+    from ..draft.draft_model import VOCAB_FILE, load_paired_draft
+    from ..model import Model
+    from ..tokenizer import load_tokenizer
+    from . import crossvocab
+    from .loop import fit
+    target_folder = target_folder or bundled("code-target")
+    teacher = load_model(target_folder, dtype="float32")
+    target_tokenizer = load_tokenizer(target_folder)
+    spelling = load_paired_draft(start, target_tokenizer, teacher.config.vocab_size).spelling
+    aligner = crossvocab.Aligner(target_tokenizer, load_tokenizer(start),
+                                 np.load(pathlib.Path(start) / VOCAB_FILE), np.asarray(spelling))
+    init = _start(start, config, "draft with its own tokenizer")
+    tokens, heldout = _tokens(workdir)
+    generated = _generated_text(workdir / "soft-gen", teacher, tokens, SOFT_GENERATE_MINUTES)
+    s = settings
+    own = round(s.batch_size * SOFT_GENERATED_SHARE)
+
+    def windows(stream, size, seed, step):
+        return aligner.batch(stream, size, s.seq_len, SOFT_DRAFT_LEN, seed, step)
+
+    def batches(step):
+        parts = [windows(tokens, s.batch_size - own, s.seed, step),
+                 windows(generated, own, s.seed + 1, step)]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+    held = [windows(heldout, s.batch_size, 12345, i) for i in range(s.eval_batches)]
+    objective = crossvocab.SoftLabelObjective(config, teacher.config, s.distill_ce_weight)
+    aux = (teacher.params, jnp.asarray(aligner.draft_ids), jnp.asarray(aligner.target_of))
+    step_loss = jax.jit(objective)
+
+    def evaluate_fn(params):
+        return float(np.mean([float(step_loss(params, jax.tree.map(jnp.asarray, b), aux))
+                              for b in held]))
+
+    def estimate(model):
+        runs = [crossvocab.expected_acceptance(teacher, model, aligner, b) for b in held]
+        return {k: round(float(np.mean([r[k] for r in runs])), 4) for k in runs[0]}
+
+    before = estimate(init)
+    run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(s),
+           "teacher": dataclasses.asdict(teacher.config), "objective": "soft labels at "
+           "aligned boundaries, the draft reading target tokens spelled", "start": str(start),
+           "draft_len": SOFT_DRAFT_LEN, "generated_share": SOFT_GENERATED_SHARE,
+           "generated_rows": len(generated)}
+    params, history = fit(objective, init.params, aux, None, s, workdir / "draft-bpe4k-soft",
+                          run, evaluate_fn=evaluate_fn, progress=progress,
+                          on_eval=_log_eval(workdir, "draft-bpe4k-soft"),
+                          max_seconds=minutes * 60 if minutes else None, batches=batches)
+    after = estimate(Model(config, params))
+    print(f"draft-bpe4k-soft: held-out objective {history[-1]['heldout_loss']:.4f} at step "
+          f"{history[-1]['step']}; teacher-forced acceptance at aligned positions "
+          f"{json.dumps(before)} -> {json.dumps(after)}")
+    return {"before": before, "after": after}
 
 
 def calibration_prompts(workdir: pathlib.Path, tokenizer, num_prompts: int) -> list[list[int]]:
@@ -508,8 +631,7 @@ A draft for `../code-target` that does not share its tokenizer: a byte-level BPE
 tokens (`tokenizer.json` here) against the target's 8,192, trained on the same training files.
 It has the bundled draft's body (its embedding and LM head are half as wide, for half the
 vocabulary), trained from scratch with the next-token loss on its own tokenization, then on text
-the target wrote (a target with another tokenizer gives no per-token distributions to distil, so
-the distillation is by sequences). It is there to measure drafting across tokenizers (`docs/draft-model.md`): `specjax generate
+the target wrote (distillation by sequences){soft}. It is there to measure drafting across tokenizers (`docs/draft-model.md`): `specjax generate
 --draft checkpoints/code-draft-bpe4k` pairs it with the target by the tokens' bytes.
 
 | | |
@@ -526,7 +648,7 @@ the distillation is by sequences). It is there to measure drafting across tokeni
 
 **Rebuild.** `specjax train pair data --workdir W`, `specjax train pair draft-bpe4k --workdir W`,
 `specjax train pair draft-bpe4k-kd --workdir W` (each resumable), `specjax train pair
-export-bpe4k --workdir W` (settings: the constants in `specjax/train/pair.py`).
+export-bpe4k --workdir W`{soft_rebuild} (settings: the constants in `specjax/train/pair.py`).
 """
 
 
@@ -539,14 +661,12 @@ def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
     vocabulary and a card that measures it against ``out``/code-target beside code-draft."""
     import shutil
 
-    from ..checkpoint import _model_file, cast, load_model, save_model
-    from ..draft.draft_model import VOCAB_FILE, load_draft_model, load_paired_draft, vocab_coverage
-    from ..draft.vocab import frequent_tokens, token_pairs
+    from ..checkpoint import _model_file, cast, save_model
+    from ..draft.draft_model import VOCAB_FILE
+    from ..draft.vocab import frequent_tokens
     from ..files import replace_folder
-    from ..tokenizer import load_tokenizer
     folder = workdir / "bpe4k"
     tokens, heldout = _tokens(folder)
-    corpus = json.loads((workdir / "corpus.json").read_text())
     model, step = _restore(config, settings, workdir / "draft-bpe4k")
     kd, kd_note = workdir / "draft-bpe4k-kd", ""
     if kd.exists():  # fine-tuned on the target's text: ship that
@@ -558,55 +678,123 @@ def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
                    f"(peak lr {k.learning_rate}) on {kd_tokens / 1e6:.2f}M tokens of text the "
                    f"target wrote (continuations of training windows, half greedy, half at "
                    f"T = 1: sequence-level distillation)")
-    target = load_model(out / "code-target", dtype="float32")
-    tokenizer = load_tokenizer(out / "code-target")
-    same = load_draft_model(out / "code-draft", dtype="float32")
     dest = out / "code-draft-bpe4k"
     with replace_folder(dest, _model_file) as where:
         save_model(cast(model, "bfloat16"), where, format="hf", eos_token_id=0)
         shutil.copy(folder / "tokenizer" / "tokenizer.json", where / "tokenizer.json")
         np.save(where / VOCAB_FILE, frequent_tokens(tokens, config.vocab_size,
                                                     draft_vocab_size))
-        paired = load_paired_draft(where, tokenizer, target.config.vocab_size, dtype="float32")
-        loss = evaluate(paired.model, heldout, batches=32)
-        same_loss = evaluate(same.model, np.load(workdir / "heldout.npy", mmap_mode="r"),
-                             batches=32)
-        # nats per byte: the mean loss per token times tokens per byte of the held-out files
-        per_byte = loss * len(heldout) / corpus["heldout_bytes"]
-        same_per_byte = same_loss * corpus["heldout_tokens"] / corpus["heldout_bytes"]
-        target_heldout = np.load(workdir / "heldout.npy", mmap_mode="r")
-        coverage = vocab_coverage(target, paired, [target_heldout[i:i + 256].tolist()
-                                                   for i in range(0, 256 * 16, 256)])
-        acceptance = measure_acceptance(target, paired, tokenizer)
-        reference = measure_acceptance(target, same, tokenizer)
-        print(f"{dest}: step {step}, loss {loss:.4f} ({per_byte:.4f} nats/byte, code-draft "
-              f"{same_per_byte:.4f}); acceptance {json.dumps(acceptance)}; code-draft "
-              f"{json.dumps(reference)}; coverage {json.dumps(coverage)}")
-        s, c = settings, config
-        (where / "training.json").write_text(json.dumps(
-            {"steps": step, "fine_tuned_on_target_text": kd_note.removeprefix("; then "),
-             "heldout_loss": loss, "heldout_nats_per_byte": per_byte,
-             "code_draft_nats_per_byte": same_per_byte, "params": c.num_params,
-             "train": dataclasses.asdict(s), "acceptance": acceptance,
-             "code_draft_acceptance": reference, "coverage": coverage}, indent=1) + "\n")
-        (where / "README.md").write_text(BPE4K_CARD.format(
-            vocab=c.vocab_size, params=c.num_params, params_m=c.num_params / 1e6,
-            hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
-            kv=c.num_key_value_heads, inter=c.intermediate_size, ctx=c.max_position_embeddings,
-            steps=step, batch=s.batch_size, seq=s.seq_len, kd=kd_note,
-            tokens=step * s.batch_size * s.seq_len / 1e6, lr=s.learning_rate, loss=loss,
-            per_byte=per_byte, draft_per_byte=same_per_byte,
-            shared=len(token_pairs(load_tokenizer(where), tokenizer)),
-            width=int(paired.spelling.shape[1]), draft_vocab=draft_vocab_size,
-            target_mass=coverage["target_mass"], draft_mass=coverage["draft_mass"],
-            acc_g=acceptance["greedy"]["acceptance_rate"],
-            len_g=acceptance["greedy"]["mean_accepted_length"],
-            acc_t=acceptance["t0.8"]["acceptance_rate"],
-            len_t=acceptance["t0.8"]["mean_accepted_length"],
-            same_g=reference["greedy"]["acceptance_rate"],
-            same_len_g=reference["greedy"]["mean_accepted_length"],
-            same_t=reference["t0.8"]["acceptance_rate"],
-            same_len_t=reference["t0.8"]["mean_accepted_length"]))
+        _describe_bpe4k(where, workdir, out, heldout, config, settings, step, kd_note,
+                        draft_vocab_size)
+
+
+def _describe_bpe4k(where: pathlib.Path, workdir: pathlib.Path, out: pathlib.Path,
+                    heldout: np.ndarray, config: ModelConfig, settings: TrainConfig, step: int,
+                    kd_note: str, draft_vocab_size: int, extra: dict | None = None) -> None:
+    """Measure the draft with its own tokenizer written in ``where`` against ``out``/code-target
+    beside code-draft, and write its training.json (with ``extra``) and card."""
+    from ..checkpoint import load_model
+    from ..draft.draft_model import load_draft_model, load_paired_draft, vocab_coverage
+    from ..draft.vocab import token_pairs
+    from ..tokenizer import load_tokenizer
+    corpus = json.loads((workdir / "corpus.json").read_text())
+    target = load_model(out / "code-target", dtype="float32")
+    tokenizer = load_tokenizer(out / "code-target")
+    same = load_draft_model(out / "code-draft", dtype="float32")
+    paired = load_paired_draft(where, tokenizer, target.config.vocab_size, dtype="float32")
+    loss = evaluate(paired.model, heldout, batches=32)
+    same_loss = evaluate(same.model, np.load(workdir / "heldout.npy", mmap_mode="r"),
+                         batches=32)
+    # nats per byte: the mean loss per token times tokens per byte of the held-out files
+    per_byte = loss * len(heldout) / corpus["heldout_bytes"]
+    same_per_byte = same_loss * corpus["heldout_tokens"] / corpus["heldout_bytes"]
+    target_heldout = np.load(workdir / "heldout.npy", mmap_mode="r")
+    coverage = vocab_coverage(target, paired, [target_heldout[i:i + 256].tolist()
+                                               for i in range(0, 256 * 16, 256)])
+    acceptance = measure_acceptance(target, paired, tokenizer)
+    reference = measure_acceptance(target, same, tokenizer)
+    print(f"{where}: step {step}, loss {loss:.4f} ({per_byte:.4f} nats/byte, code-draft "
+          f"{same_per_byte:.4f}); acceptance {json.dumps(acceptance)}; code-draft "
+          f"{json.dumps(reference)}; coverage {json.dumps(coverage)}")
+    s, c = settings, config
+    soft = "soft_labels" in (extra or {})
+    (where / "training.json").write_text(json.dumps(
+        {"steps": step, "fine_tuned_on_target_text": kd_note.removeprefix("; then "),
+         "heldout_loss": loss, "heldout_nats_per_byte": per_byte,
+         "code_draft_nats_per_byte": same_per_byte, "params": c.num_params,
+         "train": dataclasses.asdict(s), "acceptance": acceptance,
+         "code_draft_acceptance": reference, "coverage": coverage, **(extra or {})},
+        indent=1) + "\n")
+    (where / "README.md").write_text(BPE4K_CARD.format(
+        vocab=c.vocab_size, params=c.num_params, params_m=c.num_params / 1e6,
+        hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+        kv=c.num_key_value_heads, inter=c.intermediate_size, ctx=c.max_position_embeddings,
+        steps=step, batch=s.batch_size, seq=s.seq_len, kd=kd_note,
+        tokens=step * s.batch_size * s.seq_len / 1e6, lr=s.learning_rate, loss=loss,
+        per_byte=per_byte, draft_per_byte=same_per_byte,
+        shared=len(token_pairs(load_tokenizer(where), tokenizer)),
+        width=int(paired.spelling.shape[1]), draft_vocab=draft_vocab_size,
+        target_mass=coverage["target_mass"], draft_mass=coverage["draft_mass"],
+        acc_g=acceptance["greedy"]["acceptance_rate"],
+        len_g=acceptance["greedy"]["mean_accepted_length"],
+        acc_t=acceptance["t0.8"]["acceptance_rate"],
+        len_t=acceptance["t0.8"]["mean_accepted_length"],
+        same_g=reference["greedy"]["acceptance_rate"],
+        same_len_g=reference["greedy"]["mean_accepted_length"],
+        same_t=reference["t0.8"]["acceptance_rate"],
+        same_len_t=reference["t0.8"]["mean_accepted_length"],
+        soft=("; then, token by token, towards the target's next-token distribution at the end "
+              "of every target token, reading the text as the chain does (each target token "
+              "spelled in its tokens), on the training files and on text the target wrote "
+              "(token-level distillation)" if soft else ""),
+        soft_rebuild=(", then `specjax train pair draft-bpe4k-soft --workdir W` and `specjax "
+                      "train pair export-bpe4k-soft --workdir W`" if soft else "")))
+
+
+def stage_export_bpe4k_soft(workdir: pathlib.Path, out: pathlib.Path,
+                            config: ModelConfig = DRAFT_BPE4K,
+                            settings: TrainConfig = DRAFT_BPE4K_SOFT_TRAINING,
+                            draft_vocab_size: int = DRAFT_VOCAB_SIZE) -> None:
+    """Write workdir/draft-bpe4k-soft over ``out``/code-draft-bpe4k (the folder it started
+    from: its tokenizer and draft vocabulary are kept, its training record extended), measured
+    and described as export-bpe4k does."""
+    import shutil
+
+    from ..checkpoint import _model_file, cast, save_model
+    from ..draft.draft_model import VOCAB_FILE
+    from ..files import replace_folder
+    from ..tokenizer import load_tokenizer
+    dest = out / "code-draft-bpe4k"
+    before = json.loads((dest / "training.json").read_text())
+    run = json.loads((workdir / "draft-bpe4k-soft" / "run.json").read_text())
+    if pathlib.Path(run["start"]).resolve() != dest.resolve():
+        raise SystemExit(f"draft-bpe4k-soft started from {run['start']}, not {dest}")
+    model, step = _restore(config, settings, workdir / "draft-bpe4k-soft")
+    folder = workdir / "bpe4k"
+    if not (folder / "heldout.npy").exists():  # the held-out files in the draft's tokens
+        corpus = json.loads((workdir / "corpus.json").read_text())
+        root = pathlib.Path(corpus["root"])
+        folder.mkdir(parents=True, exist_ok=True)
+        encode_files(load_tokenizer(dest).backend, [root / f for f in corpus["heldout"]],
+                     folder / "heldout.npy")
+    heldout = np.load(folder / "heldout.npy", mmap_mode="r")
+    s = settings
+    note = (f"; then {before['fine_tuned_on_target_text']}; then {step} steps of {s.batch_size}"
+            f" windows of {s.seq_len} target tokens (peak lr {s.learning_rate}; "
+            f"{run['generated_share']:.0%} of them of {run['generated_rows']} continuations the "
+            f"target wrote) towards the target's next-token distribution at every target "
+            f"token's end, each target token read as its spelling (token-level distillation, "
+            f"`specjax train pair draft-bpe4k-soft`)")
+    extra = {"soft_labels": {"steps": step, "train": dataclasses.asdict(s),
+                             "draft_len": run["draft_len"],
+                             "acceptance_before": before["acceptance"]}}
+    with replace_folder(dest, _model_file) as where:
+        save_model(cast(model, "bfloat16"), where, format="hf", eos_token_id=0)
+        for name in ("tokenizer.json", VOCAB_FILE):
+            shutil.copy(dest / name, where / name)
+        _describe_bpe4k(where, workdir, out, heldout, config,
+                        TrainConfig(**before["train"]), before["steps"], note,
+                        draft_vocab_size, extra)
 
 
 def long_row(long: dict | None) -> str:
@@ -624,13 +812,15 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["data", "target", "target-long", "draft", "draft-long",
                                       "export", "draft-bpe4k", "draft-bpe4k-kd",
-                                      "export-bpe4k"])
+                                      "draft-bpe4k-soft", "export-bpe4k",
+                                      "export-bpe4k-soft"])
     ap.add_argument("--workdir", type=pathlib.Path, required=True)
     ap.add_argument("--minutes", type=float, help="stop (after a checkpoint) after this long")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("checkpoints"))
     ap.add_argument("--from", dest="start", type=pathlib.Path, default=None,
-                    help="target-long, draft-long: the model folder to continue from "
-                         "(default: the bundled code-target, code-draft)")
+                    help="target-long, draft-long, draft-bpe4k-soft: the model folder to "
+                         "continue from (default: the bundled code-target, code-draft, "
+                         "code-draft-bpe4k)")
     ap.add_argument("--long", action="store_true",
                     help="export: write target-long and draft-long as code-target and "
                          "code-draft")
@@ -657,8 +847,14 @@ def main(argv=None) -> int:
         stage_draft_bpe4k(args.workdir, args.minutes)
     elif args.stage == "draft-bpe4k-kd":
         stage_draft_bpe4k_kd(args.workdir, args.minutes)
+    elif args.stage == "draft-bpe4k-soft":
+        from ..bundle import bundled
+        stage_draft_bpe4k_soft(args.workdir, args.minutes,
+                               args.start or bundled("code-draft-bpe4k"))
     elif args.stage == "export-bpe4k":
         stage_export_bpe4k(args.workdir, args.out)
+    elif args.stage == "export-bpe4k-soft":
+        stage_export_bpe4k_soft(args.workdir, args.out)
     else:
         stage_export(args.workdir, args.out, **({"runs": LONG_RUNS} if args.long else {}))
     return 0
