@@ -189,3 +189,23 @@ def test_a_draft_vocabulary_the_target_cannot_write_is_refused(pair):
     odd = sj.Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)), None, (0,))
     with pytest.raises(ValueError, match="no target token"):
         crossvocab.Aligner(target_tok, odd, np.asarray([1, 2, odd.vocab_size - 1]))
+
+
+def test_the_targets_own_text_is_generated_once_and_resumed(tmp_path, monkeypatch):
+    """The soft stage's generated windows: chunks of the target's continuations (prompt +
+    continuation, rows of one length; even chunks greedy, so a row is the target's argmax
+    path), written one file a chunk; a second call with the time already spent generates
+    nothing and returns the same rows."""
+    from conftest import tiny_model
+
+    from specjax.train import pair
+    monkeypatch.setattr(pair, "KD_BATCH", 3)
+    model = tiny_model(max_pos=32)
+    stream = np.arange(200, dtype=np.int32) % 16
+    rows = pair._generated_text(tmp_path, model, stream, minutes=1e-9)
+    n = min(pair.KD_PROMPT, 32 // 4)
+    assert rows.shape == (3, 32) and len(list(tmp_path.glob("chunk-*.npy"))) == 1
+    logits = sj.model.logits(model, jnp.asarray(rows[:, :-1]))
+    assert (np.asarray(jnp.argmax(logits, -1))[:, n - 1:] == rows[:, n:]).all()
+    again = pair._generated_text(tmp_path, None, stream, minutes=1e-9)  # no target needed
+    assert np.array_equal(again, rows)

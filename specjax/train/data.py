@@ -104,13 +104,17 @@ def encode_files(tokenizer, files: Sequence[pathlib.Path], out: pathlib.Path,
         for enc in tokenizer.encode_batch(texts[i:i + 256]):
             parts.append(np.asarray(enc.ids + [eos_id], np.uint16))
     tokens = np.concatenate(parts)
+    out = pathlib.Path(out)
+    save_npy(out if out.suffix == ".npy" else out.with_name(out.name + ".npy"), tokens)
+    return tokens
+
+
+def save_npy(path: pathlib.Path, array: np.ndarray) -> None:
+    """``np.save`` to ``path`` as ``write_atomic`` writes: the old file or the new, never half."""
     def save(tmp: pathlib.Path) -> None:
         with open(tmp, "wb") as f:
-            np.save(f, tokens)
-    out = pathlib.Path(out)
-    write_atomic(out if out.suffix == ".npy" else out.with_name(out.name + ".npy"), b"",
-                 writer=save)
-    return tokens
+            np.save(f, array)
+    write_atomic(path, b"", writer=save)
 
 
 def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: int) -> np.ndarray:

@@ -33,7 +33,7 @@ import pathlib
 import numpy as np
 
 from ..config import ModelConfig
-from .data import encode_files, python_corpus, train_tokenizer, write_manifest
+from .data import encode_files, python_corpus, save_npy, train_tokenizer, write_manifest
 from .loop import POSITION_BINS, TrainConfig, configure_logging, evaluate, loss_by_position, train
 
 VOCAB_SIZE = 8192
@@ -98,9 +98,9 @@ KD_PROMPT, KD_NEW, KD_BATCH = 64, 192, 64
 DRAFT_BPE4K_KD_TRAINING = TrainConfig(steps=800, batch_size=16, seq_len=256, learning_rate=5e-4,
                                       warmup_steps=50, checkpoint_every=25, eval_every=200,
                                       eval_batches=4, seed=5)
-# Then token by token where the two tokenizers cut the text alike (nearly every target token
-# end: this draft's cuts refine the target's): its distribution over its drafting vocabulary is
-# trained towards the target's, restricted to the same tokens and renormalised
+# Then token by token at every target token's end (the draft reading each target token as its
+# spelling, as the chain does): its distribution over its drafting vocabulary is trained
+# towards the target's, restricted to the same tokens and renormalised
 # (`specjax train pair draft-bpe4k-soft`, specjax/train/crossvocab.py). Sequences alone taught
 # it the target's greedy choices (acceptance 0.338 -> 0.526) but not its distribution (T = 0.8:
 # 0.283 -> 0.303, against code-draft's 0.407).
@@ -270,12 +270,6 @@ def _continuations(target, stream: np.ndarray, i: int) -> tuple[np.ndarray, floa
     return np.concatenate([prompts, tokens], 1), time.perf_counter() - began
 
 
-def _save_chunk(path: pathlib.Path, chunk: np.ndarray) -> None:
-    with open(path.with_suffix(".tmp"), "wb") as f:
-        np.save(f, chunk)
-    path.with_suffix(".tmp").rename(path)
-
-
 def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
                          generate_minutes: float = 10.0, config: ModelConfig = DRAFT_BPE4K,
                          settings: TrainConfig = DRAFT_BPE4K_KD_TRAINING,
@@ -310,7 +304,7 @@ def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
                 ids += own.encode(tok.decode(row.tolist()), add_special_tokens=False) + [0]
             spent += seconds
             path = kd / f"chunk-{i:05d}.npy"
-            _save_chunk(path, np.concatenate([[seconds], ids]).astype(np.float64))
+            save_npy(path, np.concatenate([[seconds], ids]).astype(np.float64))
             chunks.append(path)
             log.info("kd chunk %d: %d tokens, %.0f s of %.0f", i, len(ids), spent,
                      generate_minutes * 60)
@@ -339,7 +333,7 @@ def _generated_text(folder: pathlib.Path, target, stream: np.ndarray,
         i = len(chunks)
         rows, seconds = _continuations(target, stream, i)
         path = folder / f"chunk-{i:05d}.npy"
-        _save_chunk(path, rows.astype(np.int32))
+        save_npy(path, rows.astype(np.int32))
         with open(times, "a") as f:
             f.write(json.dumps({"chunk": i, "seconds": seconds}) + "\n")
         spent += seconds
