@@ -219,3 +219,47 @@ def test_bad_spellings_are_refused(target, spelled):
                               (np.tile([0, -1, 1], (32, 1)), "row 0 must start")]:
         with pytest.raises(ValueError, match=message):
             sj.draft.map_vocab(own, 32, pairs, spelling=spelling)
+
+
+# -- a text that spells longer than the draft's cache --------------------------------------------
+
+def _spelled_length(draft, ids):
+    return int((np.asarray(draft.spelling)[np.asarray(ids)] >= 0).sum())
+
+
+def test_a_text_spelled_past_the_draft_cache_keeps_the_output(target, spelled, monkeypatch,
+                                                              fresh_programs):
+    """With one draft slot per target token, prompts of tokens the draft spells with two or
+    three overflow the draft cache at prefill and every round after: the draft reads the
+    text's start and its newest tokens, and the output is still the target's greedy one."""
+    draft, draft_tok, target_tok, _, _ = spelled
+    monkeypatch.setattr(draft_model, "SPELLED_SLOTS", 1)
+    prompts = [list(range(12, 31)) * 3, [2], [12, 13, 14]]
+    reference = sj.generate(target, prompts, sampling=GREEDY)
+    spec = sj.SpecConfig(method="draft_model", num_speculative_tokens=4)
+    out = sj.generate(target, prompts, sampling=GREEDY, draft=draft, spec=spec,
+                      max_cache_len=len(prompts[0]) + GREEDY.max_new_tokens + 4)
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    # the cache really overflowed: the catch-up may start at one slot per target slot at most,
+    # fewer than the first row's prompt spelled
+    assert _spelled_length(draft, prompts[0]) > out.stats.capacity, out.stats.capacity
+    assert out.stats.acceptance_rate > 0.05, out.stats.acceptance_rate
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "wrong-q"])
+def test_a_spelled_draft_past_its_cache_follows_the_target(models, monkeypatch, fresh_programs,
+                                                           broken):
+    """The 8-token target with a prompt whose spelling overflows a one-slot-per-token draft
+    cache: the first three tokens keep their exact joint distribution (and a q that is not the
+    one drafts were drawn from is caught)."""
+    target, draft = spelled_8(models)
+    monkeypatch.setattr(draft_model, "SPELLED_SLOTS", 1)
+    if broken:
+        monkeypatch.setattr(sj.DraftVocab, "widen", _shifted_widen)
+    prompt = [5, 6, 7, 5, 6, 7, 5]  # 14 draft tokens, for 7 + 3 + 3 target slots
+    assert _spelled_length(draft, prompt) == 14
+    samples = generate_samples(target, draft, sj.SamplingParams(temperature=1.0,
+                                                                max_new_tokens=3),
+                               sj.SpecConfig(num_speculative_tokens=3), prompt=prompt)
+    p = g_test(samples, exact_joint(target, 1.0, 0, 1.0, prompt=prompt))
+    assert (p < 1e-6) if broken else (p > 1e-3), p

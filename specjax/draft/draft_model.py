@@ -468,6 +468,14 @@ class DraftModelProposer:
         return dataclasses.replace(chain, predicted=predicted, forwards=control.forwards), cache
 
 
+SPELLED_SLOTS = 2
+"""Draft cache slots per target token for a spelled draft. Code spelled by code-draft-bpe4k
+takes 1.08 draft tokens per target token on average and at most 1.39 in any 64-token window of
+the held-out files; a cache sized for the longest spelling (K = 7 there) is walked in blocks
+(experiments/results/2026-12-04-spelled-round.md). A text that spells longer than the cache holds keeps exact
+output: the draft then reads its start and its newest tokens, which can cost acceptance only."""
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpelledState:
@@ -487,12 +495,12 @@ class SpelledChainProposer:
     tokens at most per target token). Its cache is in its own tokenization, so a draft slot is
     not a target position; the state records where the last target token read begins.
 
-    Its drafts are shared tokens, one draft token each. The catch-up forward re-reads the
-    target's last two tokens, spelled (2K slots, the ones past the spellings ignored), from the
-    draft slot where the older of the two begins: where the last token read begins (its
-    spelling's length before ``after``) when no draft was accepted, else the slot the last
-    accepted draft was read at (the catch-up of the module docstring, by slots of the draft's
-    own)."""
+    Its drafts are shared tokens, one draft token each, read as that draft id. A round's draft
+    forwards read drafts 1 .. γ - 1 (the γ-th is only proposed) in the slots from ``after``, so
+    when the round before accepted a < γ drafts, the ones it accepted are already read and the
+    catch-up forward reads only the newest target token, spelled, from slot ``after`` + a; when
+    it accepted all γ, the catch-up reads the last draft's id first, from slot ``after`` + γ - 1.
+    That is K + 1 slots (the ones past what it reads are ignored and rolled back)."""
 
     config: ModelConfig  # the draft model's config
     gamma: int
@@ -508,15 +516,21 @@ class SpelledChainProposer:
         return self.gamma
 
     def capacity(self, capacity: int) -> int:
-        """Draft slots for ``capacity`` target slots: every token spelled K long, plus a round's
-        writes past the end."""
-        return self.width * capacity + 2 * self.width + self.gamma
+        """Draft slots for ``capacity`` target slots: SPELLED_SLOTS per target token (K if
+        smaller), plus a round's writes past the end (``limit``)."""
+        return min(self.width, SPELLED_SLOTS) * capacity + self.width + self.gamma
+
+    def limit(self, slots: int) -> int:
+        """The last slot a round's catch-up may start at in a cache of ``slots``: it writes K + 1
+        slots from there and its draft forwards γ - 1 more after what it read."""
+        return slots - self.width - self.gamma
 
     def init(self, params: DraftModel, prompts: Array, prompt_lengths: Array,
              capacity: int) -> SpelledState:
         """Prefill the prompts [B, N] (right-padded), spelled, into the draft cache."""
-        return spelled_prefill(params, prompts, prompt_lengths, self.capacity(capacity),
-                               max(PREFILL_CHUNK, 2 * self.width + self.gamma))
+        slots = self.capacity(capacity)
+        return spelled_prefill(params, prompts, prompt_lengths, slots,
+                               max(PREFILL_CHUNK, self.width + self.gamma), self.limit(slots))
 
     def propose(self, params: DraftModel, state: SpelledState, history: Array, length: Array,
                 keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters
@@ -525,14 +539,21 @@ class SpelledChainProposer:
         B = history.shape[0]
         rows = jnp.arange(B)
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.gamma))(keys)  # [B, G]
-        # drafts accepted last round (a finished row's length stops: 0)
+        # drafts accepted last round (a finished row's length stops: 0); all γ: the last one
+        # was proposed but never read
         accepted = jnp.clip(length - state.last - 1, 0, self.gamma)
-        base = state.after - _spell(draft.spelling, history[rows, state.last])[1]
-        start = jnp.where(accepted == 0, base, state.after + accepted - 1)
-        pair = jnp.stack([history[rows, length - 1], history[rows, length]], 1)  # [B, 2]
-        tokens, read = _packed(*_spell(draft.spelling, pair))  # [B, 2K], [B]
+        unread = accepted == self.gamma
+        # A text spelled longer than the cache holds: the catch-up starts at the limit every
+        # round, over the newest tokens read (the draft then reads the text's start and its end).
+        start = jnp.minimum(state.after + accepted - unread, self.limit(state.cache.capacity))
+        spelled, size = _spell(draft.spelling, history[rows, length])  # [B, K], [B]
+        last_draft = draft.inputs(history[rows, length - 1])[:, None]
+        tokens = jnp.where(unread[:, None],
+                           jnp.concatenate([last_draft, spelled], 1),
+                           jnp.concatenate([spelled, jnp.zeros_like(last_draft)], 1))
+        read = size + unread  # [B, K + 1] tokens of which the first read count
         _, hidden, cache = forward(draft.model, tokens,
-                                   start[:, None] + jnp.arange(2 * K)[None, :],
+                                   start[:, None] + jnp.arange(K + 1)[None, :],
                                    state.cache.rollback(start))
         after = start + read
         cache = cache.rollback(after)
@@ -550,13 +571,21 @@ class SpelledChainProposer:
 
 
 def spelled_prefill(params: DraftModel, prompts: Array, prompt_lengths: Array, slots: int,
-                    span: int) -> SpelledState:
+                    span: int, limit: int | None = None) -> SpelledState:
     """A draft cache of ``slots`` slots (``span``: as ``KVCache.init``) with the prompts
-    [B, N] (right-padded, target ids) prefilled as their spellings in the draft's tokens."""
+    [B, N] (right-padded, target ids) prefilled as their spellings in the draft's tokens. A
+    spelled prompt longer than ``limit`` (default ``slots``) draft tokens keeps its last
+    ``limit``."""
     B, N = prompts.shape
     spelled, sizes = _spell(params.spelling, prompts)  # [B, N, K], [B, N]
     sizes = jnp.where(jnp.arange(N)[None, :] < prompt_lengths[:, None], sizes, 0)
     tokens, total = _packed(spelled, sizes)
+    limit = slots if limit is None else limit
+    if tokens.shape[1] > limit:  # (static: only a cache smaller than K per token can overflow)
+        cut = jnp.maximum(total - limit, 0)
+        tokens = jnp.take_along_axis(tokens, cut[:, None] + jnp.arange(limit)[None, :], axis=1,
+                                     mode="clip")
+        total = total - cut
     cache = KVCache.init(params.config, B, slots, span=span)
     cache = prefill_chunked(params.model, tokens, total, cache)[2]
     return SpelledState(cache, prompt_lengths - 1, total)
