@@ -9,6 +9,7 @@ the machine hits both alike.
     python experiments/ab_commits.py HEAD --methods ar,draft_model,draft_model~0.2 --gamma 2 \
         --batch 16 --temperature 0.8 --max-new-tokens 96
 
+``bpe4k`` is the draft model ``code-draft-bpe4k`` (a tokenizer of its own, read spelled).
 A method written ``name~X`` runs adaptive lengths with ``survival_threshold=X``. ``--batch B``
 runs the prompts as batches of B rows (cycled to fill them) instead of one at a time.
 
@@ -41,6 +42,9 @@ def setup(sj, num_prompts: int):
     drafts = {"draft_model": sj.load_draft_model(CKPT / "code-draft"),
               "eagle": sj.load_heads(CKPT / "code-eagle", target),
               "medusa": sj.load_heads(CKPT / "code-medusa", target)}
+    if (CKPT / "code-draft-bpe4k").is_dir():  # the draft with a tokenizer of its own
+        paired = importlib.import_module(sj.__name__ + ".draft.draft_model").load_paired_draft
+        drafts["bpe4k"] = paired(CKPT / "code-draft-bpe4k", tok, target.config.vocab_size)
     prompts = [tok.encode(p["text"]) for p in bench.load_prompts()[:num_prompts]]
     return target, drafts, prompts
 
@@ -48,6 +52,8 @@ def setup(sj, num_prompts: int):
 def runner(sj, target, drafts, prompts, method: str, gamma: int, max_new_tokens: int,
            temperature: float, tree, batch: int = 1):
     method, _, threshold = method.partition("~")
+    draft = drafts.get(method)
+    method = "draft_model" if method == "bpe4k" else method
     spec = None if method == "ar" else sj.SpecConfig(
         method=method, **(dict(tree=tree) if tree else dict(num_speculative_tokens=gamma)),
         **(dict(survival_threshold=float(threshold)) if threshold else {}))
@@ -59,7 +65,7 @@ def runner(sj, target, drafts, prompts, method: str, gamma: int, max_new_tokens:
         seconds, tokens, accepted, rounds = 0.0, [], 0, 0
         for i, group in enumerate(groups):
             out = sj.generate(target, group, sampling=sampling, spec=spec,
-                              draft=drafts.get(method), key=i)
+                              draft=draft, key=i)
             seconds += out.stats.decode_seconds
             tokens.append(out.tokens.tolist())
             accepted += out.stats.accepted_tokens
