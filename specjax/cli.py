@@ -253,6 +253,9 @@ def _add_lookup(parser) -> None:
     parser.add_argument("--prompt-lookup-length-factor", type=float, default=None, metavar="F",
                         help="ngram: a match of n tokens proposes at most ceil(F x n) drafts "
                              "(default: up to GAMMA)")
+    parser.add_argument("--acceptance-floor", type=float, default=None, metavar="F",
+                        help="ngram, suffix: a row proposes only while its running rate of "
+                             "first drafts accepted is at least F (default 0.2; 0: always)")
     parser.add_argument("--lookahead-window", type=int, default=None, metavar="W",
                         help="lookahead: the Jacobi window's columns (default 1); its n-grams "
                              "are GAMMA + 1 long")

@@ -368,6 +368,10 @@ class SpecConfig:
     # what every round costs besides its forwards (sampling, verification, bookkeeping), in
     # one-token steps; it makes wider rounds relatively cheaper. None: 0 (with verify_costs)
     round_cost: float | None = None
+    # ngram and suffix (specjax/draft/gate.py): a row proposes only while its running rate of
+    # proposing rounds whose first draft was accepted (past rounds only) is at least this. None:
+    # gate.ACCEPTANCE_FLOOR (0.2); 0: always propose.
+    acceptance_floor: float | None = None
     # suffix decoding (specjax/draft/suffix.py), in vLLM's names: the longest suffix matched;
     # a match of n tokens drafts at most ceil(factor × n) deep; a tree node's least share of its
     # parent's occurrences. Without a tree, num_speculative_tokens is the draft tree's depth.
@@ -414,6 +418,12 @@ class SpecConfig:
         if factor is not None and self.method != "ngram":
             raise ValueError(f"SpecConfig.prompt_lookup_length_factor is for method 'ngram', not "
                              f"{self.method!r}")
+        if self.acceptance_floor is not None:
+            _require_real(self, "acceptance_floor", self.acceptance_floor,
+                          lambda x: 0 <= x <= 1, "in [0, 1] or None")
+            if self.method not in ("ngram", "suffix"):
+                raise ValueError(f"SpecConfig.acceptance_floor is for methods 'ngram' and "
+                                 f"'suffix', not {self.method!r}")
         _require_int(self, "suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth,
                      1, 31)
         _require_int(self, "suffix_decoding_min_match_length",
@@ -464,6 +474,12 @@ class SpecConfig:
                 raise ValueError(f"SpecConfig.{name} (adaptive draft lengths) is for "
                                  f"chains of method {', '.join(adaptive)}; got method "
                                  f"{self.method!r}" + (" with a tree" if self.tree else ""))
+
+    @property
+    def floor(self) -> float:
+        """The acceptance floor ngram and suffix rows propose above (0: no gate)."""
+        from .draft.gate import ACCEPTANCE_FLOOR
+        return ACCEPTANCE_FLOOR if self.acceptance_floor is None else float(self.acceptance_floor)
 
     @property
     def budget(self):

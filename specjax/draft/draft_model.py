@@ -472,8 +472,9 @@ SPELLED_SLOTS = 2
 """Draft cache slots per target token for a spelled draft. Code spelled by code-draft-bpe4k
 takes 1.08 draft tokens per target token on average and at most 1.39 in any 64-token window of
 the held-out files; a cache sized for the longest spelling (K = 7 there) is walked in blocks
-(experiments/results/2026-12-04-spelled-round.md). A text that spells longer than the cache holds keeps exact
-output: the draft then reads its start and its newest tokens, which can cost acceptance only."""
+(experiments/results/2026-12-04-spelled-round.md). A text that spells longer than the cache
+holds keeps exact output: the draft then reads its start and its newest tokens, which can cost
+acceptance only."""
 
 
 @jax.tree_util.register_dataclass

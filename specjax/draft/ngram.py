@@ -27,6 +27,7 @@ import numpy as np
 from jax import Array
 
 from .base import Draft
+from .gate import GateState, gated
 
 
 def lookup(history: Array, length: Array, gamma: int, n_min: int, n_max: int,
@@ -94,15 +95,19 @@ class NgramProposer:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     prompt_lookup_length_factor: float | None = None
+    acceptance_floor: float = 0.0  # rows propose while their acceptance is this high (gate.py)
 
     def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int):
-        return None  # stateless: everything it needs is in the history
+        # the lookup needs only the history; the gate (if any) keeps each row's acceptance
+        return GateState.init(prompts.shape[0]) if self.acceptance_floor > 0 else None
 
     def propose(self, params, state, history: Array, length: Array, keys: Array,
-                sampling_params, filters) -> tuple[Draft, None]:
+                sampling_params, filters) -> tuple[Draft, GateState | None]:
         tokens, valid = lookup(history, length, self.gamma, self.prompt_lookup_min,
                                self.prompt_lookup_max, self.prompt_lookup_length_factor)
-        return Draft(tokens, None, valid), None
+        draft = Draft(tokens, None, valid)
+        return (draft, None) if state is None else gated(draft, state, length,
+                                                         self.acceptance_floor)
 
 
 def build(spec, draft, target):
@@ -110,4 +115,4 @@ def build(spec, draft, target):
     if draft is not None:
         raise ValueError(f"method {spec.method!r} uses no draft model; drop draft=")
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                         spec.prompt_lookup_max, spec.prompt_lookup_length_factor)
+                         spec.prompt_lookup_max, spec.prompt_lookup_length_factor, spec.floor)

@@ -40,6 +40,7 @@ from jax import Array
 
 from ..tree import Tree
 from .base import Draft, fill_by_count
+from .gate import GateState, gated
 from .ngram import last_tokens, match_runs
 
 SEPARATOR = -1  # ends a document in the corpus (and fills its empty slots)
@@ -249,6 +250,7 @@ class SuffixProposer:
     min_token_prob: float = 0.1  # a node's least share of its parent's occurrences
     candidates: int = 16  # occurrences kept a round, the longest matches first
     min_match: int = 1  # the shortest match that drafts anything
+    acceptance_floor: float = 0.0  # rows propose while their acceptance is this high (gate.py)
 
     @property
     def gamma(self) -> int:
@@ -260,10 +262,12 @@ class SuffixProposer:
         return None if all(r == 0 for path in self.shape.paths for r in path) else self.shape
 
     def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int):
-        return None  # the history and the corpus are all it reads
+        # the history and the corpus are all it reads; the gate (if any) keeps each row's
+        # acceptance
+        return GateState.init(prompts.shape[0]) if self.acceptance_floor > 0 else None
 
     def propose(self, params, state, history: Array, length: Array, keys: Array,
-                sampling_params, filters) -> tuple[Draft, None]:
+                sampling_params, filters) -> tuple[Draft, GateState | None]:
         B, S = history.shape
         P, D, tree = self.max_depth, self.shape.depth, self.shape
         rows = jnp.arange(B)
@@ -298,7 +302,9 @@ class SuffixProposer:
         depth_cap = jnp.ceil(self.max_spec_factor * longest).astype(jnp.int32)
         tokens, valid = fill_by_count(tree, cont, support, min_share=self.min_token_prob,
                                       depth_cap=depth_cap)
-        return Draft(tokens, None, valid), None
+        draft = Draft(tokens, None, valid)
+        return (draft, None) if state is None else gated(draft, state, length,
+                                                         self.acceptance_floor)
 
 
 def build(spec, draft, target):
@@ -311,7 +317,8 @@ def build(spec, draft, target):
     tree = Tree(spec.tree) if spec.tree is not None else chain(spec.num_speculative_tokens)
     return SuffixProposer(tree, spec.suffix_decoding_max_tree_depth,
                           spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
-                          min_match=spec.suffix_decoding_min_match_length)
+                          min_match=spec.suffix_decoding_min_match_length,
+                          acceptance_floor=spec.floor)
 
 
 def corpus(cache: SuffixCache) -> dict:
