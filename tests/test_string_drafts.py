@@ -29,7 +29,7 @@ from test_spelled_draft import (
 )
 
 import specjax as sj
-from specjax.draft import strings
+from specjax.draft import draft_model, strings
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +173,36 @@ def test_string_drafts_refuse_what_they_do_not_support(target, by_string):
         sj.draft.map_vocab(draft, 32, [[0, 3]])
     with pytest.raises(ValueError, match="level='words' must be"):
         sj.draft.for_tokenizers(draft.model, None, None, 32, level="words")
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["exact", "uniform-q"])
+def test_string_drafts_that_read_part_of_the_text_follow_the_target(models, monkeypatch,
+                                                                    fresh_programs, broken):
+    """With one draft slot per target token, in the cache and in each catch-up, the draft reads
+    only part of a round's text where it spells longer (here: a prompt spelled in 14 draft
+    tokens for 13 target slots, tokens spelled with two): the first three tokens keep their
+    exact joint distribution, and drafts declared as drawn from another q are still caught."""
+    target, draft = string_8(models)
+    monkeypatch.setattr(draft_model, "SPELLED_SLOTS", 1)
+    if broken:
+        monkeypatch.setattr(strings.StringChainProposer, "propose",
+                            _uniform_q(strings.StringChainProposer.propose))
+    prompt = [5, 6, 7, 5, 6, 7, 5]
+    samples = generate_samples(target, draft, sj.SamplingParams(temperature=1.0,
+                                                                max_new_tokens=3),
+                               sj.SpecConfig(num_speculative_tokens=3), prompt=prompt)
+    p = g_test(samples, exact_joint(target, 1.0, 0, 1.0, prompt=prompt))
+    assert (p < 1e-6) if broken else (p > 1e-3), p
+
+
+def test_string_drafts_that_read_part_of_the_text_are_greedy_exact(target, by_string, monkeypatch,
+                                                                  fresh_programs):
+    draft, _ = by_string
+    monkeypatch.setattr(draft_model, "SPELLED_SLOTS", 1)
+    prompts = [list(range(12, 31)) * 3, [2], [12, 13, 14]]
+    reference = sj.generate(target, prompts, sampling=GREEDY)
+    out = sj.generate(target, prompts, sampling=GREEDY, draft=draft,
+                      spec=sj.SpecConfig(method="draft_model", num_speculative_tokens=4),
+                      max_cache_len=len(prompts[0]) + GREEDY.max_new_tokens + 4)
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+    assert out.stats.proposed_tokens > 0 and out.stats.accepted_tokens > 0

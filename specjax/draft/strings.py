@@ -39,6 +39,7 @@ from jax import Array
 from .. import sampling
 from ..config import ModelConfig
 from ..model import PREFILL_CHUNK
+from . import draft_model
 from .base import Draft
 from .draft_model import SpelledState, _packed, _spell, spelled_prefill
 
@@ -214,26 +215,44 @@ class StringChainProposer:
         """Target tokens the catch-up may read: the accepted drafts and the target's token."""
         return self.gamma + 1
 
+    @property
+    def per_token(self) -> int:
+        """Draft slots per target token in the cache and in a catch-up: SPELLED_SLOTS (K if
+        smaller), as ``SpelledChainProposer``'s cache."""
+        return min(self.width, draft_model.SPELLED_SLOTS)
+
+    @property
+    def span(self) -> int:
+        """Slots a round writes from the catch-up's first: the catch-up, then γ draft steps."""
+        return self.reads * self.per_token + self.gamma + 1
+
     def init(self, params, prompts: Array, prompt_lengths: Array, capacity: int
              ) -> SpelledState:
         """Prefill the prompts, spelled, as ``SpelledChainProposer`` does."""
-        slots = self.width * capacity + self.reads * self.width + self.gamma + 1
+        slots = self.per_token * capacity + self.span
         return spelled_prefill(params, prompts, prompt_lengths, slots,
-                               max(PREFILL_CHUNK, self.reads * self.width + self.gamma + 1))
+                               max(PREFILL_CHUNK, self.span), slots - self.span)
 
     def catch_up(self, params, state: SpelledState, history: Array, length: Array
                  ) -> tuple[Array, SpelledState]:
         """Read the target tokens after ``state.last`` up to ``length`` (spelled) from slot
-        ``state.after``: the draft's logits after them [B, M] and the new state."""
+        ``state.after``: the draft's logits after them [B, M] and the new state.
+
+        It reads at most ``per_token`` draft tokens a target token on average (the first that
+        many of their spellings; text spelled longer is skipped), and from the cache's last
+        usable slot at most (a text spelled longer than the cache holds): the draft then reads
+        less of the text, which can only cost acceptance."""
         B, S = history.shape
-        K, R = self.width, self.reads
+        R, W = self.reads, self.reads * self.per_token
         rows = jnp.arange(B)
         index = state.last[:, None] + 1 + jnp.arange(R)[None, :]  # [B, R]
         spelled, sizes = _spell(params.spelling, history[rows[:, None], jnp.clip(index, 0, S - 1)])
         tokens, read = _packed(spelled, jnp.where(index <= length[:, None], sizes, 0))
-        positions = state.after[:, None] + jnp.arange(R * K)[None, :]
-        logits, cache = params.logits(tokens, positions, state.cache.rollback(state.after))
-        after = state.after + read
+        tokens, read = tokens[:, :W], jnp.minimum(read, W)
+        start = jnp.minimum(state.after, state.cache.capacity - self.span)
+        positions = start[:, None] + jnp.arange(W)[None, :]
+        logits, cache = params.logits(tokens, positions, state.cache.rollback(start))
+        after = start + read
         logits = logits[rows, jnp.maximum(read - 1, 0)]
         return logits, SpelledState(cache.rollback(after), jnp.maximum(length, state.last), after)
 
