@@ -482,7 +482,8 @@ acceptance only."""
 class SpelledState:
     """A draft cache in the draft's own tokens and where the target's tokens sit in it: the
     draft has read the target's tokens up to index ``last`` [B], spelled, in slots
-    0 .. ``after`` - 1 [B] (where token ``last`` begins follows from its spelling's length)."""
+    0 .. ``after`` - 1 [B] (a chain's drafts: their draft ids; a text spelled longer than the
+    cache: its start and its newest tokens, see SPELLED_SLOTS)."""
 
     cache: KVCache
     last: Array
