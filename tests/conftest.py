@@ -119,7 +119,8 @@ def verification_paths(draft) -> dict:
     every path."""
     return {"autoregressive": (None, None),
             "chain": (sj.SpecConfig(num_speculative_tokens=3), draft),
+            # every match verified (no acceptance gate): the path, not the gate, is under test
             "ngram": (sj.SpecConfig(method="ngram", num_speculative_tokens=3,
-                                    prompt_lookup_min=1), None),
+                                    prompt_lookup_min=1, acceptance_floor=0), None),
             "tree": (sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 0, 0))), draft)}
 
