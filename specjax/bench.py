@@ -237,13 +237,12 @@ def forward_width(spec: SpecConfig) -> int:
 
 
 def lookup_options(args) -> dict:
-    """SpecConfig's n-gram lookup fields from the command line's --prompt-lookup-* flags and
-    --acceptance-floor, and lookahead decoding's from --lookahead-window and
-    --lookahead-candidates."""
+    """SpecConfig's n-gram lookup fields from the command line's --prompt-lookup-* flags, and
+    lookahead decoding's from --lookahead-window and --lookahead-candidates."""
     options = dict(prompt_lookup_min=args.prompt_lookup_min,
                    prompt_lookup_max=args.prompt_lookup_max,
                    prompt_lookup_length_factor=args.prompt_lookup_length_factor)
-    for name in ("lookahead_window", "lookahead_candidates", "acceptance_floor"):
+    for name in ("lookahead_window", "lookahead_candidates"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     return options
@@ -691,10 +690,8 @@ def main(args) -> int:
     specs = []
     for m in methods:
         lookup = lookup_options(args) if m in ("ngram", "lookahead") else {}
-        floor = getattr(args, "acceptance_floor", None)  # ngram's and suffix's only
-        lookup.pop("acceptance_floor", None)
-        if m in ("ngram", "suffix") and floor is not None:
-            lookup["acceptance_floor"] = floor
+        if m in ("ngram", "suffix") and getattr(args, "acceptance_floor", None) is not None:
+            lookup["acceptance_floor"] = args.acceptance_floor
         if synthetic is not None and m == "lookahead":
             print("skipping lookahead: synthetic acceptance is for chains, and lookahead "
                   "verifies a tree", file=sys.stderr)

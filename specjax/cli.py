@@ -150,7 +150,7 @@ def _generate(args) -> int:
         spec = None
     else:
         spec = SpecConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
-                          **lookup_options(args))
+                          acceptance_floor=args.acceptance_floor, **lookup_options(args))
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens,
                               stop=[_unescape(x) for x in args.stop] if args.stop else None)

@@ -263,3 +263,33 @@ def test_a_spelled_draft_past_its_cache_follows_the_target(models, monkeypatch, 
                                sj.SpecConfig(num_speculative_tokens=3), prompt=prompt)
     p = g_test(samples, exact_joint(target, 1.0, 0, 1.0, prompt=prompt))
     assert (p < 1e-6) if broken else (p > 1e-3), p
+
+
+def test_past_the_cache_the_catch_up_starts_at_its_last_usable_slot(target, spelled, monkeypatch):
+    """With one slot per target token and tokens the draft spells with two or three, the text
+    outgrows the cache within a few rounds: from then on each catch-up starts at the limit (the
+    slot it reads its newest token from never passes it), and the drafts' q stay distributions."""
+    draft = spelled[0]
+    monkeypatch.setattr(draft_model, "SPELLED_SLOTS", 1)
+    gamma, S = 3, 40
+    proposer, state, history, length = started(target, draft, gamma, [6, 2], [13, 23], 0, S=S)
+    limit = proposer.limit(state.cache.capacity)
+    arrays = sampling.SamplingArrays(temperature=jnp.ones((2,), jnp.float32),
+                                     top_k=jnp.zeros((2,), jnp.int32),
+                                     top_p=jnp.ones((2,), jnp.float32))
+    rng = np.random.default_rng(1)
+    at_limit = 0
+    while length.max() + gamma + 2 < S:
+        keys = jax.random.split(jax.random.key(int(length.sum())), 2)
+        out, state = proposer.propose(draft, state, jnp.asarray(history), jnp.asarray(length),
+                                      keys, arrays, sampling.Filters(greedy=False))
+        read = np.asarray((np.asarray(draft.spelling)[history[np.arange(2), length]] >= 0).sum(1))
+        start = np.asarray(state.after) - read  # where this catch-up read the newest token
+        assert (start <= limit).all(), (start, limit)
+        at_limit += int((start == limit).sum())
+        q = np.asarray(out.probs)
+        assert np.isfinite(q).all() and np.allclose(q.sum(-1), 1, atol=1e-5)
+        for b in range(2):  # no draft accepted, a correction the draft spells with 2 or 3
+            history[b, length[b] + 1] = rng.integers(12, 32)
+            length[b] += 1
+    assert at_limit > 5, at_limit
