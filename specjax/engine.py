@@ -788,15 +788,45 @@ class Program:
             decode_seconds = time.perf_counter() - t0
 
 
+def memory_mappings() -> int | None:
+    """The memory mappings this process holds now (Linux), or None where it cannot be read.
+
+    Every executable XLA compiles for the CPU maps its kernels' code and data apart: a static
+    chain's program holds about 1,400 mappings, an adaptive chain of 8 (a loop per verify
+    width) about 5,400, and Linux stops a process at ``vm.max_map_count`` (65,530 by default),
+    where LLVM aborts the process in the middle of a compile ("Cannot allocate memory")."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return None
+
+
+def mapping_budget() -> int | None:
+    """Three quarters of this system's ``vm.max_map_count`` (None where it cannot be read): the
+    mappings ``PROGRAMS`` lets the process reach before it drops programs; the last quarter
+    (16,000 of the default 65,530) is left for the next compile, larger than any program here."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) * 3 // 4
+    except (OSError, ValueError):
+        return None
+
+
 class ProgramCache:
     """The most recently used Programs, by plan. Each lookup drops the least recently used
     programs, then the looked-up program's least recently used executables, until at most
-    ``size`` executables are held in all."""
+    ``size`` executables are held in all, and, when anything compiled since the last lookup,
+    until the process holds at most ``mappings`` memory mappings (default ``mapping_budget()``;
+    None: no such bound), so a long-lived process compiling large programs never reaches the
+    system's limit."""
 
-    def __init__(self, size: int = 64):
+    def __init__(self, size: int = 64, mappings: int | None | str = "auto"):
         self.size = size
+        self.mappings = mapping_budget() if mappings == "auto" else mappings
         self._programs: collections.OrderedDict[Plan, Program] = collections.OrderedDict()
         self._dropped = 0  # executables compiled by programs no longer held
+        self._counted = 0  # self.compiled when the mappings were last counted
 
     def get(self, plan: Plan) -> Program:
         program = self._programs.get(plan)
@@ -806,17 +836,37 @@ class ProgramCache:
         dropped = 0
         while (len(self._programs) > 1
                and sum(p.held for p in self._programs.values()) > self.size):
-            old = self._programs.popitem(last=False)[1]
-            self._dropped += old.compiled
-            dropped += old.held
+            dropped += self._drop_oldest()
         dropped += program.trim(self.size)
         if dropped:
-            # jax's own caches keep every executable it compiled alive, each with its memory
-            # mappings (about 200 for a small program; Linux allows a process 65,530): without
-            # this, a process that cycles through many request shapes crashes in the end. The
-            # programs still held keep their executables; other jitted code compiles again.
-            jax.clear_caches()
+            _release()
+        if self.mappings is not None and self.compiled != self._counted:
+            self._counted = self.compiled
+            self._bound_mappings(program)
         return program
+
+    def _drop_oldest(self) -> int:
+        old = self._programs.popitem(last=False)[1]
+        self._dropped += old.compiled
+        return old.held
+
+    def _bound_mappings(self, program: Program) -> None:
+        """Drop the least recently used programs, then ``program``'s own executables, while
+        the process holds more than ``self.mappings`` memory mappings."""
+        count = memory_mappings()
+        while count is not None and count > self.mappings:
+            if len(self._programs) > 1:
+                self._drop_oldest()
+            elif program.held:
+                log.warning("this process holds %d memory mappings, over the program cache's "
+                            "%d: dropping the running program's executables too (they compile "
+                            "again when used); free other compiled code, or raise "
+                            "vm.max_map_count", count, self.mappings)
+                program.trim(program.held - 1)
+            else:
+                return  # nothing of ours is left to free
+            _release()
+            count = memory_mappings()
 
     @property
     def compiled(self) -> int:
@@ -831,6 +881,14 @@ class ProgramCache:
         """Forget every compiled program (the count of compiled ones stays)."""
         self._dropped = self.compiled
         self._programs.clear()
+
+
+def _release() -> None:
+    """Free the executables no program holds any more. jax's own caches keep every executable
+    it compiled alive, each with its memory mappings: without clearing them, a process that
+    cycles through many request shapes crashes in the end. The programs still held keep their
+    executables; other jitted code compiles again."""
+    jax.clear_caches()
 
 
 PROGRAMS = ProgramCache()

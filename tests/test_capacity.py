@@ -254,3 +254,30 @@ def test_dropped_programs_release_their_memory(long_pair, monkeypatch, fresh_pro
     compiled = engine.compiled_programs()
     call(47)  # the most recent program is still held
     assert engine.compiled_programs() == compiled
+
+
+def test_the_program_cache_keeps_the_process_under_its_mapping_budget(long_pair, monkeypatch,
+                                                                       fresh_programs):
+    """Each compiled program holds ~1,400-5,400 memory mappings, and Linux aborts a process at
+    vm.max_map_count: after a compile, a lookup drops the least recently used programs until
+    the process is back under the cache's budget, however few executables it holds."""
+    target, _ = long_pair
+    greedy = sj.SamplingParams(temperature=0, max_new_tokens=4)
+
+    def call(capacity):
+        return sj.generate(target, prompts_of([5]), sampling=greedy,
+                           spec={"method": "ngram"}, max_cache_len=capacity)
+    budget = _mappings() + 150  # less than one program's (about 400 here)
+    monkeypatch.setattr(engine, "PROGRAMS", engine.ProgramCache(size=64, mappings=budget))
+    for capacity in (40, 41, 42):
+        call(capacity)
+    # each lookup after a compile dropped the program before: only the last is held
+    assert [p.plan.capacity for p in engine.PROGRAMS.programs()] == [42]
+    assert _mappings() < budget + 1000  # one program over the budget, not three
+    unbounded = engine.ProgramCache(size=64, mappings=None)
+    monkeypatch.setattr(engine, "PROGRAMS", unbounded)
+    for capacity in (43, 44, 45):
+        call(capacity)
+    assert len(unbounded.programs()) == 3  # the bound is what dropped them, not the size
+    assert abs(engine.memory_mappings() - _mappings()) < 50
+    assert engine.mapping_budget() == int(open("/proc/sys/vm/max_map_count").read()) * 3 // 4
