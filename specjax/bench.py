@@ -388,6 +388,10 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                      len(prompt), max_new_tokens, g)), allow_synthetic=True,
                                  batch=B)
             timers.update({(temperature, i, k): f for k, f in parts.items()})
+            # the timers hold executables of their own (an adaptive chain of 8: ~5,400 memory
+            # mappings each); past the cache's budget, generate's programs make room, and
+            # compile again (untimed) when run
+            engine.PROGRAMS.bound()
         log(f"T={temperature}: compiled and warmed up in {time.perf_counter() - t0:.0f} s")
         runs = {name: _Runs() for name in variants}
         for r in range(repeats):

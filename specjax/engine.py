@@ -840,9 +840,9 @@ class ProgramCache:
         dropped += program.trim(self.size)
         if dropped:
             _release()
-        if self.mappings is not None and self.compiled != self._counted:
+        if self.compiled != self._counted:
             self._counted = self.compiled
-            self._bound_mappings(program)
+            self.bound(keep=program)
         return program
 
     def _drop_oldest(self) -> int:
@@ -850,19 +850,23 @@ class ProgramCache:
         self._dropped += old.compiled
         return old.held
 
-    def _bound_mappings(self, program: Program) -> None:
-        """Drop the least recently used programs, then ``program``'s own executables, while
-        the process holds more than ``self.mappings`` memory mappings."""
+    def bound(self, keep: Program | None = None) -> None:
+        """Drop the least recently used programs (all but ``keep``), then ``keep``'s own
+        executables, while the process holds more than ``self.mappings`` memory mappings. A
+        lookup calls it after a compile; call it yourself after compiling other large programs
+        in the same process (the bench's timers)."""
+        if self.mappings is None:
+            return
         count = memory_mappings()
         while count is not None and count > self.mappings:
-            if len(self._programs) > 1:
+            if len(self._programs) > (keep is not None):
                 self._drop_oldest()
-            elif program.held:
+            elif keep is not None and keep.held:
                 log.warning("this process holds %d memory mappings, over the program cache's "
                             "%d: dropping the running program's executables too (they compile "
                             "again when used); free other compiled code, or raise "
                             "vm.max_map_count", count, self.mappings)
-                program.trim(program.held - 1)
+                keep.trim(keep.held - 1)
             else:
                 return  # nothing of ours is left to free
             _release()

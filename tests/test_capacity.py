@@ -279,5 +279,13 @@ def test_the_program_cache_keeps_the_process_under_its_mapping_budget(long_pair,
     for capacity in (43, 44, 45):
         call(capacity)
     assert len(unbounded.programs()) == 3  # the bound is what dropped them, not the size
+    unbounded.bound()  # no budget: nothing to do
+    assert len(unbounded.programs()) == 3
+    unbounded.mappings = _mappings() - 1  # just over: one program dropped is enough
+    unbounded.bound()
+    assert [p.plan.capacity for p in unbounded.programs()] == [44, 45]
+    unbounded.mappings = 0  # other compiled code filled the budget: bound() drops every
+    unbounded.bound()  # program (the bench calls it after compiling its timers)
+    assert unbounded.programs() == []
     assert abs(engine.memory_mappings() - _mappings()) < 50
     assert engine.mapping_budget() == int(open("/proc/sys/vm/max_map_count").read()) * 3 // 4
