@@ -219,8 +219,13 @@ def keep(survival: Array, threshold: float | None) -> Array:
 class Budget:
     """What a round costs on this backend at this batch size, in one-token target steps:
     ``verify_costs[k]``, a target forward over k + 1 tokens (verifying k drafts; [0] is 1, the
-    plain decode step), ``draft_cost`` (c), one draft step, and ``round_cost`` (o), what every
-    round costs besides its forwards. Static: part of the program, like γ.
+    plain decode step), ``draft_cost`` (c), one draft step, and ``round_cost`` (o), what a
+    round that drafts costs besides its forwards, beyond what a plain decode step costs besides
+    its forward. Static: part of the program, like γ.
+
+    A round verifying k >= 1 drafts costs o + c·k + v_k; one verifying none costs 1 + c (its
+    draft still reads the newest token to score draft 1, and nothing else of the round's fixed
+    part runs in it: with ``idle_rounds`` the rounds after such rounds skip the draft too).
 
     The batch verifies as many draft positions as pay for themselves. Every row shares the
     forward's width (the verify forward is [B, width]), so the budget is a width. Before draft k
@@ -230,11 +235,12 @@ class Budget:
     + p_k^(w-k)), where E_{k-1} counts each row's own token and the drafts already kept. The
     batch verifies draft k if some width w >= k has a higher expected rate than stopping:
 
-        max over w >= k of  E_w / (o + c·w + v_w)  >  E_{k-1} / (o + c·(k - 1) + v_{k-1}),
+        max over w >= k of  E_w / cost(w)  >  E_{k-1} / cost(k - 1),
 
     and the first k that fails ends the batch's drafting. At small batch, where v stays near 1,
     every confident draft is verified; at large batch, where each extra position costs a step's
-    worth, the width falls to 0 and the round is a plain decode step, without recompiling. The
+    worth, the width falls to 0 and the round is a plain decode step, without recompiling (and
+    after two such rounds in a row, ``idle_rounds`` rest the draft: see ``engine.Idle``). The
     projection lets a first draft through where one draft alone does not pay for a wider forward
     but several would (a cost table with a step, then flat).
 
@@ -244,8 +250,8 @@ class Budget:
 
     verify_costs: tuple[float, ...]
     draft_cost: float = 0.0
-    # what every round costs besides its forwards, whatever its width (sampling, verification,
-    # bookkeeping, the draft's longer first forward), in one-token target steps
+    # what a round that drafts costs besides its forwards, beyond a plain decode step's own
+    # (sampling the drafts, verification, bookkeeping), in one-token target steps
     round_cost: float = 0.0
 
     @classmethod
@@ -270,8 +276,11 @@ class Budget:
                    float(round_cost))
 
     def cost(self, k: int) -> float:
-        """A round verifying k drafts: its fixed part, k draft steps and a (k + 1)-token
-        forward."""
+        """A round verifying k >= 1 drafts: its fixed part, k draft steps and a (k + 1)-token
+        forward; verifying none (k = 0): a decode step and the one draft step that scored
+        draft 1."""
+        if k == 0:
+            return self.verify_costs[0] + self.draft_cost
         return self.round_cost + self.draft_cost * k + self.verify_costs[k]
 
     @property
@@ -367,8 +376,9 @@ def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
     """This backend's ``Budget`` for ``target`` (and a draft model, if given) at ``batch_size``
     rows: the target's forward over 1 .. γ + 1 tokens and the draft's one-token step, each with
     the cache filled to ``context`` slots; with a draft model, also a whole round of generate's
-    own program for the static chain of γ (rows sampled at ``temperature``; 0: greedy), whose
-    time beyond its forwards is the round's fixed part (``round_cost``). Timed interleaved
+    own program for the static chain of γ (rows sampled at ``temperature``; 0: greedy) and a
+    plain decode step of it: what the round costs beyond its forwards, less what the step costs
+    beyond its forward, is the fixed part of a round that drafts (``round_cost``). Timed interleaved
     (median of ``repeats``), in the target's one-token steps. A draft that is not a model
     (heads) has no step or round timed here: pass its costs to ``Budget.of`` yourself."""
     from . import timing
@@ -388,11 +398,18 @@ def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
                                                     max_new_tokens=decoded + 2 * gamma + 2),
             spec=SpecConfig(num_speculative_tokens=gamma), draft=draft, decoded=decoded,
             batch=batch_size)["round"]
+        timers["plain"] = timing.round_timers(
+            target, prompt, sampling=SamplingParams(temperature=temperature,
+                                                    max_new_tokens=decoded + 2 * gamma + 2),
+            decoded=decoded, batch=batch_size)["round"]
     seconds = timing.median_seconds(timers, repeats)
     step = seconds[1]
     verify = [seconds[w] / step for w in range(1, gamma + 2)]
     draft_cost = seconds.get("draft", 0.0) / step
-    round_cost = (max(seconds["round"] / step - verify[gamma] - gamma * draft_cost, 0.0)
+    # what a round of the chain costs beyond its forwards, less what a plain decode step costs
+    # beyond its forward (sampling, bookkeeping: both pay it)
+    round_cost = (max(seconds["round"] / step - verify[gamma] - gamma * draft_cost
+                      - (seconds["plain"] / step - 1.0), 0.0)
                   if "round" in seconds else 0.0)
     return Budget.of(verify, draft_cost, round_cost=round_cost)
 

@@ -220,8 +220,13 @@ MAX_LOGPROBS = 20
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 8
+
 """Stop token sequences live in a fixed [MAX_STOP_SEQUENCES, MAX_STOP_LENGTH] array, matched on
 the device inside the loop, so changing them never recompiles."""
+
+IDLE_ROUNDS = 16
+"""SpecConfig.idle_rounds' default with a verify budget: the longest rest, in rounds."""
+MAX_IDLE_ROUNDS = 1024
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -368,6 +373,12 @@ class SpecConfig:
     # what every round costs besides its forwards (sampling, verification, bookkeeping), in
     # one-token steps; it makes wider rounds relatively cheaper. None: 0 (with verify_costs)
     round_cost: float | None = None
+    # Rests (engine.Idle), method draft_model with adaptive lengths: after two proposals in a row
+    # in which no row drafted, the next rounds skip the draft altogether (1, 2, 4, ... up to this
+    # many while the declines go on), then the draft reads what it missed in a few wide forwards.
+    # Under a load where drafting does not pay, decoding then runs at nearly a plain decode
+    # step's cost. None: 16 with verify_costs, else 0; 0: never rest.
+    idle_rounds: int | None = None
     # ngram and suffix (specjax/draft/gate.py): a row proposes only while its running rate of
     # proposing rounds whose first draft was accepted (past rounds only) is at least this. None:
     # gate.ACCEPTANCE_FLOOR (0.2); 0: always propose.
@@ -467,6 +478,18 @@ class SpecConfig:
                       self.num_speculative_tokens,
                       0.0 if self.round_cost is None else self.round_cost)  # checks them
             object.__setattr__(self, "verify_costs", tuple(self.verify_costs))
+        if self.idle_rounds is not None:
+            if not _is_int(self.idle_rounds) or not 0 <= self.idle_rounds <= MAX_IDLE_ROUNDS:
+                raise ValueError(f"SpecConfig.idle_rounds must be an int in [0, "
+                                 f"{MAX_IDLE_ROUNDS}] or None, got {self.idle_rounds!r}")
+            if self.idle_rounds and (self.method != "draft_model" or (
+                    self.survival_threshold is None and self.verify_costs is None)):
+                raise ValueError(f"SpecConfig.idle_rounds={self.idle_rounds} rests the draft of "
+                                 f"method 'draft_model' with adaptive lengths (survival_threshold "
+                                 f"or verify_costs); got method {self.method!r}"
+                                 + ("" if self.survival_threshold is not None
+                                    or self.verify_costs is not None
+                                    else " without them"))
         for name in ("survival_threshold", "verify_costs"):
             if getattr(self, name) is not None and (self.tree is not None or not method.adaptive):
                 from .draft import registry
@@ -480,6 +503,14 @@ class SpecConfig:
         """The acceptance floor ngram and suffix rows propose above (0: no gate)."""
         from .draft.gate import ACCEPTANCE_FLOOR
         return ACCEPTANCE_FLOOR if self.acceptance_floor is None else float(self.acceptance_floor)
+
+    @property
+    def rests(self) -> int:
+        """The longest rest (``idle_rounds`` with its default): 0 where rounds never rest."""
+        if self.idle_rounds is not None:
+            return int(self.idle_rounds)
+        return IDLE_ROUNDS if self.verify_costs is not None and self.method == "draft_model" \
+            and self.tree is None else 0
 
     @property
     def budget(self):

@@ -121,6 +121,37 @@ class Plan:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Idle:
+    """Rests of a chain whose verify budget declines (``idle_rounds`` of its proposer).
+
+    A proposal in which no generating row drafts is a decline. After d >= 2 declines in a row
+    the next min(2^(d - 2), idle_rounds) rounds are plain decode steps that skip the draft
+    altogether; then the draft reads the tokens it missed (``rejoin``, a few tokens a forward)
+    and proposes again. Under a load where drafting does not pay the rests grow to
+    ``idle_rounds`` and the loop runs as plain decoding, paying a proposal and a rejoin per rest;
+    a proposal in which some row drafts ends the run of declines. Whether a round rests depends
+    only on the proposals of rounds before it, never on the target's output at positions
+    verified, so the output distribution is the target's (docs/adaptive.md)."""
+
+    declines: Array  # [] int32: proposals in a row in which no generating row drafted
+    rest: Array  # [] int32: n + 1 while n plain rounds remain; 1: the draft to rejoin; 0: none
+    read: Array  # [B] int32: the last position the draft has read (where it last proposed)
+
+
+def idle_rounds(plan: Plan) -> int:
+    """The longest rest of ``plan``'s proposer (0: its rounds never rest)."""
+    return int(getattr(plan.proposer, "idle_rounds", 0) or 0)
+
+
+REST_AFTER = 2
+"""Declines in a row after which rounds rest (``Idle``)."""
+FIRST_REST = 1
+"""Rounds in the first rest after ``REST_AFTER`` declines; each decline after it doubles the
+rest, up to the proposer's ``idle_rounds``."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LoopState:
     history: Array  # [B, S] int32: prompt then generated tokens
     length: Array  # [B] int32: position of the last token == target cache length
@@ -140,6 +171,7 @@ class LoopState:
     # round's drafts, proposed at the end of the round before (by prefill for the first), so the
     # decode loop knows a round's verify width before running it (``_rounds``); else None.
     pending: draft_base.Draft | None = None
+    idle: Idle | None = None  # a chain whose proposer rests (``Idle``), else None
 
 
 @jax.tree_util.register_dataclass
@@ -256,6 +288,9 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
         counters=Counters.zeros(plan.depth, B), step=jnp.zeros((), jnp.int32),
         logprobs=logprobs, nonfinite=jnp.where(finite, -1, 0).astype(jnp.int32))
     if ahead and _per_row_lengths(plan, target_params, draft_params, request, state):
+        if idle_rounds(plan):
+            zero = jnp.zeros((), jnp.int32)
+            state = dataclasses.replace(state, idle=Idle(zero, zero, prompt_lengths))
         state = _propose_next(plan, target_params, draft_params, request, state)
     return state
 
@@ -286,7 +321,16 @@ def _propose_next(plan: Plan, target_params, draft_params, request: Request,
     with jax.named_scope("propose"):
         draft, draft_state = _propose(plan, target_params, draft_params, request, state,
                                       round_keys(request.keys, state.step)[0])
-    return dataclasses.replace(state, pending=draft, draft_state=draft_state)
+    idle = state.idle
+    if idle is not None:
+        generating = ~state.done
+        drafted = jnp.any(generating[:, None] & draft.valid)
+        declines = jnp.where(drafted, 0, idle.declines + 1)
+        rests = jnp.minimum(jnp.left_shift(FIRST_REST, jnp.clip(declines - REST_AFTER, 0, 20)),
+                            idle_rounds(plan))
+        rest = jnp.where((declines >= REST_AFTER) & jnp.any(generating), rests + 1, 0)
+        idle = Idle(declines, rest.astype(jnp.int32), state.length)
+    return dataclasses.replace(state, pending=draft, draft_state=draft_state, idle=idle)
 
 
 def _propose(plan: Plan, target_params, draft_params, request: Request, state: LoopState,
@@ -509,13 +553,14 @@ def _emitted_near_ties(verdict: verify.Verdict, n_emit: Array) -> Array | int:
 
 
 def round_step(plan: Plan, target_params, draft_params, request: Request,
-               state: LoopState, width: int | None = None) -> LoopState:
+               state: LoopState, width: int | None = None, propose: bool = True) -> LoopState:
     """One speculative round (γ = 0: one autoregressive step) for every row.
 
     A chain with per-row lengths verifies the pending drafts (``LoopState.pending``) over
     ``width`` positions (static; at least one more than the widest row's drafts), or with None
     over as many as the widest row needs, chosen by a ``lax.switch``; it then proposes the next
-    round's drafts. The decode loop picks the width per round outside the round (``_rounds``)."""
+    round's drafts (unless ``propose`` is False: a rest, ``Idle``). The decode loop picks the
+    width per round outside the round (``_rounds``)."""
     B = state.length.shape[0]
     draft_keys, verify_keys = round_keys(request.keys, state.step)
     if state.pending is None:
@@ -563,8 +608,8 @@ def round_step(plan: Plan, target_params, draft_params, request: Request,
         step=state.step + 1,
         logprobs=None if state.logprobs is None else _write_logprobs(
             state.logprobs, verdict.logprobs, state.length + 1),
-        nonfinite=nonfinite, pending=state.pending)
-    if state.pending is not None:
+        nonfinite=nonfinite, pending=state.pending, idle=state.idle)
+    if state.pending is not None and propose:
         state = _propose_next(plan, target_params, draft_params, request, state)
     return state
 
@@ -595,15 +640,55 @@ def _rounds(plan: Plan, target_params, draft_params, request: Request, state: Lo
         return jax.lax.while_loop(more, body, state)
     widths = loop_widths(plan.gamma)
 
+    resting = state.idle is not None
+
+    def drafting(s: LoopState) -> Array:
+        return (s.idle.rest == 0) if resting else jnp.bool_(True)
+
     def loop(i: int, state: LoopState) -> LoopState:
         body = lambda s: round_step(plan, target_params, draft_params, request, s, widths[i])  # noqa: E731
-        return jax.lax.while_loop(lambda s: more(s) & (verify_width(plan, s) == i), body, state)
+        return jax.lax.while_loop(
+            lambda s: more(s) & drafting(s) & (verify_width(plan, s) == i), body, state)
 
     def each(state: LoopState) -> LoopState:
+        if resting:
+            state = _rest(plan, target_params, draft_params, request, state, more)
         for i in range(len(widths)):
             state = loop(i, state)
         return state
     return jax.lax.while_loop(more, each, state)
+
+
+def _rest(plan: Plan, target_params, draft_params, request: Request, state: LoopState,
+          more) -> LoopState:
+    """The rounds of a rest (``Idle``) while ``more(state)``, then, once it is over, the draft's
+    rejoin and its next proposal. Each part is a while loop of its own (one that runs at most
+    once for the proposal), so every one writes the caches in place."""
+    def plain(s: LoopState) -> LoopState:
+        s = round_step(plan, target_params, draft_params, request, s, 1, propose=False)
+        # the first round of a rest verifies the declined proposal and counts its forwards
+        pending = dataclasses.replace(s.pending, forwards=jnp.zeros_like(s.pending.forwards))
+        return dataclasses.replace(
+            s, pending=pending, idle=dataclasses.replace(s.idle, rest=s.idle.rest - 1),
+            counters=dataclasses.replace(s.counters, rested=s.counters.rested + 1))
+
+    def behind(s: LoopState) -> Array:
+        return jnp.any(~s.done & plan.proposer.behind(s.idle.read, s.length))
+
+    def rejoin(s: LoopState) -> LoopState:
+        params = _proposer_params(plan, draft_params, target_params)
+        draft_state, read = plan.proposer.rejoin(params, s.draft_state, s.history, s.idle.read,
+                                                 s.length)
+        return dataclasses.replace(
+            s, draft_state=draft_state, idle=dataclasses.replace(s.idle, read=read),
+            counters=dataclasses.replace(s.counters, forwards=s.counters.forwards + 1))
+
+    def propose(s: LoopState) -> LoopState:
+        return _propose_next(plan, target_params, draft_params, request, s)
+
+    state = jax.lax.while_loop(lambda s: more(s) & (s.idle.rest > 1), plain, state)
+    state = jax.lax.while_loop(lambda s: (s.idle.rest == 1) & behind(s), rejoin, state)
+    return jax.lax.while_loop(lambda s: (s.idle.rest == 1) & ~jnp.all(s.done), propose, state)
 
 
 def loop_widths(gamma: int) -> tuple[int, ...]:

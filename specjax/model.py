@@ -287,7 +287,8 @@ class Decoder(nn.Module):
         if chunks is not None:  # the chunk's keys and values, [L, B, T, K, D], for the caller
             k, v = chunks
         hidden = norm(cfg, "norm")(x)
-        head_in = hidden if self.logits_at is None else hidden[:, np.asarray(self.logits_at)]
+        head_in = (hidden if self.logits_at is None
+                   else hidden[:, np.asarray(self.logits_at, np.int32)])
         # The LM head accumulates and returns float32 whatever the model computes in: bfloat16
         # logits (8 significant bits) tie exactly at a few percent of the bundled target's
         # greedy tokens, where a verify forward and a one-token forward then choose apart.

@@ -42,6 +42,7 @@ class Counters:
     # [len(POSITION_EDGES) + 1, 2] int32: per bin of the round's first verified position, the
     # active row-rounds and the tokens they emitted (num_accepted + 1)
     by_position: Array
+    rested: Array  # [] int32: rounds run as rests, the draft skipped (engine.Idle)
 
     @classmethod
     def zeros(cls, gamma: int, batch: int = 1) -> Counters:
@@ -51,7 +52,7 @@ class Counters:
                    jnp.zeros((gamma + 1,), jnp.int32), z, jnp.zeros((gamma + 1,), jnp.int32),
                    z, jnp.zeros((gamma, BINS, 3), jnp.float32), jnp.zeros((batch,), jnp.int32),
                    jnp.zeros((batch,), jnp.int32), z, jnp.zeros((), bool),
-                   jnp.zeros((len(POSITION_EDGES) + 1, 2), jnp.int32))
+                   jnp.zeros((len(POSITION_EDGES) + 1, 2), jnp.int32), z)
 
     def update(self, active: Array, num_accepted: Array, num_proposed: Array,
                near_ties: Array | int = 0, predicted: Array | None = None,
@@ -101,6 +102,7 @@ class Counters:
                 "bn,bc->nc", (position_bin(position)[:, None] == jnp.arange(
                     len(POSITION_EDGES) + 1)[None, :]).astype(jnp.int32),
                 jnp.stack([active.astype(jnp.int32), jnp.where(active, n + 1, 0)], axis=1)),
+            rested=self.rested,
         )
 
 
@@ -158,6 +160,9 @@ class Stats:
     # ``reliability_by_draft_position``: the same for each draft position of a round (the first
     # draft, the second, ...), a tuple per position.
     calibration_error: float = float("nan")
+    # Rounds that rested (a verify budget's declines, engine.Idle): plain decode steps run
+    # without the draft, counted in num_rounds
+    rested_rounds: int = 0
     reliability: tuple[tuple[float, float, int], ...] = ()
     reliability_by_draft_position: tuple[tuple[tuple[float, float, int], ...], ...] = ()
     # Per bin of context position (POSITION_EDGES) that some round started in: (first position,
@@ -185,6 +190,8 @@ class Stats:
             lines.append("  no drafts proposed (autoregressive, or no draft found)")
         if np.isfinite(self.calibration_error):
             lines.append(f"  calibration error {self.calibration_error:.3f}")
+        if self.rested_rounds:
+            lines.append(f"  {self.rested_rounds} rounds rested (the budget declined drafting)")
         lines.append(f"  prefill (TTFT) {1e3 * self.prefill_seconds:.1f} ms, decode "
                      f"{1e3 * self.decode_seconds:.1f} ms ({self.decode_tokens_per_second:.1f} "
                      f"tokens/s), compile {self.compile_seconds:.1f} s")
@@ -234,6 +241,7 @@ class Stats:
                                   / np.maximum(np.asarray(c.rounds_by_row)[:batch], 1)),
             **calibration_summary(np.asarray(c.reliability, np.float64)),
             accepted_length_by_position=position_summary(np.asarray(c.by_position)),
+            rested_rounds=int(c.rested),
         )
 
 

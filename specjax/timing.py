@@ -132,7 +132,7 @@ def _repeated(stage: str):
                 out, history=state.history, length=state.length,
                 num_generated=state.num_generated, done=state.done,
                 cache=out.cache.rollback(state.length), counters=state.counters,
-                step=state.step, pending=state.pending), total
+                step=state.step, pending=state.pending, idle=state.idle), total
         return jax.lax.fori_loop(0, INNER, body, (state, jnp.zeros((), jnp.int32)))
     # the plan's attention block; width: as round_step's
     return jax.jit(engine._with_blocks(run), static_argnums=(0, 1))

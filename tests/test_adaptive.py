@@ -2,6 +2,8 @@
 chosen on the draft side only, greedy equality, lengths 0..γ in one round, no recompilation,
 bad input."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,10 @@ from test_lossless import (  # noqa: F401
     PROMPT,
     SETTINGS,
     first_three_pvalue,
+    later_samples,
     models,
+    tail_joints,
+    tail_pvalues,
 )
 
 import specjax as sj
@@ -558,23 +563,154 @@ def test_bad_budgets_are_refused_by_name():
     assert spec.budget == adaptive.Budget((1.0, 1.5, 2.0), 0.1, 0.3)
 
 
-def test_a_rounds_fixed_cost_makes_wider_rounds_pay():
-    """The same confidences under forward costs where one more draft barely pays: as the
-    round's fixed part grows, the width never shrinks and ends wider, and each width is the
-    reference rule's."""
-    rng = np.random.default_rng(2)
+def test_a_rounds_fixed_cost_is_paid_by_rounds_that_draft():
+    """The fixed part of a round that drafts (o) is paid once whatever its width, and not at all
+    by a round without drafts (1 + c). So with confident drafts under forward costs where one
+    more draft barely pays, a growing o first widens the rounds that draft (each extra draft
+    shares it), and past some o no round drafts at all; each width is the reference rule's."""
     B, G = 8, 4
-    scores = jnp.asarray(rng.uniform(0.4, 0.9, (B, G)), jnp.float32)
+    scores = jnp.asarray(np.random.default_rng(2).uniform(0.75, 0.95, (B, G)), jnp.float32)
     greedy, active = jnp.ones((B,), bool), jnp.ones((B,), bool)
     widths = []
-    for o in (0.0, 0.3, 1.0, 5.0):
+    for o in (0.0, 0.3, 20.0):
         budget = adaptive.Budget.of([1.0, 1.5, 2.1, 2.8, 3.6], 0.02, round_cost=o)
+        assert budget.cost(0) == 1.02 and budget.cost(2) == o + 0.04 + 2.1
         valid = control_valid(scores, greedy, active, None, budget)
         ref = budget_reference(np.asarray(Calibration.identity().predict(scores, greedy)),
                                np.asarray(active), None, budget)
         np.testing.assert_array_equal(valid, ref)
         widths.append(int(valid.sum(axis=1).max()))
-    assert widths == sorted(widths) and widths[0] < widths[-1], widths
+    assert 0 < widths[0] < widths[1] and widths[2] == 0, widths
+
+
+# -- rests: rounds that skip the draft after the budget declines ----------------------------------
+
+def declining_before(step):
+    """Draft-side only, like a budget under load: the proposals of the rounds before ``step``
+    verify no draft in any row (decided from the round number, never from the target)."""
+    def wrap(propose):
+        def declined(plan, target_params, draft_params, request, state, keys):
+            draft, draft_state = propose(plan, target_params, draft_params, request, state, keys)
+            if draft.valid is not None:
+                draft = dataclasses.replace(draft, valid=draft.valid & (state.step >= step))
+            return draft, draft_state
+        return declined
+    return wrap
+
+
+@pytest.fixture
+def one_long_rest(monkeypatch, fresh_programs):
+    """The first proposal declines and the rounds then rest 4 rounds (not 1, 2, 4, ... after
+    two declines), and the draft rejoins one token a forward: a rest long enough to need the
+    rejoin, early enough for the exact distributions of the first six tokens."""
+    monkeypatch.setattr(engine, "_propose", declining_before(1)(engine._propose))
+    monkeypatch.setattr(engine, "REST_AFTER", 1)
+    monkeypatch.setattr(engine, "FIRST_REST", 4)
+    monkeypatch.setattr(draft_model, "REJOIN_WIDTH", 1)
+
+
+REST_SPEC = dict(verify_costs=(1.0, 1.02, 1.05, 1.1), draft_cost=0.02, idle_rounds=4)
+
+
+def test_later_tokens_after_a_rest_follow_the_target(models, tail_joints, one_long_rest):
+    """Tokens 2-5 come from rest rounds, then the draft rejoins and token 6 comes from a round
+    that verifies drafts: the fifth and sixth tokens follow the target."""
+    target, drafts = models
+    out = later_samples(target, drafts["close"], 3, **REST_SPEC)
+    assert out.stats.rested_rounds == 4 and out.stats.accepted_tokens > 0, out.stats
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
+
+
+def test_a_rest_that_peeks_at_the_target_fails_the_same_test(models, tail_joints, monkeypatch,
+                                                             one_long_rest):
+    target, drafts = models
+    monkeypatch.setattr(verify, "rejection_sample", peeking(verify.rejection_sample))
+    out = later_samples(target, drafts["close"], 3, **REST_SPEC)
+    assert out.stats.rested_rounds == 4
+    assert min(tail_pvalues(out.tokens, tail_joints)) < 1e-6
+
+
+def test_a_rejoined_draft_reads_what_it_missed(target, monkeypatch, one_long_rest):
+    """Drafting with the target itself, greedy, after a rest every verified draft is still
+    accepted, and the output is autoregressive decoding's."""
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    ref = sj.generate(target, PROMPTS, sampling=sampling)
+    spec = sj.SpecConfig(num_speculative_tokens=3, **REST_SPEC)
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=target)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    assert out.stats.rested_rounds == 4 and out.stats.proposed_tokens > 20
+    assert out.stats.acceptance_rate == 1.0, out.stats
+
+
+def reads_nothing(self, params, cache, history, read, length):
+    """Broken on purpose: a rejoin that marks the missed tokens read without reading them."""
+    return cache, jnp.maximum(read, length - 2)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["rejoin", "reads-nothing"])
+def test_the_rejoin_leaves_the_cache_a_prefill_of_the_same_tokens_leaves(draft, broken):
+    """Rows that read through different positions, rejoined a few tokens a forward up to their
+    lengths: the draft's keys and values below each row's length - 1 are those of a prefill of
+    the whole text (a row already there keeps its own). A rejoin that reads nothing fails."""
+    rng = np.random.default_rng(0)
+    B, S, G = 3, 48, 3
+    history = jnp.asarray(rng.integers(0, 32, (B, S)), jnp.int32)
+    read = jnp.asarray([4, 9, 30], jnp.int32)  # the last positions each row's draft read
+    length = jnp.asarray([29, 20, 31], jnp.int32)  # each row's newest position
+    proposer = DraftModelProposer(draft.config, G, None, None, 32, idle_rounds=16)
+    params = draft_model.as_draft_model(draft)
+    cache = proposer.init(params, history, read + 1, S)
+    # a prefill computes the whole padded chunk: what lies past each row's read is noise here
+    past = (jnp.arange(S)[None, :] > read[:, None])[None, :, :, None, None]
+    noise = jnp.asarray(rng.normal(size=cache.k.shape), cache.k.dtype)
+    cache = dataclasses.replace(cache, k=jnp.where(past, noise, cache.k),
+                                v=jnp.where(past, -noise, cache.v))
+    while bool(jnp.any(proposer.behind(read, length))):
+        cache, read = (reads_nothing(proposer, params, cache, history, read, length) if broken
+                       else proposer.rejoin(params, cache, history, read, length))
+    assert np.all(np.asarray(read) >= np.asarray(length) - 2)
+    whole = proposer.init(params, history, length - 1, S)
+    near = [np.allclose(cache.k[:, b, :n], whole.k[:, b, :n], atol=1e-5)
+            and np.allclose(cache.v[:, b, :n], whole.v[:, b, :n], atol=1e-5)
+            for b, n in enumerate(np.asarray(length) - 1)]
+    assert near == ([False, False, True] if broken else [True] * B), near
+
+
+@pytest.mark.parametrize("costs", [(1.0, 3.0, 5.0, 7.0, 9.0), (1.0, 1.4, 1.9, 2.5, 3.0)],
+                         ids=["plain", "dear"])
+def test_rests_skip_the_draft_and_keep_greedy_equal(target, draft, costs):
+    """Under costs where drafting never or seldom pays, the rounds rest (by default, with a
+    budget): the output is autoregressive decoding's, in chunks streamed or not, and the draft
+    runs fewer forwards than without rests."""
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    ref = sj.generate(target, PROMPTS, sampling=sampling)
+    runs = {}
+    for idle in (None, 0):
+        spec = sj.SpecConfig(num_speculative_tokens=4, verify_costs=costs, draft_cost=0.05,
+                             idle_rounds=idle)
+        runs[idle] = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=draft)
+        np.testing.assert_array_equal(runs[idle].tokens, ref.tokens)
+    rested, never = runs[None].stats, runs[0].stats
+    assert rested.rested_rounds > rested.num_rounds // 2 and never.rested_rounds == 0
+    assert rested.draft_calls < never.draft_calls * 0.7, (rested, never)
+    spec = sj.SpecConfig(num_speculative_tokens=4, verify_costs=costs, draft_cost=0.05)
+    chunks = list(sj.stream(target, PROMPTS, sampling=sampling, spec=spec, draft=draft,
+                            rounds_per_chunk=3))
+    np.testing.assert_array_equal(chunks[-1].generation.tokens, ref.tokens)
+
+
+def test_bad_rests_are_refused_by_name():
+    costs = dict(num_speculative_tokens=1, verify_costs=(1, 2))
+    for bad in (-1, 1.5, True, "4", 10**6):
+        with pytest.raises(ValueError, match="idle_rounds must be an int in \\[0, 1024\\]"):
+            sj.SpecConfig(idle_rounds=bad, **costs)
+    with pytest.raises(ValueError, match="idle_rounds=4 rests .* got method 'ngram'"):
+        sj.SpecConfig(method="ngram", num_speculative_tokens=2, idle_rounds=4)
+    with pytest.raises(ValueError, match="idle_rounds=4 .* got method 'draft_model' without"):
+        sj.SpecConfig(idle_rounds=4)
+    assert sj.SpecConfig(**costs).rests == 16 and sj.SpecConfig().rests == 0
+    assert sj.SpecConfig(idle_rounds=0, **costs).rests == 0
+    assert sj.SpecConfig(survival_threshold=0.5, idle_rounds=8).rests == 8
 
 
 def test_measure_costs_times_forwards_steps_and_rounds(target, draft):

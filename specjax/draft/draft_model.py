@@ -359,6 +359,11 @@ def load_paired_draft(path, target_tokenizer, target_vocab_size: int, dtype: str
     return draft
 
 
+REJOIN_WIDTH = 8
+"""Tokens a draft reads per forward when it rejoins after a rest (``DraftModelProposer.rejoin``):
+a rest of r rounds costs ceil((r - 1) / 8) such forwards."""
+
+
 def _catch_up(draft: DraftModel, cache: KVCache, history: Array, length: Array
               ) -> tuple[Array, KVCache]:
     """The two-token forward at slots length - 1, length (see the module docstring): logits
@@ -393,6 +398,7 @@ class DraftModelProposer:
     survival_threshold: float | None = None
     budget: Budget | None = None  # the batch's verify budget (adaptive.Budget)
     vocab_size: int = 0  # the target's V, that q's are widened to; 0: the draft's own
+    idle_rounds: int = 0  # the longest rest after declined rounds (engine.Idle); 0: none
 
     @property
     def target_vocab(self) -> int:
@@ -412,6 +418,28 @@ class DraftModelProposer:
         """Prefill the draft cache with the prompts [B, N] (right-padded), chunk by chunk up to
         the longest."""
         return _prefilled(params, prompts, prompt_lengths, capacity, self.gamma + 1)
+
+    @staticmethod
+    def behind(read: Array, length: Array) -> Array:
+        """Rows [B] whose draft has not read enough for a proposal: one reads up to ``read`` [B]
+        itself, its catch-up forward the last two positions (length - 1, length)."""
+        return read < length - 2
+
+    def rejoin(self, params: DraftModel, cache: KVCache, history: Array, read: Array,
+               length: Array) -> tuple[KVCache, Array]:
+        """After a rest (``engine.Idle``): the draft reads the next ``REJOIN_WIDTH`` of the
+        tokens it missed (positions read + 1 ...; never past a row's ``length``), keys and
+        values only. Returns the cache and the positions read through. A row that is not behind
+        reads its last ones again, which writes what its slots hold."""
+        draft = params
+        C = min(REJOIN_WIDTH, cache.capacity)
+        start = jnp.maximum(jnp.minimum(read + 1, length + 1 - C), 0)
+        positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+        tokens = jnp.take_along_axis(history, jnp.minimum(positions, history.shape[1] - 1), 1)
+        _, _, cache = forward(draft.model, draft.inputs(tokens), positions,
+                              cache.rollback(start), logits_at=())
+        read = jnp.maximum(read, jnp.minimum(start + C - 1, length))
+        return cache.rollback(read + 1), read
 
     def propose(self, params: DraftModel, cache: KVCache, history: Array, length: Array,
                 keys: Array, sampling_params: sampling.SamplingArrays, filters: sampling.Filters,
@@ -715,7 +743,8 @@ def build(spec: SpecConfig, draft, target: ModelConfig):
                                     int(draft.spelling.shape[1]), target.vocab_size)
     if spec.tree is None:
         return DraftModelProposer(draft.config, spec.num_speculative_tokens,
-                                  spec.survival_threshold, spec.budget, target.vocab_size)
+                                  spec.survival_threshold, spec.budget, target.vocab_size,
+                                  spec.rests)
     tree = Tree(spec.tree)
     if int(tree.children.shape[1]) > draft.vocab_size:
         raise ValueError(f"the tree gives a node {int(tree.children.shape[1])} children, "
