@@ -197,7 +197,8 @@ def _pooled(outs) -> dict:
                 proposal_rate=sum(o.stats.proposal_rate * o.stats.num_rounds
                                   for o in outs) / rounds,
                 rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted,
-                mean_proposed=proposed / rounds)
+                mean_proposed=proposed / rounds,
+                rested_rounds=sum(o.stats.rested_rounds for o in outs))  # of the rounds
 
 
 def parted_at_near_tie(target: Model, prompt: list[int], a, b) -> bool:
@@ -274,7 +275,8 @@ def _label(spec: SpecConfig) -> str:
             return (f"chain {spec.num_speculative_tokens}"
                     + ("" if spec.survival_threshold is None
                        else f" adaptive {spec.survival_threshold:g}")
-                    + ("" if spec.verify_costs is None else " budget"))
+                    + ("" if spec.verify_costs is None else " budget")
+                    + (" no rests" if spec.verify_costs is not None and not spec.rests else ""))
         if lookup is None:
             return f"chain {spec.num_speculative_tokens}"
         factor = "" if lookup["length_factor"] is None else f" x{lookup['length_factor']:g}"
@@ -288,14 +290,16 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
               temperatures=(0.0, 0.8), top_k: int = 0, top_p: float = 1.0,
               max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
               verify_repeats: int = 20, roofline: bool = False, roofline_batches=(1,),
-              batch_size: int = 1, budget: bool = False, log=None) -> dict:
+              batch_size: int = 1, budget: bool = False, without_rests: bool = False,
+              log=None) -> dict:
     """Run the bench and return its figures (see the module docstring); ``rows`` has one entry
     per (temperature, spec). specs: SpecConfigs (chains or trees) of any methods; draft: the
     draft model for the methods that draft with one ("draft_model"); drafters: {"medusa": Heads,
     "eagle": Heads} for the methods that draft with heads. batch_size: rows per generate call
     (the prompts cycled to fill whole batches). budget: each adaptive chain (one with
     survival_threshold) also runs with the verify budget, its costs measured here at this batch
-    size (``adaptive.measure_costs``)."""
+    size (``adaptive.measure_costs``); ``without_rests``: each such draft-model variant also
+    with ``idle_rounds=0``."""
     specs = [SpecConfig.parse(s) for s in specs]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
@@ -337,8 +341,9 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         specs += [dataclasses.replace(
             s, verify_costs=costs.verify_costs[:s.num_speculative_tokens + 1],
             draft_cost=costs.draft_cost if s.needs_draft_model else 0.0,
-            round_cost=costs.round_cost if s.needs_draft_model else 0.0)
-            for s in adaptive_specs]
+            round_cost=costs.round_cost if s.needs_draft_model else 0.0,
+            idle_rounds=rests) for s in adaptive_specs
+            for rests in ((None, 0) if without_rests and s.method == "draft_model" else (None,))]
 
     # The parts of a round, each timed apart inside one compiled program (timing.py), for the
     # prompt of median length after half the new tokens, in the capacity generate picks for it;
@@ -413,7 +418,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 tree=None if tree is None else tree.to_json(), lookup=_lookup(spec),
                 synthetic_acceptance=spec.synthetic_acceptance,
                 survival_threshold=spec.survival_threshold, verify_costs=spec.verify_costs,
-                draft_cost=spec.draft_cost, round_cost=spec.round_cost, batch_size=B,
+                draft_cost=spec.draft_cost, round_cost=spec.round_cost,
+                idle_rounds=spec.rests if spec.verify_costs is not None else None, batch_size=B,
                 ar_tokens_per_second=ar.median("tokens_per_second"),
                 spec_tokens_per_second=sp.median("tokens_per_second"),
                 speedup=sp.median("tokens_per_second") / ar.median("tokens_per_second"),
@@ -549,6 +555,8 @@ def format_table(result: dict) -> str:
                 + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
         if r.get("mean_proposed", r["gamma"]) < r["gamma"] and r.get("tree") is None:
             line += f"  ({r['mean_proposed']:.2f} drafts/round)"
+        if r.get("rested_rounds"):
+            line += f"  ({r['rested_rounds'] / r['rounds']:.0%} of rounds rested)"
         if r.get("reliability"):
             line += f"  (calibration error {r['calibration_error']:.3f})"
         if len(r.get("accepted_length_by_position", ())) > 1:
@@ -723,6 +731,8 @@ def main(args) -> int:
     budget = getattr(args, "verify_budget", False)
     if budget and not any(s.survival_threshold is not None for s in specs):
         raise ValueError("--verify-budget needs --survival-threshold (adaptive chains)")
+    if getattr(args, "without_rests", False) and not budget:
+        raise ValueError("--without-rests compares budget variants: give --verify-budget")
     if getattr(args, "plots", None):
         from . import plots
         plots.require()  # before hours of benching
@@ -735,6 +745,7 @@ def main(args) -> int:
                            roofline=args.roofline,
                            roofline_batches=getattr(args, "roofline_batches", None) or (1,),
                            batch_size=batch, budget=budget,
+                           without_rests=getattr(args, "without_rests", False),
                            log=lambda m: print(m, file=sys.stderr, flush=True))
         if shape is not None:
             result["settings"].update(prompt_kind=f"random prompts of {len(prompts[0])} tokens",

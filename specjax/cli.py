@@ -416,6 +416,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--verify-budget", action="store_true",
                    help="also each adaptive chain with the batch's verify budget, its costs "
                         "measured at each batch size (SpecConfig.verify_costs)")
+    b.add_argument("--without-rests", action="store_true",
+                   help="with --verify-budget: each budget variant also without rests "
+                        "(SpecConfig.idle_rounds=0), in the same repeats")
     b.add_argument("--plot", "--plots", dest="plots", metavar="DIR",
                    help="write PNG figures there (matplotlib): speed-up against γ, per-position "
                         "acceptance, TPOT distributions, speed-up against batch size, and the "

@@ -321,13 +321,16 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
                      str(model_folders / "d"), "--gammas", "3", "--survival-threshold", "0.1",
                      "--temperatures", "0", "--max-new-tokens", "10", "--repeats", "1",
                      "--verify-repeats", "1", "--num-prompts", "2", "--max-prompt-tokens", "40",
-                     "--batch-size", "1,2", "--verify-budget", "--plot", str(tmp_path / "png"),
-                     "--json", str(out)]) == 0
+                     "--batch-size", "1,2", "--verify-budget", "--without-rests",
+                     "--plot", str(tmp_path / "png"), "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["settings"]["batch_size"] for r in runs] == [1, 2]
     for run in runs:
         costs = run["settings"]["verify_budget"]["verify_costs"]
         assert len(costs) == 4 and costs[0] == 1.0
+        assert [(r["label"], r["idle_rounds"]) for r in run["rows"]] == [
+            ("chain 3", None), ("chain 3 adaptive 0.1", None),
+            ("chain 3 adaptive 0.1 budget", 16), ("chain 3 adaptive 0.1 budget no rests", 0)]
         assert run["rows"][-1]["verify_costs"] == costs
         assert all(r["batch_size"] == run["settings"]["batch_size"] for r in run["rows"])
         assert all(r["identical_to_autoregressive"] for r in run["rows"])
@@ -345,7 +348,8 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
                    and min(r["tpot_samples_ms"]["spec"]) > 0 for r in run["rows"])
     rows = runs[0]["rows"]
     assert [r["label"] for r in rows] == ["chain 3", "chain 3 adaptive 0.1",
-                                          "chain 3 adaptive 0.1 budget"]
+                                          "chain 3 adaptive 0.1 budget",
+                                          "chain 3 adaptive 0.1 budget no rests"]
     static, adaptive = rows[:2]
     assert static["survival_threshold"] is None and adaptive["survival_threshold"] == 0.1
     assert adaptive["mean_proposed"] == adaptive["proposed_tokens"] / adaptive["rounds"]
