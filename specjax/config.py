@@ -220,7 +220,6 @@ MAX_LOGPROBS = 20
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 8
-
 """Stop token sequences live in a fixed [MAX_STOP_SEQUENCES, MAX_STOP_LENGTH] array, matched on
 the device inside the loop, so changing them never recompiles."""
 
@@ -370,8 +369,10 @@ class SpecConfig:
     # forward, down to none at all. With or without survival_threshold; same methods.
     verify_costs: tuple[float, ...] | None = None
     draft_cost: float | None = None  # None: 0 (with verify_costs)
-    # what every round costs besides its forwards (sampling, verification, bookkeeping), in
-    # one-token steps; it makes wider rounds relatively cheaper. None: 0 (with verify_costs)
+    # what a round that drafts costs besides its forwards (sampling the drafts, verification,
+    # bookkeeping), beyond a plain decode step's own, in one-token steps; it makes wider rounds
+    # relatively cheaper, and a round without drafts does not pay it. None: 0 (with
+    # verify_costs)
     round_cost: float | None = None
     # Rests (engine.Idle), method draft_model with adaptive lengths: after two proposals in a row
     # in which no row drafted, the next rounds skip the draft altogether (1, 2, 4, ... up to this

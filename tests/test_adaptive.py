@@ -630,7 +630,7 @@ def test_a_rest_that_peeks_at_the_target_fails_the_same_test(models, tail_joints
     assert min(tail_pvalues(out.tokens, tail_joints)) < 1e-6
 
 
-def test_a_rejoined_draft_reads_what_it_missed(target, monkeypatch, one_long_rest):
+def test_a_rejoined_draft_reads_what_it_missed(target, one_long_rest):
     """Drafting with the target itself, greedy, after a rest every verified draft is still
     accepted, and the output is autoregressive decoding's."""
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)

@@ -361,7 +361,8 @@ def load_paired_draft(path, target_tokenizer, target_vocab_size: int, dtype: str
 
 REJOIN_WIDTH = 8
 """Tokens a draft reads per forward when it rejoins after a rest (``DraftModelProposer.rejoin``):
-a rest of r rounds costs ceil((r - 1) / 8) such forwards."""
+after a rest of r rounds it reads r - 2 of them (its catch-up reads the last two), in
+ceil((r - 2) / 8) such forwards."""
 
 
 def _catch_up(draft: DraftModel, cache: KVCache, history: Array, length: Array
