@@ -12,12 +12,13 @@ median of interleaved repeats, in one process:
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 
 import numpy as np
 
 import specjax as sj
-from specjax import bench
+from specjax import bench, timing
 
 CKPT = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
 
@@ -47,11 +48,12 @@ def main() -> None:
     }
     stats = {name: sj.generate(target, rows, sampling=sampling, **v).stats  # compiles
              for name, v in variants.items()}
-    seconds = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, v in variants.items():
-            s = sj.generate(target, rows, sampling=sampling, **v).stats
-            seconds[name].append(s.decode_seconds / max(s.num_rounds, 1))
+
+    def per_round(v: dict) -> float:
+        s = sj.generate(target, rows, sampling=sampling, **v).stats
+        return s.decode_seconds / max(s.num_rounds, 1)
+    seconds = timing.interleaved({name: functools.partial(per_round, v)
+                                  for name, v in variants.items()}, args.repeats)
     ar = np.median(seconds["autoregressive"])
     print(f"batch {args.batch}, T = {args.temperature}, {args.max_new_tokens} new tokens, "
           f"median of {args.repeats} interleaved repeats")
