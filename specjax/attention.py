@@ -15,11 +15,13 @@ Both are exact for every row whatever the others hold: a block a row cannot see 
 to its sums (its weights are selected to 0, its maximum is unchanged), so a row's result never
 depends on how many blocks the longest row needed.
 
-Masked slots never leak, whatever they hold: scores are *selected* (``jnp.where``), never added to
-or multiplied by a mask, and value vectors that no query of the row may see, or that are not
-finite, are replaced by zeros before they are weighted, so an inf or NaN left in a dead slot, or in
-a chunk position a query may not see yet, cannot turn 0 · inf into NaN (in float32, bfloat16 or
-float16). A query that does see a non-finite value gets NaN, as it would without the guard.
+Masked slots never leak: scores are *selected* (``jnp.where``), never added to or multiplied by a
+mask, so any key left in a dead slot is harmless, and every value vector attended over is finite,
+because the cache stores a position whose values are not as zero values with NaN keys
+(``cache.storable``, applied by the model before it writes or attends over a chunk). So an inf or
+NaN from a broken position, left in a dead slot or in a chunk position a query may not see yet,
+cannot turn a zero weight's 0 · inf into NaN (in float32, bfloat16 or float16), and a query that
+does see it gets NaN, as the unguarded product would have given it.
 """
 
 from __future__ import annotations
@@ -119,27 +121,6 @@ class View:
         return mask
 
 
-def _seen_values(v: Array, mask: Array) -> tuple[Array, Array]:
-    """v [B, n, K, D] with every slot zeroed that no query of the row may see (mask [B, T, n])
-    or that is not finite, and which queries see a non-finite value: [B, K, T] bool.
-
-    A value a query may not see is multiplied by a zero weight, and 0 · inf or 0 · NaN is NaN:
-    zeroing it keeps a non-finite value in one slot (a draft's overflow, say) from leaking into
-    queries that must not see it, while a query that does see one is marked, and its output
-    made NaN, as the unguarded product would have made it."""
-    finite = jnp.all(jnp.isfinite(v), axis=-1)  # [B, n, K]
-    seen = jnp.any(mask, axis=1)[:, :, None]
-    values = jnp.where((seen & finite)[..., None], v, jnp.zeros((), v.dtype))
-    poisoned = jnp.einsum("btn,bnk->bkt", mask.astype(jnp.float32),
-                          (~finite).astype(jnp.float32)) > 0
-    return values, poisoned
-
-
-def _poison(out: Array, poisoned: Array) -> Array:
-    """out [B, K, G, T, D] made NaN where a query saw a non-finite value (poisoned [B, K, T])."""
-    return jnp.where(poisoned[:, :, None, :, None], jnp.nan, out)
-
-
 def _scores(q: Array, k: Array, scale: float | None, softcap: float | None) -> Array:
     """q [B, T, K, G, D] against k [B, n, K, D]: [B, K, G, T, n] float32 scores, times ``scale``
     (None: D ** -0.5), then soft-capped to (-softcap, softcap) by softcap * tanh(s / softcap)
@@ -158,9 +139,8 @@ def dense(q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
     scores = jnp.where(mask[:, None, None], _scores(q, k, scale, softcap), _NEG)
     # exp(NEG - max) is exactly 0 (every query sees at least its own slot, so max is a real score)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    values, poisoned = _seen_values(v, mask)
-    out = jnp.einsum("bkgts,bskd->bkgtd", weights, values)
-    return jnp.moveaxis(_poison(out, poisoned), 3, 1)  # [B, T, K, G, D]
+    out = jnp.einsum("bkgts,bskd->bkgtd", weights, v)
+    return jnp.moveaxis(out, 3, 1)  # [B, T, K, G, D]
 
 
 def _fold(carry, q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
@@ -175,11 +155,9 @@ def _fold(carry, q: Array, k: Array, v: Array, mask: Array, scale: float | None 
     weights = jnp.where(visible, jnp.exp(scores - new_peak[..., None]), 0.0)
     carried = jnp.exp(peak - new_peak)
     total = total * carried + jnp.sum(weights, axis=-1)
-    values, poisoned = _seen_values(v, mask)
     acc = acc * carried[..., None] + jnp.einsum(
-        "bkgts,bskd->bkgtd", weights.astype(q.dtype), values,
-        preferred_element_type=jnp.float32)
-    return new_peak, total, _poison(acc, poisoned)
+        "bkgts,bskd->bkgtd", weights.astype(q.dtype), v, preferred_element_type=jnp.float32)
+    return new_peak, total, acc
 
 
 def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,

@@ -2,6 +2,9 @@
 
 Contract: entries at index >= ``length[b]`` are garbage and invisible to attention,
 except the slots of the chunk being written, which see each other through the intra-chunk mask.
+Every value vector stored is finite (``storable``): a position whose values are not is stored
+with zero values and NaN keys, so the queries that see it get NaN and no other query can meet a
+non-finite value, whatever is left in dead slots.
 Rollback is ``length = new_length``; nothing is zeroed or copied. Capacity S is static and chosen
 by the engine, which refuses on the host any request that could write past it.
 
@@ -122,13 +125,31 @@ def write_layer(buffer: Array, layer: Array, new: Array, start: Array,
     return _write_rows(buffer, new, start, layer, capacity)
 
 
+def storable(k: Array, v: Array) -> tuple[Array, Array]:
+    """Keys and values k, v [..., K, D] as the cache stores them: where a position's value vector
+    (of a kv head) is not finite, its values are zeros and its keys NaN.
+
+    Attention selects masked scores away (``jnp.where``) but multiplies the values by the
+    weights, and a masked slot's weight is exactly 0: 0 · inf or 0 · NaN is NaN, so a non-finite
+    value left in a dead slot, or in a chunk position a query may not see yet, would reach the
+    queries that must not see it. Stored this way, no value is ever non-finite, and a query
+    that does see such a position gets a NaN score, hence NaN, as the unguarded product would
+    have given it. Checking once at the write replaces a check of every slot read at every step
+    (about 5% of a draft-model round on a CPU: experiments/results/2026-12-04-finite-at-write.md).
+    """
+    bad = ~jnp.all(jnp.isfinite(v), axis=-1, keepdims=True)
+    return (jnp.where(bad, jnp.asarray(jnp.nan, k.dtype), k),
+            jnp.where(bad, jnp.zeros((), v.dtype), v))
+
+
 def write_chunk(cache: KVCache, k: Array, v: Array) -> KVCache:
     """Write a chunk's keys and values k, v [L, B, T, K, D] (``model.forward(write=False)``,
     every layer in order) at each row's length; the returned cache has length + T.
 
     One scatter per buffer for all its layers at once. A write per layer cost a scatter and a
     copy of the layer's slice for each layer and buffer: the bundled target's round that
-    proposes nothing ran 534 XLA operations that way, 502 this way."""
+    proposes nothing ran 534 XLA operations that way, 502 this way. Stored as ``storable``."""
+    k, v = storable(k, v)
     layout = cache.layout(k.shape[0])
     out = {}
     for ring, names in ((False, ("k", "v")), (True, ("ring_k", "ring_v"))):

@@ -140,6 +140,7 @@ class Attention(nn.Module):
         if not self.sliding and view.window is not None:
             view = dataclasses.replace(view, window=None, dense_mask=None)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = kv.storable(k, v)  # no non-finite value is ever stored or attended over
         chunk = None
         if view.chunk_in_cache:
             # Written in place into the whole cache [L, B, S, K, D]: carried through the layers,

@@ -10,6 +10,7 @@ from conftest import tiny_model
 
 import specjax as sj
 from specjax import attention
+from specjax import cache as kv
 from specjax.tree import Tree
 
 
@@ -84,11 +85,16 @@ def test_a_row_does_not_depend_on_how_long_the_others_are():
 
 
 def _poison(cache, live, value):
-    """Fill every slot at or past live[b] with value."""
-    slot = jnp.arange(cache.capacity)[None, None, :, None, None]
+    """Every slot at or past live[b] written with value, keys and values, as a write stores a
+    broken position (``cache.write_chunk``), and the keys there overwritten with value too (a
+    key is never weighted, only its score selected away, so any key may lie in a dead slot)."""
+    L, B, S, K, D = cache.k.shape
+    junk = jnp.full((L, B, S, K, D), value, cache.k.dtype)
+    written = kv.write_chunk(cache.rollback(jnp.asarray(live)), junk, junk)
+    slot = jnp.arange(S)[None, None, :, None, None]
     dead = slot >= jnp.asarray(live)[None, :, None, None, None]
-    return sj.KVCache(jnp.where(dead, jnp.asarray(value, cache.k.dtype), cache.k),
-                      jnp.where(dead, jnp.asarray(value, cache.v.dtype), cache.v), cache.length)
+    return sj.KVCache(jnp.where(dead, jnp.asarray(value, cache.k.dtype), written.k), written.v,
+                      cache.length)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -111,24 +117,26 @@ def test_inf_and_nan_in_dead_slots_change_nothing(dtype, block):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(clean), err_msg=str(value))
 
 
-def test_the_poison_test_catches_values_weighted_by_zero(monkeypatch):
-    """Without zeroing unseen values, 0 · inf turns the output into NaN: the test above fails."""
-    monkeypatch.setattr(attention, "_seen_values", lambda v, mask: (
-        v, jnp.zeros((v.shape[0], v.shape[2], mask.shape[1]), bool)))
+@pytest.mark.parametrize("block", [256, 8], ids=["dense", "blocked"])
+def test_the_poison_test_catches_values_stored_as_they_came(monkeypatch, block):
+    """Without ``storable``, a dead slot's inf value is weighted by zero, 0 · inf is NaN, and
+    the output turns NaN: the test above fails. (A block of 8 holds dead slots 4..7 the walk
+    reads.)"""
+    monkeypatch.setattr(kv, "storable", lambda k, v: (k, v))
     model = tiny_model(seed=4, dtype="float16")
     cache = sj.KVCache.init(model.config, 1, 16)
     _, _, cache = sj.forward(model, jnp.array([[3, 1, 4]]), jnp.arange(3)[None], cache)
     poisoned = _poison(cache, jnp.array([4]), jnp.inf)
     got, _, _ = sj.model._forward.__wrapped__(model, jnp.array([[5]]), jnp.array([[3]]),
-                                              poisoned, None, block=256)
+                                              poisoned, None, block=block)
     assert np.isnan(np.asarray(got)).any()
 
 
-def _chunk_with_a_broken_value(block, seen_values=None, monkeypatch=None):
+def _chunk_with_a_broken_value(block, storable=None, monkeypatch=None):
     """A 4-token chunk whose third token's embedding is NaN: (outputs, clean outputs)."""
     model = tiny_model(seed=4)
-    if seen_values is not None:
-        monkeypatch.setattr(attention, "_seen_values", seen_values)
+    if storable is not None:
+        monkeypatch.setattr(kv, "storable", storable)
     params = dict(model.params)
     params["embed_tokens"] = {"embedding": model.params["embed_tokens"]["embedding"]
                               .at[7].set(jnp.nan)}
@@ -151,14 +159,33 @@ def test_a_non_finite_value_in_a_chunk_reaches_only_the_queries_that_see_it(bloc
     assert np.isnan(got[0, 2:]).all(axis=-1).all()
 
 
-def test_zeroing_only_the_slots_no_query_sees_leaks_nan_backwards(monkeypatch):
-    """The broken variant (values zeroed per row, not per query): the NaN reaches the first
-    positions through 0 · NaN, and the test above fails."""
-    def per_row(v, mask):
-        seen = jnp.any(mask, axis=1)[:, :, None, None]
-        return (jnp.where(seen, v, 0), jnp.zeros((v.shape[0], v.shape[2], mask.shape[1]), bool))
-    got, clean = _chunk_with_a_broken_value(256, per_row, monkeypatch)
+def test_a_chunk_attended_as_it_came_leaks_nan_backwards(monkeypatch):
+    """The broken variant (no ``storable``): the NaN reaches the first positions through a zero
+    weight's 0 · NaN, and the test above fails."""
+    got, clean = _chunk_with_a_broken_value(256, lambda k, v: (k, v), monkeypatch)
     assert np.isnan(got[0, :2]).any()
+
+
+def _attend_over_a_broken_value(storable):
+    """One kv head, slots 0..3 written through ``storable``; slot 2's value is inf, its key
+    finite. Queries 0..3, each seeing the slots up to its own: [T, D] outputs."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 4, 1, 1, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 4, 1, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 4, 1, 8)), jnp.float32).at[0, 2, 0, 3].set(jnp.inf)
+    k, v = storable(k, v)
+    mask = jnp.tril(jnp.ones((4, 4), bool))[None]
+    return np.asarray(attention.dense(q, k, v, mask))[0, :, 0, 0]
+
+
+def test_a_query_that_sees_a_non_finite_value_gets_nan():
+    """Stored as ``storable`` stores them, a value that overflowed under a finite key still
+    makes the queries that see it NaN, and leaves the others finite."""
+    out = _attend_over_a_broken_value(kv.storable)
+    assert np.isfinite(out[:2]).all() and np.isnan(out[2:]).all()
+    # zeroing the value alone, the key kept, would hide the overflow from the queries that see it
+    hidden = _attend_over_a_broken_value(lambda k, v: (k, jnp.where(jnp.isfinite(v), v, 0)))
+    assert np.isfinite(hidden).all()
 
 
 def test_the_model_is_the_same_blocked_or_dense():
