@@ -1,7 +1,7 @@
 """What a round of a chain with per-row lengths (n-gram, suffix) costs at each verify width, and
 whether generate's rounds cost what the widths they ran predict.
 
-Times generate's own round (``timing._REPEATED``) at every width in ``engine.loop_widths(γ)``,
+Times generate's own round (``timing.round_timers``) at every width in ``engine.loop_widths(γ)``,
 an autoregressive step, and whole ``sj.generate`` calls on the 10 held-out bench prompts (decode
 seconds per round), interleaved; then weighs the width costs by the proposed-length distribution
 the calls ran, against what those calls' rounds measured.
@@ -35,25 +35,13 @@ def main() -> None:
     spec = sj.SpecConfig(method=args.method, num_speculative_tokens=args.gamma)
     sampling = sj.SamplingParams(temperature=args.temperature, max_new_tokens=256)
 
-    def state_after(spec, rounds=40):
-        _, _, plan, tgt, draft_params, inputs = engine._prepare(
-            target, [tok.encode(prompts[0])], sampling, spec, None, None, 0, None, False, None,
-            None, False)
-        state = engine._STAGES["prefill"](plan, tgt.params, draft_params, inputs.prompts,
-                                          inputs.lengths, inputs.request)
-        for _ in range(rounds):
-            state = engine._STAGES["round"](plan, tgt.params, draft_params, inputs.request, state)
-        return plan, (tgt.params, draft_params, inputs.request, state)
+    def timer(spec, width=None):
+        return timing.round_timers(target, tok.encode(prompts[0]), sampling=sampling, spec=spec,
+                                   decoded=64, width=width)["round"]
 
-    def timer(plan, width, args_):
-        exe = timing._REPEATED["round"].lower(plan, width, *args_).compile()
-        return lambda: timing.timed(exe, *args_)[1] / timing.INNER
-
-    plan, spec_args = state_after(spec)
-    widths = engine.loop_widths(plan.gamma)
-    timers = {w: timer(plan, w, spec_args) for w in widths}
-    ar_plan, ar_args = state_after(None)
-    timers["ar"] = timer(ar_plan, None, ar_args)
+    widths = engine.loop_widths(args.gamma)
+    timers = {w: timer(spec, w) for w in widths}
+    timers["ar"] = timer(None)
     ran = {}
 
     def calls(spec, name):

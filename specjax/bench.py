@@ -34,7 +34,11 @@ Figures per (temperature, γ):
 * predicted: the formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` (specjax/theory.py) from the
   measured α and c; it assumes verifying γ + 1 tokens costs one target step. ``pred·v`` puts the
   measured verify cost in the denominator (γc + v); for a tree, whose acceptance the formula
-  does not model, its numerator is the measured mean accepted length.
+  does not model, its numerator is the measured mean accepted length. For a chain whose rounds
+  propose fewer than γ drafts (n-gram, suffix), both parts follow the lengths it proposed: the
+  formula's tokens for each length k, and the verify cost of the width its loop verifies k
+  drafts over (``engine.loop_widths``, each timed), weighed by how often each came (at batch B
+  a round verifies at its widest row's width: taken as the widest of B independent rows).
 * meas/pred: the measured speed-up over ``pred·v``. Below 1 by what a round costs beyond its
   parts (round/parts) and by the loop's own overhead; for a chain also off by how far the
   formula's independent-acceptance model (one α for every position) is from the acceptance
@@ -166,6 +170,8 @@ def _pooled(outs) -> dict:
     emitted = sum(o.stats.mean_accepted_length * o.stats.num_rounds for o in outs)
     per_position = sum(o.stats.per_position_acceptance * o.stats.num_rounds for o in outs)
     lengths = sum(o.stats.accepted_length_distribution * o.stats.num_rounds for o in outs)
+    proposed_lengths = sum(o.stats.proposed_length_distribution * o.stats.num_rounds
+                           for o in outs)
     # α as the formula means it: the chance that a draft passes given that every draft before it
     # in the round passed: accepted drafts against accepted ones plus the rejections (at most one
     # a round; a round that proposed fewer than γ and accepted them all rejected none).
@@ -188,6 +194,7 @@ def _pooled(outs) -> dict:
     return dict(acceptance_rate=accepted / proposed if proposed else float("nan"), alpha=alpha,
                 **calibration,
                 accepted_length_distribution=[float(x) for x in lengths / rounds],
+                proposed_length_distribution=[float(x) for x in proposed_lengths / rounds],
                 mean_accepted_length=emitted / rounds,
                 per_position_acceptance=[float(x) for x in per_position / rounds],
                 # [first position, end (None: open), mean accepted length, row-rounds] per bin
@@ -199,6 +206,34 @@ def _pooled(outs) -> dict:
                 rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted,
                 mean_proposed=proposed / rounds,
                 rested_rounds=sum(o.stats.rested_rounds for o in outs))  # of the rounds
+
+
+def _varied_chain(spec: SpecConfig | None, outs) -> bool:
+    """Whether ``spec`` is a chain of static γ whose rounds proposed fewer than γ drafts
+    (n-gram, suffix: per-row lengths), in the generations ``outs``."""
+    if spec is None or spec.tree is not None or spec.survival_threshold is not None \
+            or spec.verify_costs is not None or _lookahead(spec) is not None:
+        return False
+    g = spec.num_speculative_tokens
+    return any(o.stats.proposed_length_distribution is not None
+               and o.stats.proposed_length_distribution[g] < 1 for o in outs)
+
+
+def _varied_round(alpha: float, proposed: list[float], batch: int,
+                  width_costs: dict[int, float]) -> tuple[float, float]:
+    """A round of a chain with per-row lengths, as the formula sees it: the tokens a row-round
+    yields, E over the proposed lengths k (``proposed``, [γ + 1] fractions of row-rounds) of
+    (1 - α^(k+1)) / (1 - α), and the verify forward's expected cost in target steps
+    (``width_costs``: the cost of each of ``engine.loop_widths(γ)``), at the narrowest width
+    that holds the round's widest row: at batch B, the widest of B independent draws."""
+    p = np.asarray(proposed, np.float64)
+    p = p / p.sum()
+    tokens = sum(pk * theory.expected_tokens_per_round(alpha, k) for k, pk in enumerate(p))
+    widest = np.diff(np.concatenate([[0.0], np.cumsum(p) ** batch]))  # P(max of B = k)
+    widths = np.asarray(sorted(width_costs))
+    verify = sum(wk * width_costs[int(widths[np.searchsorted(widths, k + 1)])]
+                 for k, wk in enumerate(widest))
+    return float(tokens), float(verify)
 
 
 def parted_at_near_tie(target: Model, prompt: list[int], a, b) -> bool:
@@ -385,6 +420,11 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         for name, v in variants.items():  # warm-up: compiles every program the timed passes use
             outs = run_all(*v)
             memory[name] = _memory(target, v[1], outs[-1])
+            if name != "ar" and _varied_chain(v[0], outs):
+                # its rounds verify over the loop's widths (engine.loop_widths): time each
+                for n in engine.loop_widths(v[0].num_speculative_tokens):
+                    if n not in timers:
+                        timers[n] = forward_timer(target, n, capacity, context, batch=B)
         for i, spec in enumerate(specs):
             g = forward_width(spec) - 1
             parts = round_timers(target, prompt, sampling=sampling, spec=spec,
@@ -485,8 +525,18 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         # in a row), the measured mean accepted length for a tree (the formula is for chains).
         tokens = (theory.expected_tokens_per_round(alpha, g) if ok
                   else row["mean_accepted_length"] if not chain else float("nan"))
+        verify = row["verify_cost"]
+        if ok and all(n in seconds for n in engine.loop_widths(g)) and \
+                row["proposed_length_distribution"][g] < 1:
+            width_costs = {n: seconds[n] / step for n in engine.loop_widths(g)}
+            tokens, verify = _varied_round(alpha, row["proposed_length_distribution"],
+                                           row["batch_size"], width_costs)
+            # [width, cost in target steps] of each width its loop verifies over, and their
+            # expected cost per round
+            row["verify_cost_by_width"] = [[n, x] for n, x in width_costs.items()]
+            row["predicted_verify_cost"] = verify
         row["predicted_speedup_with_verify_cost"] = (
-            float("nan") if is_adaptive else tokens / (g * c + row["verify_cost"]))
+            float("nan") if is_adaptive else tokens / (g * c + verify))
         row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup_with_verify_cost"]
     roof = None
     if roofline:
@@ -554,7 +604,10 @@ def format_table(result: dict) -> str:
                    if np.isfinite(r["measured_over_predicted"]) else f"{'':10}") + "  "
                 + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
         if r.get("mean_proposed", r["gamma"]) < r["gamma"] and r.get("tree") is None:
-            line += f"  ({r['mean_proposed']:.2f} drafts/round)"
+            line += f"  ({r['mean_proposed']:.2f} drafts/round"
+            if "predicted_verify_cost" in r:
+                line += f"; verify {r['predicted_verify_cost']:.2f} a round at its widths"
+            line += ")"
         if r.get("rested_rounds"):
             line += f"  ({r['rested_rounds'] / r['rounds']:.0%} of rounds rested)"
         if r.get("reliability"):

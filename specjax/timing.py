@@ -143,8 +143,8 @@ _REPEATED = {stage: _repeated(stage) for stage in ("round", "propose")}
 
 def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=None,
                  decoded: int = 64, key=0, max_cache_len: int | None = None,
-                 allow_synthetic: bool = False, batch: int = 1, switch: bool = False
-                 ) -> dict[str, Callable[[], float]]:
+                 allow_synthetic: bool = False, batch: int = 1, switch: bool = False,
+                 width: int | None = None) -> dict[str, Callable[[], float]]:
     """Functions timing (seconds per call) one round of ``sj.generate``'s own program for the
     single row ``prompt`` after ``decoded`` tokens of it have been generated (so the caches hold
     prompt + decoded tokens): "round" is the whole round (propose, the target's verify forward,
@@ -153,7 +153,9 @@ def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=No
     must leave room for ``decoded`` tokens and a round). ``batch``: that many copies of the
     row, each with its own key. ``switch``: a chain with per-row lengths chooses the round's
     verify width inside the round (``engine.round_step`` with no width) instead of verifying
-    at the width generate's loop picks for its drafts. Compiles before returning."""
+    at the width generate's loop picks for its drafts. ``width``: such a chain's round verifies
+    at this width (one of ``engine.loop_widths(γ)``) whatever its drafts' lengths. Compiles
+    before returning."""
     from . import engine
 
     rows, sampling, plan, target, draft_params, inputs = engine._prepare(
@@ -173,9 +175,13 @@ def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=No
                          f"were decoded: nothing left to time")
     args = (params, draft_params, inputs.request, state)
     stages = ["round"] + (["propose"] if plan.proposer is not None else [])
-    # a chain with per-row lengths: the width generate's loop verifies these pending drafts over
-    width = None if state.pending is None or switch else engine.loop_widths(plan.gamma)[
-        int(engine.verify_width(plan, state))]
+    widths = engine.loop_widths(plan.gamma)
+    if width is not None and (state.pending is None or switch or width not in widths):
+        raise ValueError(f"width={width}: only a chain with per-row lengths (not switch=True) "
+                         f"verifies at a chosen width, one of {list(widths)}")
+    if width is None and state.pending is not None and not switch:
+        # the width generate's loop verifies these pending drafts over
+        width = widths[int(engine.verify_width(plan, state))]
     timers = {}
     for stage in stages:
         exe = _REPEATED[stage].lower(plan, width, *args).compile()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import cli
+from specjax import cli, theory
+from specjax.bench import _varied_round
 from specjax.checkpoint import compute_dtype
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -231,8 +232,6 @@ BENCH_FIELDS = {
 
 
 def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
-
-    from specjax import theory
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                      str(model_folders / "d"), "--gammas", "1,3", "--temperatures", "0,0.8",
@@ -417,10 +416,25 @@ def test_bench_suffix_with_a_corpus_per_pass(model_folders, capsys, tmp_path, mo
     assert passes == [0, 0, 0]  # warm-up and two repeats, each from an empty copy
 
 
+def test_bench_prediction_for_chains_of_varied_length():
+    """A chain whose rounds propose fewer than γ drafts (n-gram, suffix): the bench's prediction
+    weighs each length's tokens and the verify width its loop runs for it."""
+    costs, a = {1: 1.0, 2: 1.2, 3: 1.3, 5: 1.5}, 0.6
+    tokens, verify = _varied_round(a, [0, 0, 0, 0, 1], 1, costs)  # always γ: the static formula
+    assert tokens == pytest.approx(theory.expected_tokens_per_round(a, 4)) and verify == 1.5
+    tokens, verify = _varied_round(a, [0.5, 0, 0.5, 0, 0], 1, costs)
+    assert tokens == pytest.approx(0.5 + 0.5 * (1 + a + a * a))
+    assert verify == pytest.approx(0.5 * 1.0 + 0.5 * 1.3)
+    # two rows: a round verifies at its widest row's width, nothing only when neither drafts
+    assert _varied_round(a, [0.5, 0, 0.5, 0, 0], 2, costs) == pytest.approx(
+        (tokens, 0.25 * 1.0 + 0.75 * 1.3))
+    assert _varied_round(a, [0, 0, 0, 1, 0], 1, costs)[1] == 1.5  # 3 drafts: no width-4 loop
+
+
 def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
     out = tmp_path / "ngram.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "ngram",
-                     "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "8",
+                     "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "32",
                      "--repeats", "1", "--verify-repeats", "1", "--num-prompts", "1",
                      "--max-prompt-tokens", "40", "--prompt-lookup-min", "1",
                      "--prompt-lookup-max", "3", "--prompt-lookup-length-factor", "1.5",
@@ -433,6 +447,14 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
     assert row["c"] > 0 and row["propose_ms"] > 0 and row["round_ms"] > 0
     assert row["lookup"] == {"min": 1, "max": 3, "length_factor": 1.5}
     assert row["label"] == "chain 2 (1..3 x1.5)"
+    # its rounds propose 0..2 drafts: the prediction follows the lengths and the widths
+    lengths = row["proposed_length_distribution"]
+    assert len(lengths) == 3 and sum(lengths) == pytest.approx(1) and lengths[0] < 1 > lengths[2]
+    assert [w for w, _ in row["verify_cost_by_width"]] == [1, 2, 3]
+    tokens, verify = _varied_round(row["alpha"], lengths, 1, dict(row["verify_cost_by_width"]))
+    assert row["predicted_verify_cost"] == pytest.approx(verify)
+    assert row["predicted_speedup_with_verify_cost"] == pytest.approx(
+        tokens / (2 * row["c"] + verify))
     capsys.readouterr()
     for argv, message in [(["--gammas", "0"], "gammas must be ints >= 1"),
                           (["--gammas", "x"], "comma-separated ints"),

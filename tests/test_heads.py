@@ -624,3 +624,21 @@ def test_the_propose_timer_times_the_proposal(target, trained):
                                 spec=dict(method="ngram", num_speculative_tokens=3))
     cost = ngram["propose"].executable.cost_analysis()
     assert cost["flops"] > 0 and cost["bytes accessed"] >= 4 * 256, cost  # the [1, S] history
+
+
+def test_round_timers_verify_at_a_chosen_width(target):
+    """``round_timers(width=w)`` times a per-row-length chain's round verifying over w tokens
+    (experiments/round_widths.py): a wider round computes more; a width generate's loop never
+    uses, or a chain of static length, is refused by name."""
+    from specjax import engine, timing
+    prompt, sampling = PROMPTS[3] * 3, sj.SamplingParams(temperature=0.0, max_new_tokens=16)
+    spec = dict(method="ngram", num_speculative_tokens=3)
+    widths = engine.loop_widths(3)
+    flops = [timing.round_timers(target, prompt, sampling=sampling, decoded=4, spec=spec,
+                                 width=w)["round"].executable.cost_analysis()["flops"]
+             for w in (widths[0], widths[-1])]
+    assert flops[0] < flops[1], flops
+    with pytest.raises(ValueError, match="width=99"):
+        timing.round_timers(target, prompt, sampling=sampling, decoded=4, spec=spec, width=99)
+    with pytest.raises(ValueError, match="width=2"):
+        timing.round_timers(target, prompt, sampling=sampling, decoded=4, width=2)
