@@ -5,8 +5,10 @@ intersection (the re-encoding chain), and code-draft-bpe4k with string-level dra
 runs through the Python API with its defaults (`sj.generate`, batch 1, one prompt per call, the
 bench's ten held-out prompts, 128 new tokens), interleaved with autoregressive decoding in each
 repeat, so the ratios share the machine's state. Prints, per temperature and variant, the median
-speed-up over the repeats (each repeat: total autoregressive time / total speculative time over
-the prompts), acceptance and mean accepted length, and whether greedy output was identical.
+speed-up over the repeats (each repeat: the autoregressive calls' time per generated token over
+the speculative calls', whole calls over all prompts; per token because sampled texts end at
+different lengths), acceptance and mean accepted length, and whether greedy output was
+identical.
 
     python experiments/other_tokenizer.py [--gammas 4] [--repeats 3] [--json PATH]
 """
@@ -61,18 +63,23 @@ def main() -> None:
         for kwargs in variants.values():  # compile every program first
             run(kwargs, 0)
         seconds = {name: [] for name in variants}
+        tokens = {name: [] for name in variants}
         results = {}
         for r in range(args.repeats):
             for name, kwargs in variants.items():
                 took, outs = run(kwargs, 1000 * r)
                 seconds[name].append(took)
+                tokens[name].append(sum(int(o.lengths.sum()) for o in outs))
                 results[name] = outs
         reference = results["autoregressive"]
         for name in variants:
             if name == "autoregressive":
                 continue
             outs = results[name]
-            ratios = [a / s for a, s in zip(seconds["autoregressive"], seconds[name])]
+            # per generated token: sampled texts end at different lengths (EOS), so whole
+            # calls' times compare only per token
+            ratios = [(a / na) / (s / ns) for a, s, na, ns in zip(
+                seconds["autoregressive"], seconds[name], tokens["autoregressive"], tokens[name])]
             proposed = sum(o.stats.proposed_tokens for o in outs)
             accepted = sum(o.stats.accepted_tokens for o in outs)
             rounds = sum(o.stats.num_rounds for o in outs)
@@ -82,6 +89,7 @@ def main() -> None:
             row = {"variant": name, "temperature": temperature,
                    "speedup": statistics.median(ratios), "speedup_per_repeat": ratios,
                    "ar_seconds": seconds["autoregressive"], "spec_seconds": seconds[name],
+                   "ar_tokens": tokens["autoregressive"], "spec_tokens": tokens[name],
                    "acceptance_rate": accepted / max(proposed, 1),
                    "tokens_per_round": generated / max(rounds, 1),
                    "identical_to_autoregressive": same}
