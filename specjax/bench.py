@@ -394,6 +394,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     timers.update({n: forward_timer(target, n, capacity, context, batch=B)
                    for n in sizes if n != 1})
     samples: dict = {}
+    round_widths: dict = {}  # (temperature, spec) -> the width its timed round verified at
     inner = -(-verify_repeats // repeats)  # samples of each part per repeat
 
     def sample_parts(keys):
@@ -433,6 +434,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                      len(prompt), max_new_tokens, g)), allow_synthetic=True,
                                  batch=B)
             timers.update({(temperature, i, k): f for k, f in parts.items()})
+            round_widths[(temperature, i)] = parts["round"].width
             # the timers hold executables of their own (an adaptive chain of 8: ~5,400 memory
             # mappings each); past the cache's budget, generate's programs make room, and
             # compile again (untimed) when run
@@ -510,8 +512,12 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         drafts = row["mean_proposed"] if is_adaptive else row["gamma"]
         row["c"] = row["propose_ms"] / 1e3 / step / drafts if drafts else float("nan")
         # what the round costs over its parts: sampling, verification, bookkeeping, copies
+        # (a chain with per-row lengths: its timed round verified at the width its loop picked
+        # for that state's drafts, so its parts are that width's forward)
+        width = round_widths.get((row["temperature"], i))
+        row["round_verify_tokens"] = width if width in seconds else row["verify_tokens"]
         row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * seconds[
-            row["verify_tokens"]])
+            row["round_verify_tokens"]])
         # What a round spends besides the verify forward, in target steps, per draft, from the
         # generate loop's own times: the drafter plus the loop's overhead.
         row["draft_cost_per_draft"] = (

@@ -189,5 +189,6 @@ def round_timers(target, prompt, *, sampling, spec=None, draft=None, proposer=No
         def run(exe=exe) -> float:
             return timed(exe, *args)[1] / INNER
         run.executable = exe  # for inspection (cost_analysis(), as_text())
+        run.width = width  # the verify width a per-row-length chain's round runs at (else None)
         timers[stage] = run
     return timers

@@ -228,7 +228,7 @@ BENCH_FIELDS = {
     "per_position_acceptance", "proposal_rate", "accepted_length_by_position",
     "rounds", "proposed_tokens", "accepted_tokens", "c", "verify_cost", "predicted_speedup",
     "predicted_speedup_with_verify_cost", "measured_over_predicted", "propose_ms", "round_ms",
-    "round_over_parts", "draft_cost_per_draft"}
+    "round_over_parts", "round_verify_tokens", "draft_cost_per_draft"}
 
 
 def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
@@ -439,7 +439,8 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
                      "--max-prompt-tokens", "40", "--prompt-lookup-min", "1",
                      "--prompt-lookup-max", "3", "--prompt-lookup-length-factor", "1.5",
                      "--json", str(out)]) == 0
-    row, = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    row, = result["rows"]
     assert row["method"] == "ngram" and row["identical_to_autoregressive"]
     # the lookup and the round are timed (which is larger is a timing, not a test: with one
     # sample on a busy machine the lookup once took 1.2 ms against a 0.2 ms round; that the
@@ -455,6 +456,11 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
     assert row["predicted_verify_cost"] == pytest.approx(verify)
     assert row["predicted_speedup_with_verify_cost"] == pytest.approx(
         tokens / (2 * row["c"] + verify))
+    # its timed round verified at the width its loop picked there; its parts are that width's
+    costs, step = dict(row["verify_cost_by_width"]), result["settings"]["target_step_ms"]
+    assert row["round_verify_tokens"] in costs
+    assert row["round_over_parts"] == pytest.approx(
+        row["round_ms"] / (row["propose_ms"] + costs[row["round_verify_tokens"]] * step))
     capsys.readouterr()
     for argv, message in [(["--gammas", "0"], "gammas must be ints >= 1"),
                           (["--gammas", "x"], "comma-separated ints"),
