@@ -208,17 +208,6 @@ def _pooled(outs) -> dict:
                 rested_rounds=sum(o.stats.rested_rounds for o in outs))  # of the rounds
 
 
-def _varied_chain(spec: SpecConfig | None, outs) -> bool:
-    """Whether ``spec`` is a chain of static γ whose rounds proposed fewer than γ drafts
-    (n-gram, suffix: per-row lengths), in the generations ``outs``."""
-    if spec is None or spec.tree is not None or spec.survival_threshold is not None \
-            or spec.verify_costs is not None or _lookahead(spec) is not None:
-        return False
-    g = spec.num_speculative_tokens
-    return any(o.stats.proposed_length_distribution is not None
-               and o.stats.proposed_length_distribution[g] < 1 for o in outs)
-
-
 def _varied_round(alpha: float, proposed: list[float], batch: int,
                   width_costs: dict[int, float]) -> tuple[float, float]:
     """A round of a chain with per-row lengths, as the formula sees it: the tokens a row-round
@@ -421,11 +410,6 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         for name, v in variants.items():  # warm-up: compiles every program the timed passes use
             outs = run_all(*v)
             memory[name] = _memory(target, v[1], outs[-1])
-            if name != "ar" and _varied_chain(v[0], outs):
-                # its rounds verify over the loop's widths (engine.loop_widths): time each
-                for n in engine.loop_widths(v[0].num_speculative_tokens):
-                    if n not in timers:
-                        timers[n] = forward_timer(target, n, capacity, context, batch=B)
         for i, spec in enumerate(specs):
             g = forward_width(spec) - 1
             parts = round_timers(target, prompt, sampling=sampling, spec=spec,
@@ -434,7 +418,14 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                                      len(prompt), max_new_tokens, g)), allow_synthetic=True,
                                  batch=B)
             timers.update({(temperature, i, k): f for k, f in parts.items()})
+            # a chain with per-row lengths (n-gram, suffix; the engine's own decision) verifies
+            # each round at one of its loop's widths: its timed round at the one it picked
+            # there, and every width's forward for the prediction
             round_widths[(temperature, i)] = parts["round"].width
+            if parts["round"].width is not None:
+                for n in engine.loop_widths(spec.num_speculative_tokens):
+                    if n not in timers:
+                        timers[n] = forward_timer(target, n, capacity, context, batch=B)
             # the timers hold executables of their own (an adaptive chain of 8: ~5,400 memory
             # mappings each); past the cache's budget, generate's programs make room, and
             # compile again (untimed) when run
@@ -514,8 +505,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         # what the round costs over its parts: sampling, verification, bookkeeping, copies
         # (a chain with per-row lengths: its timed round verified at the width its loop picked
         # for that state's drafts, so its parts are that width's forward)
-        width = round_widths.get((row["temperature"], i))
-        row["round_verify_tokens"] = width if width in seconds else row["verify_tokens"]
+        width = round_widths[(row["temperature"], i)]
+        row["round_verify_tokens"] = row["verify_tokens"] if width is None else width
         row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * seconds[
             row["round_verify_tokens"]])
         # What a round spends besides the verify forward, in target steps, per draft, from the
@@ -532,8 +523,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         tokens = (theory.expected_tokens_per_round(alpha, g) if ok
                   else row["mean_accepted_length"] if not chain else float("nan"))
         verify = row["verify_cost"]
-        if ok and all(n in seconds for n in engine.loop_widths(g)) and \
-                row["proposed_length_distribution"][g] < 1:
+        if ok and width is not None:  # per-row lengths: the widths' forwards were timed
             width_costs = {n: seconds[n] / step for n in engine.loop_widths(g)}
             tokens, verify = _varied_round(alpha, row["proposed_length_distribution"],
                                            row["batch_size"], width_costs)

@@ -431,7 +431,16 @@ def test_bench_prediction_for_chains_of_varied_length():
     assert _varied_round(a, [0, 0, 0, 1, 0], 1, costs)[1] == 1.5  # 3 drafts: no width-4 loop
 
 
-def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
+def test_bench_ngram_and_errors(model_folders, capsys, tmp_path, monkeypatch):
+    from specjax import bench
+    picked = []  # the verify width of each round the bench times (round_timers' own choice)
+
+    def recorded(*args, **kwargs):
+        timers = round_timers(*args, **kwargs)
+        picked.append(timers["round"].width)
+        return timers
+    round_timers = bench.round_timers
+    monkeypatch.setattr(bench, "round_timers", recorded)
     out = tmp_path / "ngram.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "ngram",
                      "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "32",
@@ -458,7 +467,7 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path):
         tokens / (2 * row["c"] + verify))
     # its timed round verified at the width its loop picked there; its parts are that width's
     costs, step = dict(row["verify_cost_by_width"]), result["settings"]["target_step_ms"]
-    assert row["round_verify_tokens"] in costs
+    assert picked == [row["round_verify_tokens"]] and picked[0] in costs
     assert row["round_over_parts"] == pytest.approx(
         row["round_ms"] / (row["propose_ms"] + costs[row["round_verify_tokens"]] * step))
     capsys.readouterr()
