@@ -71,7 +71,9 @@ def tight_capacity(longest, max_new, spec):
     return longest + max_new + gamma
 
 
-def generate_samples(target, draft, sampling, spec, seed=0, prompt=PROMPT, rows=N):
+def sample_rows(target, draft, sampling, spec, seed=0, prompt=PROMPT, rows=N):
+    """``rows`` copies of ``prompt`` sampled with ``spec``: the whole Generation (its stats say
+    what the rounds proposed, in the same run whose tokens a test checks)."""
     out = sj.generate(target, [prompt] * rows, sampling=sampling, spec=spec, draft=draft,
                       key=seed,
                       max_cache_len=tight_capacity(len(prompt), sampling.max_new_tokens, spec))
@@ -79,18 +81,24 @@ def generate_samples(target, draft, sampling, spec, seed=0, prompt=PROMPT, rows=
     if spec is not None:
         assert out.stats.proposed_tokens > rows // 4  # speculation really happened
         assert out.stats.accepted_tokens > rows // 50
-    return out.tokens
+    return out
+
+
+def generate_samples(target, draft, sampling, spec, seed=0, prompt=PROMPT, rows=N):
+    return sample_rows(target, draft, sampling, spec, seed, prompt, rows).tokens
 
 
 SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 0.9)]
 
 
-def first_three_pvalue(target, draft, spec, t, k, p, rows=N):
+def first_three_pvalue(target, draft, spec, t, k, p, rows=N, *, with_stats=False):
     """The G-test p-value of the first three tokens sampled (``rows`` samples) with ``spec`` at
-    temperature t, top-k k, top-p p against their exact joint distribution under the target."""
+    temperature t, top-k k, top-p p against their exact joint distribution under the target;
+    with_stats: (p-value, the sampling run's Stats)."""
     sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
-    return g_test(generate_samples(target, draft, sampling, spec, rows=rows),
-                  exact_joint(target, t, k, p))
+    out = sample_rows(target, draft, sampling, spec, rows=rows)
+    pvalue = g_test(out.tokens, exact_joint(target, t, k, p))
+    return (pvalue, out.stats) if with_stats else pvalue
 
 
 NGRAM = dict(method="ngram", prompt_lookup_min=1, prompt_lookup_max=2)
