@@ -301,6 +301,9 @@ def _label(spec: SpecConfig) -> str:
                        else f" adaptive {spec.survival_threshold:g}")
                     + ("" if spec.verify_costs is None else " budget")
                     + (" no rests" if spec.verify_costs is not None and not spec.rests else ""))
+        if spec.method == "suffix" and spec.suffix_decoding_own_spec_factor is not None:
+            own = spec.suffix_decoding_own_spec_factor
+            return f"chain {spec.num_speculative_tokens} own x{own:g}"
         if lookup is None:
             return f"chain {spec.num_speculative_tokens}"
         factor = "" if lookup["length_factor"] is None else f" x{lookup['length_factor']:g}"
@@ -765,7 +768,9 @@ def main(args) -> int:
                 print(f"skipping {m} chain {spec.num_speculative_tokens}: the drafter drafts at "
                       f"most {limit} deep", file=sys.stderr)
                 continue
-            specs.append(spec)
+            own = getattr(args, "suffix_own_spec_factor", None) if m == "suffix" else None
+            specs += ([dataclasses.replace(spec, suffix_decoding_own_spec_factor=f) for f in own]
+                      if own else [spec])
             thresholds = getattr(args, "survival_threshold", None) or ()
             if thresholds and (not kinds[m].adaptive or synthetic is not None):
                 print(f"no adaptive variants for {m}" + (" with synthetic acceptance"

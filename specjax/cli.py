@@ -383,6 +383,10 @@ def _add_bench(sub) -> None:
                    help="BENCHMARK ONLY, NOT LOSSLESS: every chain accepts draft position i with "
                         "probability A (or the i-th A, one per position), whatever the drafts; "
                         "for measuring at a known acceptance (random weights, accelerators)")
+    b.add_argument("--suffix-own-spec-factor", type=_numbers(float), default=None,
+                   metavar="F[,F,...]",
+                   help="suffix: each chain once per factor, where the longest match lies in "
+                        "the row's own text (SpecConfig.suffix_decoding_own_spec_factor)")
     b.add_argument("--survival-threshold", type=_numbers(float), default=None,
                    metavar="S[,S,...]",
                    help="also each chain with adaptive lengths at these thresholds "

@@ -393,6 +393,11 @@ class SpecConfig:
     # suffix decoding: the shortest match that drafts anything (ours, not vLLM's; 2 drafts less
     # at T = 1 without repetition, and accepts less where text repeats)
     suffix_decoding_min_match_length: int = 1
+    # suffix decoding: the spec factor where the longest match lies in the row's own text (ours,
+    # not vLLM's: a row that copies from its prompt or its own output tends to go on copying,
+    # while a match found only in other requests' outputs keeps suffix_decoding_max_spec_factor;
+    # docs/suffix.md has the measurements). None: suffix_decoding_max_spec_factor everywhere.
+    suffix_decoding_own_spec_factor: float | None = 4.0
     # lookahead decoding (specjax/draft/lookahead.py): W, the Jacobi window's columns; G, the
     # candidate chains verified a round (without a tree); n-grams kept per row. Its n-grams are
     # num_speculative_tokens + 1 long (the tree's depth + 1 with a tree).
@@ -448,6 +453,10 @@ class SpecConfig:
         _require_real(self, "suffix_decoding_max_spec_factor",
                       self.suffix_decoding_max_spec_factor,
                       lambda x: math.isfinite(x) and x > 0, "a finite number > 0")
+        if self.suffix_decoding_own_spec_factor is not None:
+            _require_real(self, "suffix_decoding_own_spec_factor",
+                          self.suffix_decoding_own_spec_factor,
+                          lambda x: math.isfinite(x) and x > 0, "a finite number > 0 or None")
         _require_real(self, "suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob,
                       lambda x: 0 <= x <= 1, "in [0, 1]")
         for name, most in [("lookahead_window", 32), ("lookahead_candidates", 16),

@@ -407,13 +407,14 @@ def test_bench_suffix_with_a_corpus_per_pass(model_folders, capsys, tmp_path, mo
                      "--gammas", "3", "--temperatures", "0", "--max-new-tokens", "8",
                      "--repeats", "2", "--verify-repeats", "1", "--prompts", str(workload),
                      "--num-prompts", "3", "--max-prompt-tokens", "40", "--suffix-cache", "256",
-                     "--json", str(out)]) == 0
+                     "--suffix-own-spec-factor", "1,4", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    row, = result["rows"]
-    assert row["method"] == "suffix" and row["identical_to_autoregressive"]
+    rows = result["rows"]  # one chain per own-text spec factor
+    assert [r["label"] for r in rows] == ["chain 3 own x1", "chain 3 own x4"]
+    assert all(r["method"] == "suffix" and r["identical_to_autoregressive"] for r in rows)
     assert f"3 prompts from {workload}, batch 1" in capsys.readouterr().out  # not "held-out"
     assert result["settings"]["drafters"]["suffix"].startswith("SuffixCache(")
-    assert passes == [0, 0, 0]  # warm-up and two repeats, each from an empty copy
+    assert passes == [0] * 6  # each variant's warm-up and two repeats, each from an empty copy
 
 
 def test_bench_prediction_for_chains_of_varied_length():

@@ -20,7 +20,8 @@ from specjax.tree import Tree
 # -- the proposer against a reference -----------------------------------------------------------
 
 
-def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M, min_match=1):
+def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M, min_match=1,
+              own_factor=None):
     """Per row, (tokens, valid) by the rule in specjax/draft/suffix.py, written plainly."""
     out_tokens, out_valid = [], []
     C, D = len(corpus), tree.depth
@@ -34,8 +35,9 @@ def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M
                 k += 1
             return k
 
-        occ = []  # (score, continuation)
+        occ = []  # (score, match length, continuation)
         span = C + S
+        own_longest = max((run(row, e) for e in range(last)), default=0)
         for e in range(S):
             r = run(row, e) if e < last else 0
             cont = []
@@ -57,7 +59,8 @@ def reference(tree: Tree, history, length, corpus, write, P, factor, min_prob, M
         occ = occ[:M]
         longest = occ[0][1]
         support = [o[1] == longest and longest >= min_match for o in occ]
-        cap = int(np.ceil(factor * longest))
+        from_own = own_factor is not None and own_longest == longest
+        cap = int(np.ceil((own_factor if from_own else factor) * longest))
         tokens, valid = fill_reference(tree, [o[2] for o in occ], support, min_prob, cap)
         out_tokens.append(tokens)
         out_valid.append(valid)
@@ -109,14 +112,16 @@ def test_the_proposer_matches_a_python_reference(paths, seed):
         min_prob, M = 0.0, 8  # kept, so 8 blocks of the 2,560 positions are looked at
     tree = Tree(paths)
     min_match = min(P, 1 + seed % 3)
-    proposer = suffix.SuffixProposer(tree, P, factor, min_prob, M, min_match)
+    own_factor = [None, 3.0, 0.5][seed % 3]  # own-text matches drafting deeper, shallower, alike
+    proposer = suffix.SuffixProposer(tree, P, factor, min_prob, M, min_match,
+                                     own_spec_factor=own_factor)
     use_cache = seed % 2 == 0 or big
     params = cache.params if use_cache else None
     draft, _ = jax.jit(lambda p, h, n: proposer.propose(p, None, h, n, None, None, None))(
         params, jnp.asarray(history), jnp.asarray(length))
     want_tokens, want_valid = reference(
         tree, history, length, cache._tokens if use_cache else np.zeros(0, np.int32),
-        cache._write, P, factor, min_prob, M, min_match)
+        cache._write, P, factor, min_prob, M, min_match, own_factor)
     np.testing.assert_array_equal(np.asarray(draft.valid), want_valid)
     np.testing.assert_array_equal(np.asarray(draft.tokens), want_tokens)
     assert want_valid.any()  # the case proposes something
@@ -261,6 +266,7 @@ def test_bad_settings_and_caches_are_refused(target, tmp_path):
             ("suffix_decoding_max_tree_depth", 0, "max_tree_depth must be an int >= 1"),
             ("suffix_decoding_max_tree_depth", 40, "max_tree_depth=40 is beyond"),
             ("suffix_decoding_max_spec_factor", 0.0, "max_spec_factor must be a finite"),
+            ("suffix_decoding_own_spec_factor", float("inf"), "own_spec_factor must be a finite"),
             ("suffix_decoding_min_token_prob", 1.5, "min_token_prob must be in"),
             ("suffix_decoding_min_match_length", 0, "min_match_length must be an int >= 1"),
             ("suffix_decoding_min_match_length", 30, "min_match_length=30 is longer than")]:

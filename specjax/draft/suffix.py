@@ -19,7 +19,8 @@ rank r under a parent is the r-th most frequent token at that depth among the oc
 agree with the parent's path (ties: the more recent occurrence first). A node is proposed only
 where its parent is, at least one occurrence supports it, its share of its parent's occurrences
 is at least ``min_token_prob``, and its depth is at most ``max_spec_factor`` × the match length
-(a longer match earns a deeper draft). Drafts are point masses, verified by the tree verifier as
+(a longer match earns a deeper draft), or ``own_spec_factor`` × it where the longest match lies
+in the row's own text. Drafts are point masses, verified by the tree verifier as
 any tree is, so the output follows the target's distribution exactly, at any temperature.
 
 SuffixDecoding (Oliaro et al., 2024) builds a suffix tree per request and a global one on the
@@ -251,6 +252,8 @@ class SuffixProposer:
     candidates: int = 16  # occurrences kept a round, the longest matches first
     min_match: int = 1  # the shortest match that drafts anything
     acceptance_floor: float = 0.0  # rows propose while their acceptance is this high (gate.py)
+    own_spec_factor: float | None = 4.0  # the factor where the longest match is in the row's
+    # own text (None: max_spec_factor; SpecConfig.suffix_decoding_own_spec_factor)
 
     @property
     def gamma(self) -> int:
@@ -299,7 +302,10 @@ class SuffixProposer:
             cont = jnp.where(in_corpus[:, :, None],
                              _following(corpus, jnp.clip(index - S, 0, C - 1), D), cont)
         cont = jnp.where(support[:, :, None], cont, SEPARATOR)
-        depth_cap = jnp.ceil(self.max_spec_factor * longest).astype(jnp.int32)
+        factor = self.max_spec_factor
+        if self.own_spec_factor is not None:
+            factor = jnp.where(jnp.max(own, axis=1) >= longest, self.own_spec_factor, factor)
+        depth_cap = jnp.ceil(factor * longest).astype(jnp.int32)
         tokens, valid = fill_by_count(tree, cont, support, min_share=self.min_token_prob,
                                       depth_cap=depth_cap)
         draft = Draft(tokens, None, valid)
@@ -318,7 +324,8 @@ def build(spec, draft, target):
     return SuffixProposer(tree, spec.suffix_decoding_max_tree_depth,
                           spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
                           min_match=spec.suffix_decoding_min_match_length,
-                          acceptance_floor=spec.floor)
+                          acceptance_floor=spec.floor,
+                          own_spec_factor=spec.suffix_decoding_own_spec_factor)
 
 
 def corpus(cache: SuffixCache) -> dict:
