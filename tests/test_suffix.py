@@ -223,7 +223,7 @@ def suffix_samples(target, t, k, p, shape=SUFFIX_TREE):
     """N rows of PROMPT, 3 tokens each, drafted from a corpus of the target's own continuations
     of PROMPT (drafts often right, two candidates at the first steps). The proposer is passed
     directly (as a custom one would be), with 16 occurrences a round: the same code as
-    method="suffix" (whose SpecConfig route the greedy test runs), cheaper for 40,000 rows."""
+    method="suffix" (whose SpecConfig route the greedy test runs), cheaper for many rows."""
     sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=4)
     docs = sj.generate(target, [PROMPT] * 12, sampling=sampling, key=99)
     cache = sj.draft.SuffixCache(128)
