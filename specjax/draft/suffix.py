@@ -277,7 +277,8 @@ class SuffixProposer:
         want = last_tokens(history, length, P)
         own = match_runs(history, want, P)
         own = jnp.where(jnp.arange(S)[None, :] < length[:, None], own, 0)  # end before the last
-        longest = jnp.max(own, axis=1)
+        own_longest = jnp.max(own, axis=1)
+        longest = own_longest
         if params is not None:  # the corpus [C'], in time order, shared by every row
             corpus = params["tokens"]
             C = corpus.shape[0]
@@ -304,7 +305,7 @@ class SuffixProposer:
         cont = jnp.where(support[:, :, None], cont, SEPARATOR)
         factor = self.max_spec_factor
         if self.own_spec_factor is not None:
-            factor = jnp.where(jnp.max(own, axis=1) >= longest, self.own_spec_factor, factor)
+            factor = jnp.where(own_longest >= longest, self.own_spec_factor, factor)
         depth_cap = jnp.ceil(factor * longest).astype(jnp.int32)
         tokens, valid = fill_by_count(tree, cont, support, min_share=self.min_token_prob,
                                       depth_cap=depth_cap)
