@@ -8,6 +8,8 @@ the machine hits both alike.
         --tree '[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]'
     python experiments/ab_commits.py HEAD --methods ar,draft_model,draft_model~0.2 --gamma 2 \
         --batch 16 --temperature 0.8 --max-new-tokens 96
+    python experiments/ab_commits.py HEAD --with-checkpoints --methods ar,draft_model \
+        --prompt-set long --prompts 10          # the models shipped at HEAD against the tree's
 
 ``bpe4k`` is the draft model ``code-draft-bpe4k`` (a tokenizer of its own, read spelled).
 A method written ``name~X`` runs adaptive lengths with ``survival_threshold=X``. ``--batch B``
@@ -35,17 +37,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CKPT = ROOT / "checkpoints"
 
 
-def setup(sj, num_prompts: int):
+def setup(sj, num_prompts: int, ckpt: pathlib.Path = CKPT, prompt_set: str = "short"):
     bench = importlib.import_module(sj.__name__ + ".bench")
-    tok = sj.load_tokenizer(CKPT / "code-target")
-    target = sj.load_model(CKPT / "code-target")
-    drafts = {"draft_model": sj.load_draft_model(CKPT / "code-draft"),
-              "eagle": sj.load_heads(CKPT / "code-eagle", target),
-              "medusa": sj.load_heads(CKPT / "code-medusa", target)}
-    if (CKPT / "code-draft-bpe4k").is_dir():  # the draft with a tokenizer of its own
+    tok = sj.load_tokenizer(ckpt / "code-target")
+    target = sj.load_model(ckpt / "code-target")
+    drafts = {"draft_model": sj.load_draft_model(ckpt / "code-draft"),
+              "eagle": sj.load_heads(ckpt / "code-eagle", target),
+              "medusa": sj.load_heads(ckpt / "code-medusa", target),
+              "dflash": sj.load_heads(ckpt / "code-dflash", target),
+              "mtp": sj.load_heads(ckpt / "code-mtp", target)}
+    if (ckpt / "code-draft-bpe4k").is_dir():  # the draft with a tokenizer of its own
         paired = importlib.import_module(sj.__name__ + ".draft.draft_model").load_paired_draft
-        drafts["bpe4k"] = paired(CKPT / "code-draft-bpe4k", tok, target.config.vocab_size)
-    prompts = [tok.encode(p["text"]) for p in bench.load_prompts()[:num_prompts]]
+        drafts["bpe4k"] = paired(ckpt / "code-draft-bpe4k", tok, target.config.vocab_size)
+    prompts = [tok.encode(p["text"]) for p in bench.load_prompts(prompt_set)[:num_prompts]]
     return target, drafts, prompts
 
 
@@ -84,13 +88,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batch", type=int, default=1, help="rows per generate call")
+    ap.add_argument("--with-checkpoints", action="store_true",
+                    help="the old commit runs its own checkpoints/ too (default: both run the "
+                         "work tree's), so a retrained model is compared with the one before")
+    ap.add_argument("--prompt-set", default="short", help="bench prompt set: short or long")
     ap.add_argument("--tree", type=json.loads, default=None,
                     help="a static tree for every method, e.g. '[[0],[1],[0,0]]'")
     args = ap.parse_args()
     tree = None if args.tree is None else tuple(tuple(p) for p in args.tree)
     methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.old, "specjax"],
+        paths = ["specjax"] + (["checkpoints"] if args.with_checkpoints else [])
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.old, *paths],
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         (pathlib.Path(tmp) / "specjax").rename(pathlib.Path(tmp) / "specjax_old")
@@ -99,8 +108,9 @@ def main() -> None:
 
         import specjax as new
         runs = {}
-        setups = {name: (sj, *setup(sj, args.prompts)) for name, sj in (("old", old),
-                                                                        ("new", new))}
+        old_ckpt = pathlib.Path(tmp) / "checkpoints" if args.with_checkpoints else CKPT
+        setups = {name: (sj, *setup(sj, args.prompts, ckpt, args.prompt_set))
+                  for name, sj, ckpt in (("old", old, old_ckpt), ("new", new, CKPT))}
         for m in methods:  # each method's old and new runs back to back: the fairest pairing
             for name, (sj, target, drafts, prompts) in setups.items():
                 runs[(name, m)] = runner(sj, target, drafts, prompts, m, args.gamma,
@@ -114,10 +124,12 @@ def main() -> None:
                 seconds, tokens[k], accepted[k] = run()
                 times[k].append(seconds)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.prompts} bench prompts (batch {args.batch}) x {args.max_new_tokens} tokens "
+    print(f"{args.prompts} {args.prompt_set} bench prompts (batch {args.batch}) x "
+          f"{args.max_new_tokens} tokens "
           f"at T = "
           f"{args.temperature}, {f'tree {args.tree}' if tree else f'gamma {args.gamma}'}, "
-          f"median of {args.repeats} interleaved repeats; old = {args.old}")
+          f"median of {args.repeats} interleaved repeats; old = {args.old}"
+          f"{' with its checkpoints' if args.with_checkpoints else ''}")
     for m in methods:
         o, n = med[("old", m)], med[("new", m)]
         same = tokens[("old", m)] == tokens[("new", m)]

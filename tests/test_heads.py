@@ -100,6 +100,44 @@ def test_training_resumes_to_the_same_weights(target, trained, method, tmp_path)
                     draft_vocab_size=20, progress=False)
 
 
+def test_training_on_the_targets_own_text_alternates_and_resumes(target, trained, tmp_path):
+    """`--generated`: even steps train on stream windows (the batches a run without it sees),
+    odd steps on rows of the target's own text, chosen by the step alone; the run records it,
+    resumes to the same weights, and differs from a run without it. Bad rows are refused."""
+    from specjax.train.heads import alternating_batches
+    tokens = trained["tokens"]
+    rows = np.arange(10 * 33).reshape(10, 33) % 32  # [n, seq_len + 1] rows
+    cfg = quick(steps=4, seed=3)
+    for step in range(4):
+        batch = alternating_batches(tokens, rows, 5, cfg, step)
+        if step % 2 == 0:
+            np.testing.assert_array_equal(batch, sample_batch(tokens, 8, 32, 3, step))
+        else:
+            assert batch.shape == (5, 33) and all(any((r == g).all() for g in rows)
+                                                  for r in batch)
+            np.testing.assert_array_equal(batch, alternating_batches(tokens, rows, 5, cfg, step))
+    assert not np.array_equal(alternating_batches(tokens, rows, 5, cfg, 1),
+                              alternating_batches(tokens, rows, 5, cfg, 3))
+    whole, _ = train_heads(target, "eagle", tokens, cfg, tmp_path / "whole", progress=False,
+                           generated=rows, generated_rows=5)
+    run = json.loads((tmp_path / "whole" / "run.json").read_text())
+    assert run["generated"] == {"rows": 10, "length": 33, "per_step": 5}
+    train_heads(target, "eagle", tokens, cfg, tmp_path / "split", progress=False,
+                generated=rows, generated_rows=5, max_seconds=0)
+    resumed, _ = train_heads(target, "eagle", tokens, cfg, tmp_path / "split", progress=False,
+                             generated=rows, generated_rows=5)
+    for a, b in zip(jax.tree.leaves(resumed.params["weights"]),
+                    jax.tree.leaves(whole.params["weights"])):
+        np.testing.assert_array_equal(a, b)
+    without, _ = train_heads(target, "eagle", tokens, cfg, tmp_path / "without", progress=False)
+    assert not all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(without.params["weights"]), jax.tree.leaves(whole.params["weights"])))
+    for bad, match in [(rows[0], "need \\[n, L >= 3\\]"), (rows + 32, "outside the target's")]:
+        with pytest.raises(ValueError, match=match):
+            train_heads(target, "eagle", tokens, cfg, tmp_path / "bad", progress=False,
+                        generated=bad)
+
+
 def test_objective_weights_are_checked(target, trained, tmp_path):
     for ce, reg in [(-1.0, 1.0), (0.5, float("nan")), (0.0, 0.0)]:
         with pytest.raises(ValueError, match="must be finite, >= 0 and not both 0"):
@@ -221,6 +259,12 @@ def test_model_card_describes_each_kind(trained, method, what, tmp_path):
     card = model_card(tmp_path / method, trained[method], args, quick(), trained[method + "_evals"],
                       60)
     assert card.startswith(f"# {method}\n\n{what}") and "{" not in card
+    # trained on the target's own text too: the card says so, and counts its tokens
+    args.generated, args.generated_rows, args.generated_length = "gen", 4, 65
+    card = model_card(tmp_path / method, trained[method], args, quick(), trained[method + "_evals"],
+                      60)
+    assert "every other step instead 4 rows of the target's own text (`gen`" in card
+    assert f"{30 * 8 * 32 + 30 * 4 * 64:,} tokens" in card and "--generated gen" in card
 
 
 def test_narrow_eagle_head_saves_loads_and_decodes_greedy_exactly(target, tmp_path):

@@ -72,6 +72,26 @@ def test_distillation_moves_the_student_towards_the_teacher(tmp_path):
     assert after < 0.7 * before, (before, after)
 
 
+def test_a_mixed_batch_is_scored_as_its_parts_by_their_tokens():
+    """MixedDistillObjective (draft-gen's windows and generated rows, of two lengths): the
+    token-weighted mean of distill_loss over the parts, so one longer part is scored as its
+    two halves would be together."""
+    from specjax.train.loop import DistillObjective, MixedDistillObjective
+    student = sj.init_model(CFG, jax.random.key(1)).params
+    teacher = sj.init_model(CFG, jax.random.key(2)).params
+    rng = np.random.default_rng(0)
+    a, b = (jax.numpy.asarray(rng.integers(0, 32, shape), np.int32) for shape in [(2, 9), (3, 5)])
+    mixed = MixedDistillObjective(CFG, CFG, ce_weight=0.1)
+    plain = DistillObjective(CFG, CFG, ce_weight=0.1)
+    want = (16 * plain(student, a, teacher) + 12 * plain(student, b, teacher)) / 28
+    np.testing.assert_allclose(float(mixed(student, (a, b), teacher)), float(want), rtol=1e-6)
+    np.testing.assert_allclose(float(mixed(student, (a[:1], a[1:]), teacher)),
+                               float(plain(student, a, teacher)), rtol=1e-6)
+    # the parts' weights matter: the mean of the two means is another number
+    assert abs(float(want) - float((plain(student, a, teacher) + plain(student, b, teacher)) / 2)
+               ) > 1e-4
+
+
 def test_batches_are_a_function_of_seed_and_step():
     tokens = stream()
     a = train.sample_batch(tokens, 4, 16, 0, 7)
@@ -107,6 +127,16 @@ def test_corpus_split_by_file_and_tokenizer(tmp_path):
     assert loaded.decode(loaded.encode(text)) == text
 
 
+def assert_run_starts_at(pair, config, settings, run, folder):
+    """The run (two steps at a learning rate of 1e-9) ends where it started: the model in
+    ``folder``, read in float32."""
+    model, step = pair._restore(config, settings, run)
+    assert step == 2
+    for a, b in zip(jax.tree.leaves(model.params),
+                    jax.tree.leaves(sj.load_model(folder, dtype="float32").params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
 def test_pair_stages_end_to_end(tmp_path):
     """data -> target -> draft (distilled) -> export, on a tiny corpus with tiny models; the
     exported folders load with sj.load_model / sj.load_tokenizer and decode speculatively."""
@@ -124,6 +154,7 @@ def test_pair_stages_end_to_end(tmp_path):
     pair.stage_target(work, None, target, quick, progress=False)
     pair.stage_draft(work, None, draft, quick, target, quick, progress=False)
     fit = dict(num_prompts=4, max_new_tokens=8, temperature=0.8)
+    exported = tmp_path / "out"
     pair.stage_export(work, tmp_path / "out", (("target", target, quick),
                                                ("draft", draft, quick)), draft_vocab_size=100,
                       calibration=fit)
@@ -173,11 +204,7 @@ def test_pair_stages_end_to_end(tmp_path):
                                progress=False)
     pair.stage_target_long(work, None, tmp_path / "out" / "code-target", target, longer,
                            progress=False)
-    continued, step = pair._restore(target, longer, work / "target-long")
-    assert step == 2
-    for a, b in zip(jax.tree.leaves(continued.params), jax.tree.leaves(
-            sj.load_model(tmp_path / "out" / "code-target", dtype="float32").params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert_run_starts_at(pair, target, longer, work / "target-long", exported / "code-target")
     # draft-long distils the exported draft again from target-long, from its weights; export
     # --long ships the two as code-target and code-draft with cards that say so
     with pytest.raises(SystemExit, match="another model"):
@@ -187,11 +214,7 @@ def test_pair_stages_end_to_end(tmp_path):
     pair.stage_draft(work, None, draft, longer, target, longer, progress=False,
                      teacher_run="target-long", run="draft-long",
                      start=tmp_path / "out" / "code-draft")
-    redistilled, step = pair._restore(draft, longer, work / "draft-long")
-    assert step == 2
-    for a, b in zip(jax.tree.leaves(redistilled.params), jax.tree.leaves(
-            sj.load_model(tmp_path / "out" / "code-draft", dtype="float32").params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert_run_starts_at(pair, draft, longer, work / "draft-long", exported / "code-draft")
     pair.stage_export(work, tmp_path / "long", (("target-long", target, longer),
                                                 ("draft-long", draft, longer)),
                       draft_vocab_size=100, calibration=fit)
@@ -201,6 +224,38 @@ def test_pair_stages_end_to_end(tmp_path):
         assert info["steps"] == 2 and info["train"]["seq_len"] == 64
         assert "sequences of 64 tokens" in card and "continued from the" in card
         assert "export --long" in card and "{" not in card
+    # draft-gen distils the exported draft again from the exported target, on training windows
+    # and on the target's own text (one chunk: 16-token windows continued 48 tokens, greedy for
+    # chunk 0); from the draft's weights. export --gen ships it beside the target, read from its
+    # folder and written again unchanged.
+    shipped = tmp_path / "out" / "code-target"
+    with pytest.raises(SystemExit, match="another model"):
+        pair.stage_draft_gen(work, None, shipped, target_folder=shipped, config=draft,
+                             settings=longer, rows=3, generate_minutes=1e-4, progress=False)
+    pair.stage_draft_gen(work, None, tmp_path / "out" / "code-draft", target_folder=shipped,
+                         config=draft, settings=longer, rows=3, generate_minutes=1e-4,
+                         progress=False)
+    assert_run_starts_at(pair, draft, longer, work / "draft-gen", exported / "code-draft")
+    (chunk,) = (work / "draft-gen-text").glob("chunk-*.npy")
+    rows = np.load(chunk)
+    assert rows.shape == (pair.KD_BATCH, 64)
+    teacher_model = sj.load_model(shipped)
+    greedy = sj.generate(teacher_model, rows[:4, :16].tolist(),
+                         sampling=sj.SamplingParams(temperature=0, max_new_tokens=48))
+    np.testing.assert_array_equal(np.asarray(greedy.tokens)[:, :48], rows[:4, 16:])
+    pair.stage_export(work, tmp_path / "gen", (("target-long", target, longer),
+                                               ("draft-gen", draft, longer)),
+                      draft_vocab_size=100, calibration=fit, shipped={"target-long": shipped})
+    for a, b in zip(jax.tree.leaves(sj.load_model(shipped, dtype="stored").params),
+                    jax.tree.leaves(sj.load_model(tmp_path / "gen" / "code-target",
+                                                  dtype="stored").params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    card = (tmp_path / "gen" / "code-draft" / "README.md").read_text()
+    assert "export --gen" in card and "draft-gen" in card and "{" not in card
+    assert f"{pair.DRAFT_GEN_ROWS} rows of" in card
+    assert json.loads((tmp_path / "gen" / "code-target" / "training.json").read_text())[
+        "acceptance"] == json.loads((tmp_path / "gen" / "code-draft" / "training.json"
+                                     ).read_text())["acceptance"]
     # each export fits the draft's calibration for its own weights; a calibration beside other
     # weights is ignored, with a warning naming the file
     with warnings.catch_warnings():

@@ -19,6 +19,7 @@ heads are scored against those distributions restricted to the draft vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
@@ -169,6 +170,17 @@ class HeadsObjective:
         return self.reg_weight * reg + self.ce_weight * ce
 
 
+def alternating_batches(tokens: np.ndarray, generated: np.ndarray, rows: int, cfg: TrainConfig,
+                        step: int) -> np.ndarray:
+    """Step ``step``'s batch when a drafter trains on the target's own text too: even steps
+    ``cfg.batch_size`` windows of the stream (as without it), odd steps ``rows`` rows of
+    ``generated`` [n, L], drawn by a pure function of the step (so a resumed run sees the same)."""
+    if step % 2 == 0:
+        return sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+    pick = np.random.default_rng([cfg.seed + 1, step]).integers(0, len(generated), rows)
+    return np.asarray(generated[pick], np.int32)
+
+
 def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
                 num_heads: int = 4, draft_vocab_size: int | None = None,
                 intermediate_size: int | None = None, num_layers: int = 2,
@@ -177,7 +189,8 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                 ce_weight: float = 0.5, reg_weight: float = 1.0, progress: bool = True,
                 on_eval: Callable[[int, float], None] | None = None,
                 max_seconds: float | None = None,
-                init: Heads | None = None) -> tuple[Heads, list[dict]]:
+                init: Heads | None = None, generated: np.ndarray | None = None,
+                generated_rows: int = 8) -> tuple[Heads, list[dict]]:
     """Train a Medusa (``num_heads`` heads), EAGLE, MTP (``num_heads`` modules) or block
     (dflash: ``num_layers`` layers, blocks of up to ``block_size``, reading target layers
     ``taps``; EAGLE and MTP: a layer ``layer_width`` wide, default the target's) drafter for the
@@ -185,8 +198,10 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     draft vocabulary is the ``draft_vocab_size`` most frequent tokens of ``tokens`` (default:
     the whole vocabulary). ``init``: start from this drafter's weights, shape and draft vocabulary
     instead (the shape arguments are then unused), e.g. one trained for an earlier version of the
-    target. Weights train in float32. Returns the drafter (with the target's LM head columns)
-    and the held-out evaluations."""
+    target. Weights train in float32. ``generated``: rows [n, L] of the target's own text
+    (``specjax train pair draft-gen`` writes them); every other step then trains on
+    ``generated_rows`` of them instead of a batch of the stream. Returns the drafter (with the
+    target's LM head columns) and the held-out evaluations."""
     V = target.config.vocab_size
     M = V if draft_vocab_size is None else draft_vocab_size
     if not 1 <= M <= V:
@@ -213,6 +228,20 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
            "target": heads_lib.target_record(target),
            **({"objective": {"ce_weight": ce_weight, "reg_weight": reg_weight}}
               if method == "eagle" and (ce_weight, reg_weight) != (0.5, 1.0) else {})}
+    batches = None
+    if generated is not None:
+        generated = np.asarray(generated)
+        if generated.ndim != 2 or generated.shape[1] < 3 or not 1 <= generated_rows:
+            raise ValueError(f"generated rows of shape {generated.shape} and generated_rows="
+                             f"{generated_rows}: need [n, L >= 3] rows and at least one a step")
+        if not 0 <= generated.min() <= generated.max() < V:
+            raise ValueError(f"generated rows hold ids outside the target's vocabulary of {V}")
+        if method == "dflash" and generated.shape[1] < fresh.config.block_size + 3:
+            raise ValueError(f"generated rows of {generated.shape[1]} tokens are too short for "
+                             f"blocks of {fresh.config.block_size}")
+        run["generated"] = {"rows": int(generated.shape[0]), "length": int(generated.shape[1]),
+                            "per_step": generated_rows}
+        batches = functools.partial(alternating_batches, tokens, generated, generated_rows, cfg)
     evaluate_fn = None
     if heldout is not None:
         loss = jax.jit(objective)
@@ -224,7 +253,7 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                 for i in range(cfg.eval_batches)]))
     weights, history = fit(objective, fresh.params["weights"], aux, tokens, cfg, workdir, run,
                            evaluate_fn=evaluate_fn, progress=progress, on_eval=on_eval,
-                           max_seconds=max_seconds)
+                           max_seconds=max_seconds, batches=batches)
     return Heads(fresh.config, {**fresh.params, "weights": weights}), history
 
 
@@ -274,6 +303,12 @@ def heads_main(argv=None) -> int:
                          "default 16)")
     ap.add_argument("--taps", help="dflash: target layers it reads, e.g. 1,3,5 (default: three "
                                    "spread to the last)")
+    ap.add_argument("--generated", help="a folder of the target's own text (chunk-*.npy rows, "
+                                        "as `specjax train pair draft-gen` writes into "
+                                        "W/draft-gen-text): every other step trains on "
+                                        "--generated-rows of them")
+    ap.add_argument("--generated-rows", type=int, default=8,
+                    help="rows of --generated a step (default 8)")
     ap.add_argument("--save-dtype", default="bfloat16")
     ap.add_argument("--verbose", action="store_true",
                     help="also show the INFO logs of orbax and absl")
@@ -312,6 +347,13 @@ def heads_main(argv=None) -> int:
     args.num_heads = 4 if args.num_heads is None else args.num_heads
     args.num_layers = 2 if args.num_layers is None else args.num_layers
     args.block_size = 16 if args.block_size is None else args.block_size
+    generated = None
+    if args.generated:
+        chunks = sorted(pathlib.Path(args.generated).expanduser().glob("chunk-*.npy"))
+        if not chunks:
+            ap.error(f"--generated {args.generated}: no chunk-*.npy files there")
+        generated = np.concatenate([np.load(c) for c in chunks])
+        args.generated_length = generated.shape[1] if generated.ndim == 2 else 0
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                       learning_rate=args.learning_rate, warmup_steps=min(50, args.steps // 10),
                       checkpoint_every=25, eval_every=max(args.steps // 4, 1), eval_batches=4,
@@ -322,7 +364,7 @@ def heads_main(argv=None) -> int:
         num_layers=args.num_layers, block_size=args.block_size, layer_width=args.layer_width,
         ce_weight=args.ce_weight, reg_weight=args.reg_weight,
         taps=None if args.taps is None else tuple(int(t) for t in args.taps.split(",")),
-        heldout=heldout, init=init,
+        heldout=heldout, init=init, generated=generated, generated_rows=args.generated_rows,
         max_seconds=None if args.minutes is None else args.minutes * 60)
     for h in history:
         print(f"step {h['step']}: held-out loss {h['heldout_loss']:.4f}")
@@ -330,6 +372,10 @@ def heads_main(argv=None) -> int:
         card = model_card(pathlib.Path(args.out), drafter, args, cfg, history,
                           int(history[-1]["step"]) if history else 0)
         training = {"train": dataclasses.asdict(cfg), "evals": history, "data": str(data)}
+        if args.generated:
+            training["generated"] = {"folder": args.generated, "rows": len(generated),
+                                     "length": args.generated_length,
+                                     "rows_per_step": args.generated_rows}
         if args.init:  # the earlier training stays on record
             earlier = json.loads((pathlib.Path(args.init) / "drafter.json").read_text())
             training["continued_from"] = {"folder": args.init,
@@ -349,7 +395,7 @@ self-distillation on the frozen target (`specjax train heads {method}`; see docs
 
 * Draft vocabulary: the {vocab:,} most frequent tokens of the training stream (`vocab.npy`).
 * Data: `train.npy` of `specjax train pair data` (the bundled target's training corpus), batches
-  of {batch} x {seq} tokens; held-out loss on `heldout.npy`.
+  of {batch} x {seq} tokens{generated}; held-out loss on `heldout.npy`.
 * Training: {steps} optimizer steps of a {schedule}-step schedule (AdamW, peak learning rate
   {lr}), {tokens:,} tokens{init}.
 * Held-out loss (the training objective on held-out batches): {evals}.
@@ -391,6 +437,8 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                + (f" --intermediate-size {args.intermediate_size}"
                   if args.intermediate_size else "")
                + (f" --layer-width {args.layer_width}" if args.layer_width else "")
+               + (f" --generated {args.generated} --generated-rows {args.generated_rows}"
+                  if getattr(args, "generated", None) else "")
                + (f" --ce-weight {args.ce_weight:g}" if args.ce_weight != 0.5 else "")
                + (f" --reg-weight {args.reg_weight:g}" if args.reg_weight != 1.0 else "")
                + (f" --num-layers {args.num_layers} --block-size {args.block_size}"
@@ -401,8 +449,14 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
         folder=out.name, what=what, target=args.target, params=params, dtype=args.save_dtype,
         method=c.method, vocab=c.draft_vocab_size, batch=cfg.batch_size, seq=cfg.seq_len,
         steps=steps, schedule=cfg.steps, lr=cfg.learning_rate,
-        tokens=steps * cfg.batch_size * cfg.seq_len, evals=evals, folder_path=args.out,
-        init=(f", continuing from the weights of `{args.init}` as they were (the same drafter "
-              f"trained for an earlier version of the target; that training is recorded in "
-              f"drafter.json under training.continued_from)" if args.init else ""),
+        tokens=((steps + 1) // 2 * cfg.batch_size * cfg.seq_len
+                + steps // 2 * args.generated_rows * (args.generated_length - 1)
+                if getattr(args, "generated", None) else steps * cfg.batch_size * cfg.seq_len),
+        evals=evals, folder_path=args.out,
+        generated=(f", every other step instead {args.generated_rows} rows of the target's own "
+                   f"text (`{args.generated}`: its continuations of training windows, half "
+                   f"greedy, half at T = 1)" if getattr(args, "generated", None) else ""),
+        init=(f", continuing from the weights of `{args.init}` as they were (that drafter's "
+              f"training is recorded in drafter.json under training.continued_from)"
+              if args.init else ""),
         command=command)

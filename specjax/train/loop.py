@@ -141,6 +141,24 @@ class DistillObjective:
                             self.temperature, self.ce_weight)
 
 
+@dataclasses.dataclass(frozen=True)
+class MixedDistillObjective:
+    """DistillObjective over a batch of several parts of different lengths (a tuple of
+    [B_i, T_i + 1] arrays), each part's mean weighted by its predicted tokens."""
+
+    config: ModelConfig
+    teacher: ModelConfig
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+
+    def __call__(self, params, batch: tuple, aux) -> jax.Array:
+        teacher = Model(self.teacher, aux)
+        sizes = [part.shape[0] * (part.shape[1] - 1) for part in batch]
+        losses = [distill_loss(self.config, params, part, teacher, self.temperature,
+                               self.ce_weight) for part in batch]
+        return sum(n * loss for n, loss in zip(sizes, losses)) / sum(sizes)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _step(objective, cfg: TrainConfig, state: TrainState, batch: jax.Array, aux):
     """One optimizer step. objective(params, batch, aux) -> loss is hashable (a frozen

@@ -7,8 +7,12 @@
     specjax train pair draft  --workdir W [--minutes M]   distil the draft from the target
     specjax train pair draft-long --workdir W [--from FOLDER] [--minutes M]
         distil the draft (default: from the bundled one) again from target-long, at its lengths
-    specjax train pair export --workdir W --out checkpoints/ [--long]   write the two model
-        folders (--long: from target-long and draft-long)
+    specjax train pair draft-gen --workdir W [--from FOLDER] [--minutes M]
+        distil the draft (default: from the bundled one) again from the bundled target, on its
+        training windows and on text the target wrote (generated first, into W/draft-gen-text)
+    specjax train pair export --workdir W --out checkpoints/ [--long | --gen]   write the two
+        model folders (--long: from target-long and draft-long; --gen: the bundled target
+        again and draft-gen)
     specjax train pair draft-bpe4k --workdir W [--minutes M]   a draft of the bundled draft's
         size with a tokenizer of its own (4,096-token BPE), trained on the same files
     specjax train pair draft-bpe4k-kd --workdir W [--minutes M]   fine-tune it on text the
@@ -16,7 +20,7 @@
     specjax train pair export-bpe4k --workdir W --out checkpoints/   write it as code-draft-bpe4k
 
 Each stage reads what the earlier ones left in the work directory; ``target``, ``target-long``
-``draft`` and ``draft-long`` resume from their latest checkpoint, so a run can be stopped and resumed any number of times. The exact
+``draft``, ``draft-long`` and ``draft-gen`` resume from their latest checkpoint, so a run can be stopped and resumed any number of times. The exact
 settings are the constants in specjax/train/pair.py; ``data`` records the corpus manifest
 next to the tokens.
 """
@@ -111,6 +115,26 @@ SOFT_DRAFT_LEN = 320  # draft tokens read per window of seq_len target tokens (a
 # half of each soft-label batch is the target's own text (continuations of training windows,
 # chunks of KD_BATCH, half greedy, half at T = 1), generated for this long first
 SOFT_GENERATE_MINUTES, SOFT_GENERATED_SHARE = 5.0, 0.5
+# Issue 18 / 24: the draft is then distilled again on the text it drafts for, the target's own:
+# each batch is windows of the training stream at the full context (the long run's lengths) and
+# continuations the target wrote of training windows (half greedy, half at T = 1; generated
+# first, DRAFT_GEN_MINUTES, into workdir/draft-gen-text, resumable), every position scored
+# against the bundled target's distribution (`specjax train pair draft-gen`, from the bundled
+# draft, into workdir/draft-gen).
+DRAFT_GEN_TRAINING = TrainConfig(steps=1200, batch_size=2, seq_len=1024, learning_rate=3e-4,
+                                 warmup_steps=30, checkpoint_every=25, eval_every=200,
+                                 eval_batches=4, seed=8, distill_ce_weight=0.1)
+DRAFT_GEN_ROWS = 8  # generated rows (KD_PROMPT + KD_NEW tokens each) per batch, beside the windows
+DRAFT_GEN_MINUTES = 6.0
+GEN_RUNS = (("target-long", TARGET, TARGET_LONG_TRAINING),
+            ("draft-gen", DRAFT, DRAFT_GEN_TRAINING))
+"""What ``export --gen`` writes: the shipped target again (read from its folder, the
+target-long run's last step) and the draft distilled on the target's own text."""
+SCHEDULE_NOTES["draft-gen"] = (
+    f" (and, in each step, {DRAFT_GEN_ROWS} rows of {KD_PROMPT + KD_NEW} tokens of the target's "
+    "own text: its continuations of training windows, half greedy, half at T = 1); continued "
+    "from the draft distilled 300 steps on 4 x 1024 tokens (`specjax train pair draft-long`) "
+    "after 2400 steps on 16 x 256 (`specjax train pair draft`), with a fresh optimizer state")
 # The bundled draft drafts from the most frequent tokens of the training stream only (its LM
 # head cut to these columns, `draft_vocab.npy`; see specjax/draft/vocab.py).
 DRAFT_VOCAB_SIZE = 2048
@@ -227,6 +251,51 @@ def stage_draft_long(workdir: pathlib.Path, minutes: float | None, start: pathli
     """Distil the draft again from target-long at its sequence length, from ``start``."""
     stage_draft(workdir, minutes, DRAFT, DRAFT_LONG_TRAINING, TARGET, TARGET_LONG_TRAINING,
                 progress=progress, teacher_run="target-long", run="draft-long", start=start)
+
+
+def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib.Path,
+                    target_folder: pathlib.Path | None = None, config: ModelConfig = DRAFT,
+                    settings: TrainConfig = DRAFT_GEN_TRAINING, rows: int = DRAFT_GEN_ROWS,
+                    generate_minutes: float = DRAFT_GEN_MINUTES, progress: bool = True) -> None:
+    """Distil the draft in ``start`` again from the target in ``target_folder`` (default the
+    bundled one), on batches of ``settings.batch_size`` training windows of
+    ``settings.seq_len`` tokens and ``rows`` of the target's own continuations of training
+    windows (``_generated_text``, generated first into workdir/draft-gen-text), into
+    workdir/draft-gen (resumable; computed in float32)."""
+    from ..bundle import bundled
+    from ..checkpoint import load_model
+    from ..model import Model
+    from .data import sample_batch
+    from .loop import MixedDistillObjective, fit
+    target_folder = target_folder or bundled("code-target")
+    teacher = load_model(target_folder, dtype="float32")
+    init = _start(start, config, "draft")
+    if init.config.vocab_size != teacher.config.vocab_size:
+        raise SystemExit(f"{start} has a vocabulary of {init.config.vocab_size}, the target "
+                         f"{target_folder} one of {teacher.config.vocab_size}")
+    tokens, heldout = _tokens(workdir)
+    generated = _generated_text(workdir / "draft-gen-text", teacher, tokens, generate_minutes)
+    s = settings
+
+    def batches(step):
+        pick = np.random.default_rng([s.seed + 1, step]).integers(0, len(generated), rows)
+        return (sample_batch(tokens, s.batch_size, s.seq_len, s.seed, step),
+                np.asarray(generated[pick], np.int32))
+
+    def evaluate_fn(params):
+        return evaluate(Model(config, params), heldout, s.eval_batches, 4, s.seq_len)
+
+    objective = MixedDistillObjective(config, teacher.config, s.distill_temperature,
+                                      s.distill_ce_weight)
+    run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(s),
+           "teacher": dataclasses.asdict(teacher.config), "teacher_folder": str(target_folder),
+           "start": str(start), "generated_rows": rows, "generated_total": len(generated)}
+    params, history = fit(objective, init.params, teacher.params, None, s, workdir / "draft-gen",
+                          run, evaluate_fn=evaluate_fn, progress=progress,
+                          on_eval=_log_eval(workdir, "draft-gen"),
+                          max_seconds=minutes * 60 if minutes else None, batches=batches)
+    print(f"draft-gen: held-out loss {history[-1]['heldout_loss']:.4f} at step "
+          f"{history[-1]['step']} ({len(generated)} rows of the target's text)")
 
 
 def stage_draft_bpe4k(workdir: pathlib.Path, minutes: float | None,
@@ -514,11 +583,12 @@ programs.
 
 def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                  runs=(("target", TARGET, TARGET_TRAINING), ("draft", DRAFT, DRAFT_TRAINING)),
-                 draft_vocab_size: int = DRAFT_VOCAB_SIZE, calibration: dict | None = None
-                 ) -> None:
+                 draft_vocab_size: int = DRAFT_VOCAB_SIZE, calibration: dict | None = None,
+                 shipped: dict[str, pathlib.Path] | None = None) -> None:
     """Write the trained runs as model folders under ``out`` (code-target, code-draft) with
     their cards; with both, the draft's acceptance and its calibration for adaptive lengths
-    (``calibration``: the fit's settings, default CALIBRATION)."""
+    (``calibration``: the fit's settings, default CALIBRATION). A run named in ``shipped`` is
+    read from that model folder (as its run's last step) instead of its checkpoints."""
     import shutil
     calibration = calibration or CALIBRATION
 
@@ -535,8 +605,11 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
     swaps = contextlib.ExitStack()
     with swaps:
         for name, config, settings in runs:
-            role = name.removesuffix("-long")  # the folder it is shipped as
-            model, step = _restore(config, settings, workdir / name)
+            role = name.removesuffix("-long").removesuffix("-gen")  # the folder it is shipped as
+            if name in (shipped or {}):
+                model, step = _start(shipped[name], config, role), settings.steps
+            else:
+                model, step = _restore(config, settings, workdir / name)
             folder = out / f"code-{role}"
             where = swaps.enter_context(replace_folder(folder, _model_file))
             save_model(cast(model, "bfloat16"), where, format="hf", eos_token_id=0)  # <|endoftext|>
@@ -580,6 +653,9 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
         rebuild = ("`specjax train pair data|target|draft|target-long|draft-long --workdir W`, "
                    "then `specjax train pair export --long --workdir W`" if long else
                    "`specjax train pair data|target|draft|export --workdir W`")
+        if any(d["run"] == "draft-gen" for d in info.values()):
+            rebuild = rebuild.replace("draft-long --workdir W`", "draft-long|draft-gen "
+                                      "--workdir W`").replace("--long", "--gen")
         for name, d in info.items():
             c, s = d["config"], d["settings"]
             (d["where"] / "training.json").write_text(json.dumps(
@@ -805,6 +881,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specjax train pair", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["data", "target", "target-long", "draft", "draft-long",
+                                      "draft-gen",
                                       "export", "draft-bpe4k", "draft-bpe4k-kd",
                                       "draft-bpe4k-soft", "export-bpe4k",
                                       "export-bpe4k-soft"])
@@ -812,9 +889,13 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, help="stop (after a checkpoint) after this long")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("checkpoints"))
     ap.add_argument("--from", dest="start", type=pathlib.Path, default=None,
-                    help="target-long, draft-long, draft-bpe4k-soft: the model folder to "
-                         "continue from (default: the bundled code-target, code-draft, "
-                         "code-draft-bpe4k)")
+                    help="target-long, draft-long, draft-gen, draft-bpe4k-soft: the model "
+                         "folder to continue from (default: the bundled code-target, "
+                         "code-draft, code-draft, code-draft-bpe4k); export --gen: the target "
+                         "to write beside the draft")
+    ap.add_argument("--gen", action="store_true",
+                    help="export: write draft-gen as code-draft, with the target (--from, "
+                         "default the bundled one) written again beside it")
     ap.add_argument("--long", action="store_true",
                     help="export: write target-long and draft-long as code-target and "
                          "code-draft")
@@ -837,6 +918,9 @@ def main(argv=None) -> int:
     elif args.stage == "draft-long":
         from ..bundle import bundled
         stage_draft_long(args.workdir, args.minutes, args.start or bundled("code-draft"))
+    elif args.stage == "draft-gen":
+        from ..bundle import bundled
+        stage_draft_gen(args.workdir, args.minutes, args.start or bundled("code-draft"))
     elif args.stage == "draft-bpe4k":
         stage_draft_bpe4k(args.workdir, args.minutes)
     elif args.stage == "draft-bpe4k-kd":
@@ -850,5 +934,12 @@ def main(argv=None) -> int:
     elif args.stage == "export-bpe4k-soft":
         stage_export_bpe4k_soft(args.workdir, args.out)
     else:
-        stage_export(args.workdir, args.out, **({"runs": LONG_RUNS} if args.long else {}))
+        if args.long and args.gen:
+            raise SystemExit("export takes --long or --gen, not both")
+        if args.gen:
+            from ..bundle import bundled
+            stage_export(args.workdir, args.out, runs=GEN_RUNS,
+                         shipped={"target-long": args.start or bundled("code-target")})
+        else:
+            stage_export(args.workdir, args.out, **({"runs": LONG_RUNS} if args.long else {}))
     return 0
