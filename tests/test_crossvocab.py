@@ -209,3 +209,24 @@ def test_the_targets_own_text_is_generated_once_and_resumed(tmp_path, monkeypatc
     assert (np.asarray(jnp.argmax(logits, -1))[:, n - 1:] == rows[:, n:]).all()
     again = pair._generated_text(tmp_path, None, stream, minutes=1e-9)  # no target needed
     assert np.array_equal(again, rows)
+
+
+def test_long_rows_fill_the_context_from_each_prompt_length(tmp_path, monkeypatch):
+    """``long_rows``: chunk i's prompt cycles through the given lengths two chunks at a time (a
+    greedy and a sampled chunk each), and every row, prompt plus the target's text, is the whole
+    context long; a greedy chunk's continuation is the target's argmax path from its
+    prompt's end."""
+    from conftest import tiny_model
+
+    from specjax.train import pair
+    lengths = pair.long_rows(32, prompts=(4, 12))
+    assert [lengths(i) for i in range(5)] == [(4, 28), (4, 28), (12, 20), (12, 20), (4, 28)]
+    monkeypatch.setattr(pair, "KD_BATCH", 2)
+    model = tiny_model(max_pos=32)
+    stream = np.arange(300, dtype=np.int32) % 16
+    for i in (0, 2):  # the greedy chunks of each prompt length
+        rows, _ = pair._continuations(model, stream, i, lengths(i))
+        n = lengths(i)[0]
+        assert rows.shape == (2, 32)
+        logits = sj.model.logits(model, jnp.asarray(rows[:, :-1]))
+        assert (np.asarray(jnp.argmax(logits, -1))[:, n - 1:] == rows[:, n:]).all()

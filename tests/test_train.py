@@ -256,6 +256,22 @@ def test_pair_stages_end_to_end(tmp_path):
     assert json.loads((tmp_path / "gen" / "code-target" / "training.json").read_text())[
         "acceptance"] == json.loads((tmp_path / "gen" / "code-draft" / "training.json"
                                      ).read_text())["acceptance"]
+    # draft-gen-long: the same stage on rows that fill the context (prompts of 16 or 32 tokens
+    # continued to 64), from the draft-gen draft; export --gen-long ships it with its own rebuild
+    pair.stage_draft_gen(work, None, tmp_path / "gen" / "code-draft", target_folder=shipped,
+                         config=draft, settings=longer, rows=2, generate_minutes=1e-4,
+                         progress=False, run_name="draft-gen-long",
+                         lengths=pair.long_rows(64, (16, 32)))
+    assert_run_starts_at(pair, draft, longer, work / "draft-gen-long",
+                         tmp_path / "gen" / "code-draft")
+    (chunk,) = (work / "draft-gen-long-text").glob("chunk-*.npy")
+    assert np.load(chunk).shape == (pair.KD_BATCH, 64)
+    pair.stage_export(work, tmp_path / "gen-long", (("target-long", target, longer),
+                                                    ("draft-gen-long", draft, longer)),
+                      draft_vocab_size=100, calibration=fit, shipped={"target-long": shipped})
+    card = (tmp_path / "gen-long" / "code-draft" / "README.md").read_text()
+    assert "export --gen-long" in card and "draft-gen|draft-gen-long" in card
+    assert f"{pair.DRAFT_GEN_LONG_ROWS} rows of" in card and "{" not in card
     # each export fits the draft's calibration for its own weights; a calibration beside other
     # weights is ignored, with a warning naming the file
     with warnings.catch_warnings():

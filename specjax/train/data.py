@@ -127,5 +127,12 @@ def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: 
     return np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
 
 
+def sample_rows(rows: np.ndarray, n: int, seed: int, step: int) -> np.ndarray:
+    """``n`` of ``rows`` [count, L] (the target's own text), drawn with replacement by a pure
+    function of (seed, step), as ``sample_batch`` draws windows; int32."""
+    pick = np.random.default_rng([seed + 1, step]).integers(0, len(rows), n)
+    return np.asarray(rows[pick], np.int32)
+
+
 def write_manifest(corpus: Corpus, path: pathlib.Path, **extra) -> None:
     write_atomic(path, json.dumps({**corpus.manifest(), **extra}, indent=1) + "\n")

@@ -36,7 +36,7 @@ from ..draft import heads as heads_lib
 from ..draft.heads import Heads, HeadsConfig
 from ..draft.vocab import DraftVocab, frequent_tokens, lm_head
 from ..model import Model, forward
-from .data import sample_batch
+from .data import sample_batch, sample_rows
 from .loop import TrainConfig, configure_logging, fit
 
 log = logging.getLogger(__name__)
@@ -177,8 +177,7 @@ def alternating_batches(tokens: np.ndarray, generated: np.ndarray, rows: int, cf
     ``generated`` [n, L], drawn by a pure function of the step (so a resumed run sees the same)."""
     if step % 2 == 0:
         return sample_batch(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step)
-    pick = np.random.default_rng([cfg.seed + 1, step]).integers(0, len(generated), rows)
-    return np.asarray(generated[pick], np.int32)
+    return sample_rows(generated, rows, cfg.seed, step)
 
 
 def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig, workdir, *,

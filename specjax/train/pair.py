@@ -126,15 +126,33 @@ DRAFT_GEN_TRAINING = TrainConfig(steps=1200, batch_size=2, seq_len=1024, learnin
                                  eval_batches=4, seed=8, distill_ce_weight=0.1)
 DRAFT_GEN_ROWS = 8  # generated rows (KD_PROMPT + KD_NEW tokens each) per batch, beside the windows
 DRAFT_GEN_MINUTES = 6.0
+# Issue 24: then once more on the target's text at every position of the context: rows of
+# DRAFT.max_position_embeddings tokens, prompts of 64, 320 or 576 training tokens continued by the
+# target to the window's end (`long_rows`), beside one training window a step
+# (`specjax train pair draft-gen-long`, from the draft-gen draft, into workdir/draft-gen-long).
+DRAFT_GEN_LONG_TRAINING = TrainConfig(steps=600, batch_size=1, seq_len=1024, learning_rate=2e-4,
+                                      warmup_steps=30, checkpoint_every=25, eval_every=200,
+                                      eval_batches=4, seed=9, distill_ce_weight=0.1)
+DRAFT_GEN_LONG_ROWS = 3
+DRAFT_GEN_LONG_MINUTES = 8.0
 GEN_RUNS = (("target-long", TARGET, TARGET_LONG_TRAINING),
             ("draft-gen", DRAFT, DRAFT_GEN_TRAINING))
 """What ``export --gen`` writes: the shipped target again (read from its folder, the
 target-long run's last step) and the draft distilled on the target's own text."""
+GEN_LONG_RUNS = (GEN_RUNS[0], ("draft-gen-long", DRAFT, DRAFT_GEN_LONG_TRAINING))
+"""What ``export --gen-long`` writes: the same, with the draft-gen-long draft."""
 SCHEDULE_NOTES["draft-gen"] = (
     f" (and, in each step, {DRAFT_GEN_ROWS} rows of {KD_PROMPT + KD_NEW} tokens of the target's "
     "own text: its continuations of training windows, half greedy, half at T = 1); continued "
     "from the draft distilled 300 steps on 4 x 1024 tokens (`specjax train pair draft-long`) "
     "after 2400 steps on 16 x 256 (`specjax train pair draft`), with a fresh optimizer state")
+SCHEDULE_NOTES["draft-gen-long"] = (
+    f" (and, in each step, {DRAFT_GEN_LONG_ROWS} rows of {DRAFT.max_position_embeddings} tokens "
+    "of the target's own text: training-file prompts of 64, 320 or 576 tokens continued by the "
+    "target to the window's end, half greedy, half at T = 1); continued from the draft distilled "
+    f"{DRAFT_GEN_TRAINING.steps} steps on the target's own text at positions 0-256 "
+    "(`specjax train pair draft-gen`), itself from `draft-long` and `draft`, with a fresh "
+    "optimizer state")
 # The bundled draft drafts from the most frequent tokens of the training stream only (its LM
 # head cut to these columns, `draft_vocab.npy`; see specjax/draft/vocab.py).
 DRAFT_VOCAB_SIZE = 2048
@@ -256,16 +274,17 @@ def stage_draft_long(workdir: pathlib.Path, minutes: float | None, start: pathli
 def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib.Path,
                     target_folder: pathlib.Path | None = None, config: ModelConfig = DRAFT,
                     settings: TrainConfig = DRAFT_GEN_TRAINING, rows: int = DRAFT_GEN_ROWS,
-                    generate_minutes: float = DRAFT_GEN_MINUTES, progress: bool = True) -> None:
+                    generate_minutes: float = DRAFT_GEN_MINUTES, progress: bool = True,
+                    run_name: str = "draft-gen", lengths=None) -> None:
     """Distil the draft in ``start`` again from the target in ``target_folder`` (default the
     bundled one), on batches of ``settings.batch_size`` training windows of
     ``settings.seq_len`` tokens and ``rows`` of the target's own continuations of training
-    windows (``_generated_text``, generated first into workdir/draft-gen-text), into
-    workdir/draft-gen (resumable; computed in float32)."""
+    windows (``_generated_text`` with ``lengths``, generated first into
+    workdir/``run_name``-text), into workdir/``run_name`` (resumable; computed in float32)."""
     from ..bundle import bundled
     from ..checkpoint import load_model
     from ..model import Model
-    from .data import sample_batch
+    from .data import sample_batch, sample_rows
     from .loop import MixedDistillObjective, fit
     target_folder = target_folder or bundled("code-target")
     teacher = load_model(target_folder, dtype="float32")
@@ -274,13 +293,13 @@ def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib
         raise SystemExit(f"{start} has a vocabulary of {init.config.vocab_size}, the target "
                          f"{target_folder} one of {teacher.config.vocab_size}")
     tokens, heldout = _tokens(workdir)
-    generated = _generated_text(workdir / "draft-gen-text", teacher, tokens, generate_minutes)
+    generated = _generated_text(workdir / f"{run_name}-text", teacher, tokens, generate_minutes,
+                                lengths)
     s = settings
 
     def batches(step):
-        pick = np.random.default_rng([s.seed + 1, step]).integers(0, len(generated), rows)
         return (sample_batch(tokens, s.batch_size, s.seq_len, s.seed, step),
-                np.asarray(generated[pick], np.int32))
+                sample_rows(generated, rows, s.seed, step))
 
     def evaluate_fn(params):
         return evaluate(Model(config, params), heldout, s.eval_batches, 4, s.seq_len)
@@ -289,12 +308,13 @@ def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib
                                       s.distill_ce_weight)
     run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(s),
            "teacher": dataclasses.asdict(teacher.config), "teacher_folder": str(target_folder),
-           "start": str(start), "generated_rows": rows, "generated_total": len(generated)}
-    params, history = fit(objective, init.params, teacher.params, None, s, workdir / "draft-gen",
+           "start": str(start), "generated_rows": rows, "generated_total": len(generated),
+           "generated_length": int(generated.shape[1])}
+    params, history = fit(objective, init.params, teacher.params, None, s, workdir / run_name,
                           run, evaluate_fn=evaluate_fn, progress=progress,
-                          on_eval=_log_eval(workdir, "draft-gen"),
+                          on_eval=_log_eval(workdir, run_name),
                           max_seconds=minutes * 60 if minutes else None, batches=batches)
-    print(f"draft-gen: held-out loss {history[-1]['heldout_loss']:.4f} at step "
+    print(f"{run_name}: held-out loss {history[-1]['heldout_loss']:.4f} at step "
           f"{history[-1]['step']} ({len(generated)} rows of the target's text)")
 
 
@@ -319,16 +339,21 @@ def stage_draft_bpe4k(workdir: pathlib.Path, minutes: float | None,
           f"step {history[-1]['step']}")
 
 
-def _continuations(target, stream: np.ndarray, i: int) -> tuple[np.ndarray, float]:
+def _continuations(target, stream: np.ndarray, i: int,
+                   lengths: tuple[int, int] | None = None) -> tuple[np.ndarray, float]:
     """Chunk ``i`` of the target's own text: KD_BATCH windows of ``stream`` (a pure function of
     ``i``) continued by the target, greedy for even ``i``, at T = 1 for odd: (target ids
-    [KD_BATCH, prompt + new], seconds it took)."""
+    [KD_BATCH, prompt + new], seconds it took). ``lengths`` is (prompt, new), default
+    (KD_PROMPT, KD_NEW) cut to the target's context."""
     import time
 
     from ..config import SamplingParams
     from ..engine import generate
-    context = target.config.max_position_embeddings  # a small one cuts both
-    n, new = min(KD_PROMPT, context // 4), min(KD_NEW, context - min(KD_PROMPT, context // 4))
+    if lengths is None:
+        context = target.config.max_position_embeddings  # a small one cuts both
+        n = min(KD_PROMPT, context // 4)
+        lengths = (n, min(KD_NEW, context - n))
+    n, new = lengths
     rng = np.random.default_rng([7, i])
     starts = rng.integers(0, len(stream) - n, KD_BATCH)
     prompts = np.stack([np.asarray(stream[s:s + n], np.int64) for s in starts])
@@ -337,6 +362,16 @@ def _continuations(target, stream: np.ndarray, i: int) -> tuple[np.ndarray, floa
         temperature=0.0 if i % 2 == 0 else 1.0, max_new_tokens=new))
     tokens = np.asarray(out.tokens)[:, :new]  # no end-of-text token: every row runs ``new`` long
     return np.concatenate([prompts, tokens], 1), time.perf_counter() - began
+
+
+def long_rows(context: int, prompts: tuple[int, ...] = (64, 320, 576)):
+    """Row lengths for ``_generated_text`` that fill the whole ``context``: chunk i's prompt is
+    ``prompts[(i // 2) % len(prompts)]`` tokens (a greedy and a sampled chunk each), continued to
+    the context's end, so the target's own text covers every position from the shortest prompt on."""
+    def lengths(i: int) -> tuple[int, int]:
+        n = prompts[(i // 2) % len(prompts)]
+        return n, context - n
+    return lengths
 
 
 def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
@@ -389,10 +424,11 @@ def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
 
 
 def _generated_text(folder: pathlib.Path, target, stream: np.ndarray,
-                    minutes: float) -> np.ndarray:
+                    minutes: float, lengths=None) -> np.ndarray:
     """The target's continuations of ``stream`` windows (``_continuations``) as rows [n, L] of
     target ids, generated into ``folder`` (a file a chunk, its seconds in times.jsonl) until
-    ``minutes`` of generation are there; resumes."""
+    ``minutes`` of generation are there; resumes. ``lengths``, a function of the chunk's index
+    giving (prompt, new) (``long_rows``), must give every chunk the same total."""
     folder.mkdir(parents=True, exist_ok=True)
     times = folder / "times.jsonl"
     spent = sum(json.loads(line)["seconds"] for line in times.read_text().splitlines()) \
@@ -400,7 +436,7 @@ def _generated_text(folder: pathlib.Path, target, stream: np.ndarray,
     chunks = sorted(folder.glob("chunk-*.npy"))
     while spent < minutes * 60:
         i = len(chunks)
-        rows, seconds = _continuations(target, stream, i)
+        rows, seconds = _continuations(target, stream, i, None if lengths is None else lengths(i))
         path = folder / f"chunk-{i:05d}.npy"
         save_npy(path, rows.astype(np.int32))
         with open(times, "a") as f:
@@ -653,9 +689,12 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
         rebuild = ("`specjax train pair data|target|draft|target-long|draft-long --workdir W`, "
                    "then `specjax train pair export --long --workdir W`" if long else
                    "`specjax train pair data|target|draft|export --workdir W`")
-        if any(d["run"] == "draft-gen" for d in info.values()):
-            rebuild = rebuild.replace("draft-long --workdir W`", "draft-long|draft-gen "
-                                      "--workdir W`").replace("--long", "--gen")
+        gen = [d["run"] for d in info.values() if d["run"].startswith("draft-gen")]
+        if gen:
+            stages = "|".join(["draft-gen", *(["draft-gen-long"] if gen[0] != "draft-gen" else [])])
+            rebuild = rebuild.replace("draft-long --workdir W`", f"draft-long|{stages} "
+                                      "--workdir W`").replace(
+                "--long", "--gen" if gen[0] == "draft-gen" else "--gen-long")
         for name, d in info.items():
             c, s = d["config"], d["settings"]
             (d["where"] / "training.json").write_text(json.dumps(
@@ -881,7 +920,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="specjax train pair", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["data", "target", "target-long", "draft", "draft-long",
-                                      "draft-gen",
+                                      "draft-gen", "draft-gen-long",
                                       "export", "draft-bpe4k", "draft-bpe4k-kd",
                                       "draft-bpe4k-soft", "export-bpe4k",
                                       "export-bpe4k-soft"])
@@ -896,6 +935,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", action="store_true",
                     help="export: write draft-gen as code-draft, with the target (--from, "
                          "default the bundled one) written again beside it")
+    ap.add_argument("--gen-long", action="store_true",
+                    help="export: as --gen, with the draft-gen-long draft")
     ap.add_argument("--long", action="store_true",
                     help="export: write target-long and draft-long as code-target and "
                          "code-draft")
@@ -921,6 +962,12 @@ def main(argv=None) -> int:
     elif args.stage == "draft-gen":
         from ..bundle import bundled
         stage_draft_gen(args.workdir, args.minutes, args.start or bundled("code-draft"))
+    elif args.stage == "draft-gen-long":
+        from ..bundle import bundled
+        stage_draft_gen(args.workdir, args.minutes, args.start or bundled("code-draft"),
+                        settings=DRAFT_GEN_LONG_TRAINING, rows=DRAFT_GEN_LONG_ROWS,
+                        generate_minutes=DRAFT_GEN_LONG_MINUTES, run_name="draft-gen-long",
+                        lengths=long_rows(DRAFT.max_position_embeddings))
     elif args.stage == "draft-bpe4k":
         stage_draft_bpe4k(args.workdir, args.minutes)
     elif args.stage == "draft-bpe4k-kd":
@@ -934,11 +981,11 @@ def main(argv=None) -> int:
     elif args.stage == "export-bpe4k-soft":
         stage_export_bpe4k_soft(args.workdir, args.out)
     else:
-        if args.long and args.gen:
-            raise SystemExit("export takes --long or --gen, not both")
-        if args.gen:
+        if args.long + args.gen + args.gen_long > 1:
+            raise SystemExit("export takes one of --long, --gen and --gen-long")
+        if args.gen or args.gen_long:
             from ..bundle import bundled
-            stage_export(args.workdir, args.out, runs=GEN_RUNS,
+            stage_export(args.workdir, args.out, runs=GEN_LONG_RUNS if args.gen_long else GEN_RUNS,
                          shipped={"target-long": args.start or bundled("code-target")})
         else:
             stage_export(args.workdir, args.out, **({"runs": LONG_RUNS} if args.long else {}))
