@@ -4,13 +4,16 @@ was made on (2026-12-05-own-text.md).
     python experiments/own_text_check.py agreement --data ~/specjax-work/gen OLD_DRAFT NEW_DRAFT
     python experiments/own_text_check.py accepted --data ~/specjax-work/gen --method eagle \
         --gamma 4 OLD_HEADS NEW_HEADS
+    python experiments/own_text_check.py long --data ~/specjax-work/gen OLD_DRAFT NEW_DRAFT
 
 ``agreement``: the target continues 32 random windows of the held-out stream (64 tokens; 16
 greedy, 16 at T = 1, 192 new tokens each); teacher-forced over the continuations, how often each
 draft model's argmax over its draft vocabulary is the target's argmax, and Σ min(p, q) (a
 draft's acceptance at T = 1). ``accepted``: ``sj.generate`` on 32 function-definition prompts
 from held-out files no bench prompt set uses (``pair.calibration_prompts``), 96 new tokens,
-greedy and T = 0.8: tokens a round and acceptance of each drafter folder. ``--data``: the folder
+greedy and T = 0.8: tokens a round and acceptance of each drafter folder. ``long``: the same on
+24 windows of 300-900 tokens of the held-out stream (no end-of-text token inside; not the long
+bench set's cuts), 64 new tokens, also by the position a round starts at. ``--data``: the folder
 `specjax train pair data` wrote (corpus.json, heldout.npy).
 """
 
@@ -60,23 +63,40 @@ def agreement(target, folders: list[str], heldout: np.ndarray) -> None:
               f"/ {overlap[16:].mean():.4f}")
 
 
-def accepted(target, folders: list[str], method: str, gamma: int, data: pathlib.Path) -> None:
-    tokenizer = sj.load_tokenizer(CKPT / "code-target")
-    prompts = pair.calibration_prompts(data, tokenizer, 32)
+def long_prompts(heldout: np.ndarray, n: int = 24) -> list[list[int]]:
+    """``n`` windows of 300-900 held-out tokens (a pure function of the stream) with no
+    end-of-text token (id 0) inside, so each stays within one file."""
+    rng = np.random.default_rng(123)
+    prompts = []
+    while len(prompts) < n:
+        length = int(rng.integers(300, 901))
+        start = int(rng.integers(0, len(heldout) - length))
+        window = heldout[start:start + length]
+        if not (window == 0).any():
+            prompts.append(window.astype(int).tolist())
+    return prompts
+
+
+def accepted(target, folders: list[str], method: str, gamma: int, prompts: list[list[int]],
+             max_new_tokens: int) -> None:
+    """Each drafter folder's tokens a round on ``prompts``, greedy and at T = 0.8 (with the
+    acceptance rate, and by the context position a round starts at)."""
     for folder in folders:
         drafter = (sj.load_draft_model(folder) if method == "draft_model"
                    else sj.load_heads(folder, target))
         for temperature in (0.0, 0.8):
             stats = sj.generate(target, prompts, draft=drafter, key=0, spec=sj.SpecConfig(
                 method=method, num_speculative_tokens=gamma), sampling=sj.SamplingParams(
-                temperature=temperature, max_new_tokens=96)).stats
+                temperature=temperature, max_new_tokens=max_new_tokens)).stats
+            bins = ", ".join(f"{lo}-{hi}: {m:.3f}" for lo, hi, m, _ in
+                             stats.accepted_length_by_position)
             print(f"{folder} T={temperature}: tokens a round {stats.mean_accepted_length:.3f}, "
-                  f"acceptance {stats.acceptance_rate:.3f}")
+                  f"acceptance {stats.acceptance_rate:.3f} ({bins})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=["agreement", "accepted"])
+    ap.add_argument("check", choices=["agreement", "accepted", "long"])
     ap.add_argument("folders", nargs="+", help="drafter folders (agreement: draft models)")
     ap.add_argument("--data", type=pathlib.Path, default=pathlib.Path("~/specjax-work"))
     ap.add_argument("--method", default="draft_model", help="accepted: the drafters' method")
@@ -86,8 +106,12 @@ def main() -> None:
     target = sj.load_model(CKPT / "code-target", dtype="float32")
     if args.check == "agreement":
         agreement(target, args.folders, np.load(data / "heldout.npy"))
+    elif args.check == "long":
+        accepted(target, args.folders, args.method, args.gamma,
+                 long_prompts(np.load(data / "heldout.npy")), 64)
     else:
-        accepted(target, args.folders, args.method, args.gamma, data)
+        prompts = pair.calibration_prompts(data, sj.load_tokenizer(CKPT / "code-target"), 32)
+        accepted(target, args.folders, args.method, args.gamma, prompts, 96)
 
 
 if __name__ == "__main__":
