@@ -126,10 +126,11 @@ DRAFT_GEN_TRAINING = TrainConfig(steps=1200, batch_size=2, seq_len=1024, learnin
                                  eval_batches=4, seed=8, distill_ce_weight=0.1)
 DRAFT_GEN_ROWS = 8  # generated rows (KD_PROMPT + KD_NEW tokens each) per batch, beside the windows
 DRAFT_GEN_MINUTES = 6.0
-# Issue 24: then once more on the target's text at every position of the context: rows of
-# DRAFT.max_position_embeddings tokens, prompts of 64, 320 or 576 training tokens continued by the
-# target to the window's end (`long_rows`), beside one training window a step
-# (`specjax train pair draft-gen-long`, from the draft-gen draft, into workdir/draft-gen-long).
+# Issue 24, tried and not shipped: once more on the target's text at every position of the
+# context: rows of DRAFT.max_position_embeddings tokens, prompts of 64, 320 or 576 training tokens
+# continued by the target to the window's end (`long_rows`), beside one training window a step
+# (`specjax train pair draft-gen-long`, from the draft-gen draft, into workdir/draft-gen-long). It
+# drafted no better on held-out long prompts (experiments/results/2026-12-05-long-positions.md).
 DRAFT_GEN_LONG_TRAINING = TrainConfig(steps=600, batch_size=1, seq_len=1024, learning_rate=2e-4,
                                       warmup_steps=30, checkpoint_every=25, eval_every=200,
                                       eval_batches=4, seed=9, distill_ce_weight=0.1)
@@ -308,8 +309,7 @@ def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib
                                       s.distill_ce_weight)
     run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(s),
            "teacher": dataclasses.asdict(teacher.config), "teacher_folder": str(target_folder),
-           "start": str(start), "generated_rows": rows, "generated_total": len(generated),
-           "generated_length": int(generated.shape[1])}
+           "start": str(start), "generated_rows": rows, "generated_total": len(generated)}
     params, history = fit(objective, init.params, teacher.params, None, s, workdir / run_name,
                           run, evaluate_fn=evaluate_fn, progress=progress,
                           on_eval=_log_eval(workdir, run_name),
