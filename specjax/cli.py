@@ -377,7 +377,7 @@ def _add_bench(sub) -> None:
     _add_lookup(b)
     b.add_argument("--tree", action="append", metavar="JSON",
                    help="also a static draft tree, vLLM's speculative_token_tree format, e.g. "
-                        "'[[0],[1],[0,0]]' (repeatable; for every method but ngram)")
+                        "'[[0],[1],[0,0]]' (repeatable; for every method but ngram and mtp)")
     b.add_argument("--synthetic-acceptance", type=_numbers(float), default=None,
                    metavar="A[,A,...]",
                    help="BENCHMARK ONLY, NOT LOSSLESS: every chain accepts draft position i with "

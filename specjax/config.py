@@ -102,7 +102,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None = plain RoPE
     sliding_window: int | None = None  # attend to at most this many latest positions (Mistral)
     dtype: str = "float32"  # parameter and activation dtype; norms, softmax and logits are float32
-    # -- what other families change (defaults: Llama's); docs/families.md
+    # -- what other families change (defaults: Llama's); docs/checkpoints.md
     hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) in the model dtype (Gemma)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 (Gemma)

@@ -7,13 +7,12 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import torch
+import transformers
 from conftest import tiny_model
 
 import specjax as sj
 from specjax import checkpoint
-
-torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -e '.[test]')")
-transformers = pytest.importorskip("transformers")
 
 V = 64
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -163,7 +163,7 @@ def test_cache_check_fails_without_the_verifiers_features(target, trained, monke
                                                           fresh_programs):
     """Control: a drafter that keeps its prefill features instead of the verifier's fails it."""
     monkeypatch.setattr(DFlashProposer, "observe", lambda self, state, start, hidden: state)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
         check_cache(target, trained["dflash"])
 
 

@@ -9,12 +9,11 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+import torch
+import transformers
 
 import specjax as sj
 from specjax import checkpoint
-
-torch = pytest.importorskip("torch", reason="parity tests need torch (pip install -e '.[test]')")
-transformers = pytest.importorskip("transformers")
 
 V = 97
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_attention_heads=4,

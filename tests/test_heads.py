@@ -404,7 +404,7 @@ def test_eagle_cache_check_fails_without_the_true_features(target, trained, monk
                                                            fresh_programs):
     """Control: a head that keeps its prefill features instead of the verifier's fails it."""
     monkeypatch.setattr(EagleProposer, "observe", lambda self, state, start, hidden: state)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="Not equal to tolerance"):
         check_eagle_cache(target, trained["eagle"], None)
 
 
@@ -524,20 +524,26 @@ def test_heads_are_calibrated_on_real_rounds(tiny_drafters, method, tmp_path):
         adaptive.calibrate_rounds(target, heads, prompts, method="ngram")
 
 
-@pytest.mark.parametrize("method,spec,block", [
-    ("medusa", dict(tree=((0,), (1,), (0, 0))), 4), ("eagle", dict(num_speculative_tokens=2), None),
-    ("eagle", dict(tree=((0,), (1,), (0, 0))), 4)],
-    ids=["medusa-tree-in-blocks", "eagle-chain", "eagle-tree-in-blocks"])
-def test_first_three_tokens_follow_the_target(tiny_drafters, monkeypatch, method, spec, block):
-    """block=4: the target's and EAGLE's attention walk their caches in 4-slot blocks."""
+@pytest.mark.parametrize("method,spec,block,setting", [
+    ("medusa", dict(tree=((0,), (1,), (0, 0))), 4, (0.7, 5, 0.9)),
+    ("medusa", dict(num_speculative_tokens=2), None, (1.0, 0, 1.0)),
+    ("eagle", dict(num_speculative_tokens=2), None, (1.0, 0, 1.0)),
+    ("eagle", dict(num_speculative_tokens=2), None, (0.7, 5, 0.9)),
+    ("eagle", dict(tree=((0,), (1,), (0, 0))), 4, (0.8, 5, 1.0))],
+    ids=["medusa-tree-in-blocks-t0.7-k5-p0.9", "medusa-chain-t1", "eagle-chain-t1",
+         "eagle-chain-t0.7-k5-p0.9", "eagle-tree-in-blocks-t0.8-k5"])
+def test_first_three_tokens_follow_the_target(tiny_drafters, monkeypatch, method, spec, block,
+                                              setting):
+    """At T = 1 and with top-k and top-p (the settings of test_lossless.py); block=4: the
+    target's and EAGLE's attention walk their caches in 4-slot blocks."""
     if block is not None:
         monkeypatch.setattr(attention, "BLOCK", block)
     target, drafters = tiny_drafters
-    t, k = 0.8, 5
-    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
+    t, k, p = setting
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
     samples = generate_samples(target, drafters[method], sampling,
                                sj.SpecConfig(method=method, **spec))
-    assert g_test(samples, exact_joint(target, t, k, 1.0)) > 1e-3
+    assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
 
 
 # per method, a threshold at which the V = 8 drafters' rows propose different numbers of drafts

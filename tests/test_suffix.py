@@ -219,17 +219,22 @@ def test_greedy_suffix_equals_autoregressive_and_never_recompiles(target):
 SUFFIX_TREE = ((0,), (1,), (0, 0), (0, 0, 0), (1, 0))
 
 
-def suffix_samples(target, t, k, p, shape=SUFFIX_TREE):
+def suffix_samples(target, t, k, p, shape=SUFFIX_TREE, defaults=False):
     """N rows of PROMPT, 3 tokens each, drafted from a corpus of the target's own continuations
     of PROMPT (drafts often right, two candidates at the first steps). The proposer is passed
     directly (as a custom one would be), with 16 occurrences a round: the same code as
-    method="suffix" (whose SpecConfig route the greedy test runs), cheaper for many rows."""
+    method="suffix" (whose SpecConfig route the greedy test runs), cheaper for many rows.
+    ``defaults``: with SpecConfig's pruning and gate (min_token_prob 0.1, acceptance floor
+    gate.ACCEPTANCE_FLOOR) instead of neither."""
     sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=4)
     docs = sj.generate(target, [PROMPT] * 12, sampling=sampling, key=99)
     cache = sj.draft.SuffixCache(128)
     cache.add([PROMPT + list(map(int, row)) for row in docs.tokens])
-    proposer = suffix.SuffixProposer(Tree(shape), max_depth=4, min_token_prob=0.0,
-                                     candidates=16)
+    spec = sj.SpecConfig(method="suffix")
+    proposer = suffix.SuffixProposer(
+        Tree(shape), max_depth=4, candidates=16,
+        min_token_prob=spec.suffix_decoding_min_token_prob if defaults else 0.0,
+        acceptance_floor=spec.floor if defaults else 0.0)
     out = sj.generate(target, [PROMPT] * N, proposer=proposer, draft=cache.params, key=0,
                       sampling=dataclasses.replace(sampling, max_new_tokens=3),
                       max_cache_len=len(PROMPT) + 3 + len(shape))
@@ -238,14 +243,18 @@ def suffix_samples(target, t, k, p, shape=SUFFIX_TREE):
     return out.tokens
 
 
-@pytest.mark.parametrize("t,k,p,shape", [(1.0, 0, 1.0, SUFFIX_TREE),
-                                         (0.7, 5, 0.9, SUFFIX_TREE),
-                                         (0.7, 5, 0.9, ((0,), (0, 0), (0, 0, 0)))],
-                         ids=["T1-tree", "T0.7-topk5-topp0.9-tree", "T0.7-topk5-topp0.9-chain"])
+@pytest.mark.parametrize("t,k,p,shape,defaults", [
+    (1.0, 0, 1.0, SUFFIX_TREE, False), (0.7, 5, 0.9, SUFFIX_TREE, False),
+    (0.7, 5, 0.9, ((0,), (0, 0), (0, 0, 0)), False), (0.7, 5, 0.9, SUFFIX_TREE, True)],
+    ids=["T1-tree", "T0.7-topk5-topp0.9-tree", "T0.7-topk5-topp0.9-chain",
+         "T0.7-topk5-topp0.9-tree-pruned-gated"])
 def test_first_three_tokens_follow_the_target_with_suffix_drafts(models, t, k, p,  # noqa: F811
-                                                                  shape):
+                                                                  shape, defaults):
+    """Also with method="suffix"'s defaults: nodes pruned below a share of 0.1 and the
+    acceptance gate (which closes a row's drafting when its acceptance falls)."""
     target, _ = models
-    assert g_test(suffix_samples(target, t, k, p, shape), exact_joint(target, t, k, p)) > 1e-3
+    assert g_test(suffix_samples(target, t, k, p, shape, defaults),
+                  exact_joint(target, t, k, p)) > 1e-3
 
 
 def test_a_verifier_that_keeps_rejected_siblings_fails_with_suffix_drafts(

@@ -4,11 +4,10 @@ import json
 
 import numpy as np
 import pytest
+import tokenizers
 from conftest import tiny_model
 
 import specjax as sj
-
-tokenizers = pytest.importorskip("tokenizers")
 
 TEXT = ["def fibonacci(n):\n    if n < 2:\n        return n\n",
         "    return fibonacci(n - 1) + fibonacci(n - 2)\n", "import os\nimport sys\n"] * 20
