@@ -704,12 +704,38 @@ def shaped_drafters(name: str, target: Model, needs_draft: bool, heads: list[str
     return draft, drafters
 
 
+def _check_args(args) -> None:
+    """Refuse bad settings by their flag before anything loads, compiles or runs: each
+    temperature's sampling settings, every batch size, trees where no method takes them (and
+    say which methods get none), and a --json whose folder is missing."""
+    for t in args.temperatures:
+        try:
+            SamplingParams(temperature=t, top_k=args.top_k, top_p=args.top_p,
+                           max_new_tokens=args.max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"--temperatures/--top-k/--top-p/--max-new-tokens: {e}") from None
+    for b in getattr(args, "batch_size", None) or ():
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"--batch-size values must be ints >= 1, got {b!r}")
+    if args.tree:
+        flat = [m for m in args.method if not registry.get(m).tree]
+        if len(flat) == len(args.method):
+            raise ValueError(f"--tree is not supported by method {', '.join(map(repr, flat))}")
+        if flat:
+            print(f"--tree: no tree variants for {', '.join(flat)} (chains only)",
+                  file=sys.stderr)
+    if args.json and not pathlib.Path(args.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {args.json}: the folder {pathlib.Path(args.json).parent} "
+                         f"does not exist")
+
+
 def main(args) -> int:
     """``specjax bench`` (arguments parsed in specjax.cli)."""
     from .checkpoint import load_model
     from .draft import load_heads
     from .draft.draft_model import load_paired_draft
     from .tokenizer import load_tokenizer
+    _check_args(args)
     shape = getattr(args, "target_shape", None)
     if shape is not None:
         target, prompts = shaped_target(shape, args)

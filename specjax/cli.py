@@ -133,10 +133,13 @@ def _speculative_config(text: str, draft: str | None) -> tuple[SpecConfig, str |
     return SpecConfig.parse(config), draft
 
 
-def _unescape(text: str) -> str:
+def _unescape(text: str, flag: str = "--stop") -> str:
     """A command-line string with Python escapes (\\n, \\t, \\u00e9) read; other characters
-    kept as typed."""
-    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    kept as typed. ValueError naming ``flag`` for a broken escape."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {text!r}: a bad escape ({e.reason})") from None
 
 
 def _generate(args) -> int:
@@ -154,8 +157,12 @@ def _generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens,
                               stop=[_unescape(x) for x in args.stop] if args.stop else None)
+    from .engine import _as_key
+    _as_key(args.seed)  # a bad seed is refused before anything loads or compiles
     target = load_model(args.target, dtype=args.dtype)
     tok = load_tokenizer(args.target)
+    if not tok.encode(args.prompt):
+        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
     draft = None
     if spec is not None and spec.needs_draft_model:
         from .draft.draft_model import load_paired_draft

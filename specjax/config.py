@@ -258,7 +258,7 @@ class SamplingParams:
     def __post_init__(self):
         _require_real(self, "temperature", self.temperature,
                       lambda x: x >= 0 and math.isfinite(x), "a finite number >= 0")
-        _require_int(self, "top_k", self.top_k, 0)
+        _require_int(self, "top_k", self.top_k, 0, 2 ** 31 - 1)
         _require_real(self, "top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
         _require_int(self, "max_new_tokens", self.max_new_tokens, 1)
         eos = self.eos_token_id
@@ -425,7 +425,11 @@ class SpecConfig:
                                  f"{self.method!r}; tree methods: {', '.join(tree_methods)}")
         elif self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", 4)
+        from .tree import MAX_NODES
         _require_int(self, "num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.num_speculative_tokens > MAX_NODES:
+            raise ValueError(f"SpecConfig.num_speculative_tokens={self.num_speculative_tokens}; "
+                             f"at most {MAX_NODES} drafts a round are supported")
         _require_int(self, "prompt_lookup_min", self.prompt_lookup_min, 1)
         _require_int(self, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
         factor = self.prompt_lookup_length_factor

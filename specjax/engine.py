@@ -1048,7 +1048,14 @@ def check_request(target: Model, prompts, sampling: SamplingParams | None, token
         raise ValueError(f"target must be an sj.Model (from sj.init_model or sj.load_model), "
                          f"got {type(target).__name__}")
     cfg = target.config
+    if sampling.logprobs is not None and sampling.logprobs > cfg.vocab_size:
+        raise ValueError(f"SamplingParams.logprobs={sampling.logprobs} exceeds the target's "
+                         f"vocab_size {cfg.vocab_size}")
     if tokenizer is not None:
+        from .tokenizer import Tokenizer
+        if not isinstance(tokenizer, Tokenizer):
+            raise ValueError(f"tokenizer must be an sj.Tokenizer (sj.load_tokenizer), got "
+                             f"{type(tokenizer).__name__}")
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
                              f"target's vocab_size {cfg.vocab_size}")
@@ -1196,7 +1203,7 @@ def _as_key(key) -> Array:
     if key is None:
         return jax.random.key(0)
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):
-        return jax.random.key(int(key))
+        return _seed_key(int(key))
     dtype = getattr(key, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
         if key.shape != ():
@@ -1207,8 +1214,14 @@ def _as_key(key) -> Array:
         return jax.random.wrap_key_data(jnp.asarray(key))  # a legacy jax.random.PRNGKey
     if dtype is not None and getattr(key, "shape", None) == () and np.issubdtype(dtype,
                                                                                  np.integer):
-        return jax.random.key(int(key))
+        return _seed_key(int(key))
     raise ValueError(f"key must be a jax.random.key, an int seed or None, got {key!r}")
+
+
+def _seed_key(seed: int) -> Array:
+    if not -2 ** 63 <= seed < 2 ** 63:
+        raise ValueError(f"key seed {seed} is outside [-2**63, 2**63)")
+    return jax.random.key(seed)
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -218,6 +218,13 @@ def test_generate_command_errors(model_folders, capsys, tmp_path):
         cli.main(["generate", "--target", str(model_folders / "t"),
                   "--speculative-config", '{"model": 3}'])
     assert "must be a draft folder path, got 3" in capsys.readouterr().err
+    for argv, message in [(["--seed", str(2 ** 64)], "key seed 18446744073709551616"),
+                          (["--prompt", ""], "--prompt '' encodes to no tokens"),
+                          (["--stop", "\\x"], "--stop '\\\\x': a bad escape")]:
+        with pytest.raises(SystemExit):
+            cli.main(["generate", "--target", str(model_folders / "t"), "--draft",
+                      str(model_folders / "d")] + argv)
+        assert message in capsys.readouterr().err, argv
 
 
 BENCH_FIELDS = {
@@ -483,7 +490,12 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path, monkeypatch):
                           (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
                           (["--prompts", str(tmp_path / "none.json")], "cannot read bench prompts"),
                           (["--method", "ngram", "--prompt-lookup-length-factor", "0"],
-                           "prompt_lookup_length_factor must be a finite number > 0")]:
+                           "prompt_lookup_length_factor must be a finite number > 0"),
+                          (["--temperatures", "0,inf"], "temperature must be a finite number"),
+                          (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+                          (["--method", "ngram", "--tree", "[[0]]"],
+                           "--tree is not supported by method 'ngram'"),
+                          (["--json", str(tmp_path / "none" / "x.json")], "does not exist")]:
         with pytest.raises(SystemExit):
             cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                       str(model_folders / "d")] + argv)

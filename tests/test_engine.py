@@ -226,6 +226,10 @@ BAD_INPUTS = [
     ("eos out of vocab", dict(sampling=sj.SamplingParams(eos_token_id=99)), "eos_token_id 99"),
     ("spec not a config", dict(spec=3), "spec must be"),
     ("draft not a model", dict(draft="small"), "draft must be an sj.Model"),
+    ("more logprobs than tokens", dict(sampling=sj.SamplingParams(max_new_tokens=4, logprobs=20),
+                                       prompts=[[1, 2]]), None),
+    ("tokenizer not a Tokenizer", dict(tokenizer="gpt2"), "tokenizer must be an sj.Tokenizer"),
+    ("seed beyond 64 bits", dict(key=2 ** 64), "key seed 18446744073709551616 is outside"),
 ]
 
 
@@ -234,10 +238,23 @@ def test_bad_input_raises_before_compiling(target, draft, name, kw, message):
     args = dict(prompts=[[1, 2]], sampling=sj.SamplingParams(max_new_tokens=4),
                 spec=sj.SpecConfig(num_speculative_tokens=2), draft=draft)
     args.update(kw)
+    if message is None:  # logprobs=20 is refused only where the vocabulary is smaller
+        target = tiny_model(seed=2, vocab_size=16, max_pos=128)
+        args.update(spec=None, draft=None)
+        message = "logprobs=20 exceeds the target's vocab_size 16"
     before = engine.compiled_programs()
     with pytest.raises(ValueError, match=message):
         sj.generate(target, args.pop("prompts"), **args)
     assert engine.compiled_programs() == before
+
+
+def test_settings_beyond_what_runs_are_refused_when_made(target, tmp_path):
+    with pytest.raises(ValueError, match="top_k=1099511627776 is beyond"):
+        sj.SamplingParams(top_k=2 ** 40)
+    with pytest.raises(ValueError, match="num_speculative_tokens=1000000000; at most 64"):
+        sj.SpecConfig(num_speculative_tokens=10 ** 9)
+    with pytest.raises(ValueError, match="target must be an sj.Model"):
+        sj.load_heads(tmp_path, "x")
 
 
 def test_target_must_be_a_model_and_draft_context_is_checked(target):

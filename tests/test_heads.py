@@ -567,18 +567,21 @@ def adaptive_greedy_stats(target, drafter, method: str, gamma: int, threshold: f
 
 
 def adaptive_pvalue(target, drafter, method: str, threshold: float, t: float = 0.8,
-                    k: int = 5, *, lengths_vary: bool = True) -> float:
+                    k: int = 5, p: float = 1.0, *, lengths_vary: bool = True,
+                    **budget) -> float:
     """The G-test p-value of the first three tokens sampled with adaptive lengths of ``method``
-    at ``threshold`` (temperature t, top-k k, chains of 3) against the target's exact joint.
-    ``lengths_vary``: also check that the rounds of that sampling run really proposed different
-    lengths (at least two lengths in over a fifth of the rounds each, fewer than 4 in 80%)."""
-    sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
-    spec = sj.SpecConfig(method=method, num_speculative_tokens=3, survival_threshold=threshold)
+    at ``threshold`` (temperature t, top-k k, top-p p, chains of 3; ``budget``: SpecConfig's
+    verify_costs and draft_cost) against the target's exact joint. ``lengths_vary``: also check
+    that the rounds of that sampling run really proposed different lengths (at least two
+    lengths in over a fifth of the rounds each, fewer than 4 in 80%)."""
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    spec = sj.SpecConfig(method=method, num_speculative_tokens=3, survival_threshold=threshold,
+                         **budget)
     out = sample_rows(target, drafter, sampling, spec)
     if lengths_vary:
         lengths = out.stats.proposed_length_distribution
         assert (lengths > 0.2).sum() >= 2 and lengths[3] < 0.8, lengths
-    return g_test(out.tokens, exact_joint(target, t, k, 1.0))
+    return g_test(out.tokens, exact_joint(target, t, k, p))
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
@@ -587,6 +590,16 @@ def test_adaptive_lengths_follow_the_target(tiny_drafters, pairs_of_rows, method
     before the draw (EAGLE's sampled q; Medusa's softmax, whose argmax is its draft)."""
     target, drafters = tiny_drafters
     assert adaptive_pvalue(target, drafters[method], method, ADAPTIVE[method]) > 1e-3
+
+
+def test_budget_lengths_follow_the_target_with_eagle(tiny_drafters, pairs_of_rows):
+    """EAGLE under the verify budget (widths priced so that rounds verify 1 or 2 of the 3
+    drafts), at T = 0.7 with top-k 5 and top-p 0.9. Lengths that score the drawn draft, or a
+    uniform q reported for drafts drawn from EAGLE's, fail it (p < 1e-60, run as throwaway
+    edits)."""
+    target, drafters = tiny_drafters
+    assert adaptive_pvalue(target, drafters["eagle"], "eagle", ADAPTIVE["eagle"], 0.7, 5, 0.9,
+                           verify_costs=(1.0, 1.1, 1.2, 1.4), draft_cost=0.05) > 1e-3
 
 
 def test_eagle_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_drafters,

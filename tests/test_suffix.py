@@ -288,6 +288,14 @@ def test_bad_settings_and_caches_are_refused(target, tmp_path):
         sj.generate(target, prompts, spec={"method": "suffix"}, draft=other)
     with pytest.raises(ValueError, match="takes a sj.draft.SuffixCache"):
         sj.generate(target, prompts, spec={"method": "suffix"}, draft=target)
+    with pytest.raises(ValueError, match="include_prompts must be a bool, got 'no'"):
+        sj.draft.SuffixCache(64, include_prompts="no")
+    unsized = sj.draft.SuffixCache(64)
+    with pytest.raises(ValueError, match="token id -5 in SuffixCache.add"):
+        unsized.add([[1, -5, 2]])
+    unsized.add([[1, 2, 30]])  # no vocabulary yet: the target's is adopted on first use
+    with pytest.raises(ValueError, match="holds token id 30, outside the target's vocabulary"):
+        sj.generate(target, prompts, spec={"method": "suffix"}, draft=unsized)
 
 
 def test_the_corpus_survives_a_save_and_load(tmp_path):

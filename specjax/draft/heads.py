@@ -394,6 +394,9 @@ def load_heads(path: str | os.PathLike, target: Model, *, same_target: bool = Tr
     import orbax.checkpoint as ocp
 
     from ..files import recover_folder
+    if not isinstance(target, Model):
+        raise ValueError(f"target must be an sj.Model (sj.load_model), got "
+                         f"{type(target).__name__}")
     path = pathlib.Path(path).resolve()
     recover_folder(path)
     meta = path / "drafter.json"

@@ -69,6 +69,9 @@ class SuffixCache:
                              f"{vocab_size!r}")
         self.capacity_tokens = int(capacity_tokens)
         self.vocab_size = None if vocab_size is None else int(vocab_size)
+        if not isinstance(include_prompts, (bool, np.bool_)):
+            raise ValueError(f"SuffixCache include_prompts must be a bool, got "
+                             f"{include_prompts!r}")
         self.include_prompts = bool(include_prompts)
         self._tokens = np.full(self.capacity_tokens, SEPARATOR, np.int32)
         self._write = 0  # the next slot to write
@@ -114,6 +117,10 @@ class SuffixCache:
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse a target of another vocabulary (adopting the first one seen)."""
         if self.vocab_size is None:
+            held = int(self._tokens.max())  # SEPARATOR (-1) where empty
+            if held >= vocab_size:
+                raise ValueError(f"this SuffixCache holds token id {held}, outside the target's "
+                                 f"vocabulary [0, {vocab_size})")
             self.vocab_size = int(vocab_size)
         elif self.vocab_size != vocab_size:
             raise ValueError(f"this SuffixCache holds tokens of a {self.vocab_size}-token "
@@ -127,6 +134,10 @@ class SuffixCache:
             ids = np.asarray(seq)
             if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
                 raise ValueError(f"SuffixCache.add takes lists of token ids, got {seq!r:.80}")
+            if ids.size and (ids.min() < -1 or ids.max() >= 2 ** 31):
+                bad = int(ids.min()) if ids.min() < -1 else int(ids.max())
+                raise ValueError(f"token id {bad} in SuffixCache.add: ids are >= 0 (-1 is "
+                                 f"generate's padding, dropped) and fit in int32")
             ids = ids[ids >= 0]  # generate pads rows with -1
             limit = self.vocab_size
             if limit is not None and ids.size and ids.max() >= limit:
