@@ -1052,10 +1052,11 @@ def check_request(target: Model, prompts, sampling: SamplingParams | None, token
         raise ValueError(f"SamplingParams.logprobs={sampling.logprobs} exceeds the target's "
                          f"vocab_size {cfg.vocab_size}")
     if tokenizer is not None:
-        from .tokenizer import Tokenizer
-        if not isinstance(tokenizer, Tokenizer):
-            raise ValueError(f"tokenizer must be an sj.Tokenizer (sj.load_tokenizer), got "
-                             f"{type(tokenizer).__name__}")
+        missing = [a for a in ("vocab_size", "eos_token_ids", "encode", "decode")
+                   if not hasattr(tokenizer, a)]
+        if missing:  # any object with a Tokenizer's interface serves
+            raise ValueError(f"tokenizer must be an sj.Tokenizer (sj.load_tokenizer) or have its "
+                             f"{', '.join(missing)}, got {type(tokenizer).__name__}")
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
                              f"target's vocab_size {cfg.vocab_size}")

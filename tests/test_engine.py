@@ -228,7 +228,8 @@ BAD_INPUTS = [
     ("draft not a model", dict(draft="small"), "draft must be an sj.Model"),
     ("more logprobs than tokens", dict(sampling=sj.SamplingParams(max_new_tokens=4, logprobs=20),
                                        prompts=[[1, 2]]), None),
-    ("tokenizer not a Tokenizer", dict(tokenizer="gpt2"), "tokenizer must be an sj.Tokenizer"),
+    ("tokenizer not a Tokenizer", dict(tokenizer="gpt2"),
+     "tokenizer must be an sj.Tokenizer.*vocab_size.*got str"),
     ("seed beyond 64 bits", dict(key=2 ** 64), "key seed 18446744073709551616 is outside"),
 ]
 
