@@ -26,10 +26,15 @@ def _is_int(value: Any) -> bool:
 
 
 def _require_int(owner: Any, name: str, value: Any, minimum: int,
-                 maximum: int | None = None) -> None:
-    """Check an int field (numpy ints welcome) and store it back as a plain int."""
+                 maximum: int | None = None, bound: str | None = None) -> None:
+    """Check an int field (numpy ints welcome) and store it back as a plain int. Above
+    ``maximum`` it is refused as a corrupt model config, or, with ``bound`` (why the maximum is
+    what it is), as a setting out of range."""
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{type(owner).__name__}.{name} must be an int >= {minimum}, "
+                         f"got {value!r}")
+    if maximum is not None and value > maximum and bound is not None:
+        raise ValueError(f"{type(owner).__name__}.{name} must be at most {maximum:,} ({bound}), "
                          f"got {value!r}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{type(owner).__name__}.{name}={value!r} is beyond any model this "
@@ -258,7 +263,8 @@ class SamplingParams:
     def __post_init__(self):
         _require_real(self, "temperature", self.temperature,
                       lambda x: x >= 0 and math.isfinite(x), "a finite number >= 0")
-        _require_int(self, "top_k", self.top_k, 0, 2 ** 31 - 1)
+        _require_int(self, "top_k", self.top_k, 0, 2 ** 31 - 1,
+                     bound="token ids are int32")
         _require_real(self, "top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
         _require_int(self, "max_new_tokens", self.max_new_tokens, 1)
         eos = self.eos_token_id
@@ -425,11 +431,15 @@ class SpecConfig:
                                  f"{self.method!r}; tree methods: {', '.join(tree_methods)}")
         elif self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", 4)
-        from .tree import MAX_NODES
+        from .tree import MAX_DEPTH, MAX_NODES
         _require_int(self, "num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.num_speculative_tokens > MAX_NODES:
             raise ValueError(f"SpecConfig.num_speculative_tokens={self.num_speculative_tokens}; "
                              f"at most {MAX_NODES} drafts a round are supported")
+        if self.method in ("suffix", "lookahead") and self.num_speculative_tokens > MAX_DEPTH:
+            raise ValueError(f"SpecConfig.num_speculative_tokens={self.num_speculative_tokens}; "
+                             f"method {self.method!r} drafts a tree that deep, and trees of at "
+                             f"most {MAX_DEPTH} levels are supported")
         _require_int(self, "prompt_lookup_min", self.prompt_lookup_min, 1)
         _require_int(self, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
         factor = self.prompt_lookup_length_factor

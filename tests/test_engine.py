@@ -226,8 +226,6 @@ BAD_INPUTS = [
     ("eos out of vocab", dict(sampling=sj.SamplingParams(eos_token_id=99)), "eos_token_id 99"),
     ("spec not a config", dict(spec=3), "spec must be"),
     ("draft not a model", dict(draft="small"), "draft must be an sj.Model"),
-    ("more logprobs than tokens", dict(sampling=sj.SamplingParams(max_new_tokens=4, logprobs=20),
-                                       prompts=[[1, 2]]), None),
     ("tokenizer not a Tokenizer", dict(tokenizer="gpt2"),
      "tokenizer must be an sj.Tokenizer.*vocab_size.*got str"),
     ("seed beyond 64 bits", dict(key=2 ** 64), "key seed 18446744073709551616 is outside"),
@@ -239,23 +237,42 @@ def test_bad_input_raises_before_compiling(target, draft, name, kw, message):
     args = dict(prompts=[[1, 2]], sampling=sj.SamplingParams(max_new_tokens=4),
                 spec=sj.SpecConfig(num_speculative_tokens=2), draft=draft)
     args.update(kw)
-    if message is None:  # logprobs=20 is refused only where the vocabulary is smaller
-        target = tiny_model(seed=2, vocab_size=16, max_pos=128)
-        args.update(spec=None, draft=None)
-        message = "logprobs=20 exceeds the target's vocab_size 16"
     before = engine.compiled_programs()
     with pytest.raises(ValueError, match=message):
         sj.generate(target, args.pop("prompts"), **args)
     assert engine.compiled_programs() == before
 
 
+def test_more_logprobs_than_the_vocabulary_holds_are_refused_before_compiling():
+    small = tiny_model(seed=2, vocab_size=16, max_pos=128)
+    sampling = sj.SamplingParams(max_new_tokens=4, logprobs=20)
+    before = engine.compiled_programs()
+    with pytest.raises(ValueError, match="logprobs=20 exceeds the target's vocab_size 16"):
+        sj.generate(small, [[1, 2]], sampling=sampling)
+    assert engine.compiled_programs() == before
+
+
 def test_settings_beyond_what_runs_are_refused_when_made(target, tmp_path):
-    with pytest.raises(ValueError, match="top_k=1099511627776 is beyond"):
+    with pytest.raises(ValueError, match=r"top_k must be at most 2,147,483,647 \(token ids are "
+                                         r"int32\), got 1099511627776"):
         sj.SamplingParams(top_k=2 ** 40)
     with pytest.raises(ValueError, match="num_speculative_tokens=1000000000; at most 64"):
         sj.SpecConfig(num_speculative_tokens=10 ** 9)
+    for method in ("suffix", "lookahead"):
+        with pytest.raises(ValueError, match=f"num_speculative_tokens=17; method '{method}' "
+                                             "drafts a tree that deep.*at most 16 levels"):
+            sj.SpecConfig(method=method, num_speculative_tokens=17)
+    assert sj.SpecConfig(method="suffix", num_speculative_tokens=16).num_speculative_tokens == 16
     with pytest.raises(ValueError, match="target must be an sj.Model"):
         sj.load_heads(tmp_path, "x")
+
+
+def test_a_ragged_prompt_is_refused_by_its_index(target):
+    for prompt, shown in (([1, [2, 3]], r"\[1, \[2, 3\]\]"),
+                          ([[1, 2], [3, 4]], r"\[\[1, 2\], \[3, 4\]\]")):
+        with pytest.raises(ValueError,
+                           match=f"prompt 1 must be a flat list of token ids, got {shown}"):
+            sj.generate(target, [[1, 2], prompt])
 
 
 def test_target_must_be_a_model_and_draft_context_is_checked(target):
