@@ -250,6 +250,10 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
     bias = bool(d.get("attention_bias", False))
     max_pos = d.get("max_position_embeddings", 2048)
     window = d.get("sliding_window")
+    # Llama attends to every position whatever its config says (transformers reads no window
+    # for it); a window makes it Mistral
+    if arch == "LlamaForCausalLM":
+        window = None
     if arch.startswith("Qwen"):
         # Qwen slides only on some layers (layer_types / max_window_layers): not supported.
         if d.get("use_sliding_window", False):

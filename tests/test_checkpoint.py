@@ -338,6 +338,21 @@ def test_extra_tensors_and_unsupported_features_are_refused(tmp_path, llama_fold
         sj.load_model(folder)
 
 
+def test_a_window_in_a_llama_config_is_ignored_as_transformers_ignores_it(tmp_path):
+    """A Llama config.json that carries sliding_window (smaller than the tokens) attends to every
+    position in transformers; so it does here. Mistral's window is read (the kinds above)."""
+    ref = hf_model("llama")
+    folder = saved(ref, tmp_path)
+    d = json.loads((folder / "config.json").read_text())
+    d["sliding_window"] = 4
+    (folder / "config.json").write_text(json.dumps(d))
+    ref = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    model = sj.load_model(folder)
+    assert model.config.sliding_window is None
+    diff = np.abs(np.asarray(sj.logits(model, TOKENS)) - hf_logits(ref, TOKENS)).max()
+    assert diff <= 1e-4, diff
+
+
 def test_qwen_partial_sliding_window_is_refused(tmp_path):
     folder = saved(hf_model("qwen2"), tmp_path)
     d = json.loads((folder / "config.json").read_text())

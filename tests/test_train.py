@@ -157,9 +157,18 @@ def test_pair_stages_end_to_end(tmp_path):
     exported = tmp_path / "out"
     pair.stage_export(work, tmp_path / "out", (("target", target, quick),
                                                ("draft", draft, quick)), draft_vocab_size=100,
-                      calibration=fit)
+                      calibration=fit, draft_window=8)
     t = sj.load_model(tmp_path / "out" / "code-target")
     d = sj.load_draft_model(tmp_path / "out" / "code-draft")
+    # the draft shipped with an attention window (as Mistral), the target without; the card says so
+    assert d.model.config.sliding_window == 8 and t.config.sliding_window is None
+    assert json.loads((exported / "code-draft" / "config.json").read_text())[
+        "architectures"] == ["MistralForCausalLM"]
+    card = (exported / "code-draft" / "README.md").read_text()
+    assert "attends to the latest 8 positions" in card and "`MistralForCausalLM` layout" in card
+    assert "`LlamaForCausalLM` layout" in (exported / "code-target" / "README.md").read_text()
+    # a stage continuing from the windowed draft trains it on whole windows again
+    assert pair._start(exported / "code-draft", draft, "draft").config == draft
     vocab = np.asarray(d.vocab.ids)  # the 100 most frequent training tokens
     counts = np.bincount(np.load(work / "train.npy"), minlength=300)
     assert len(vocab) == 100 and counts[vocab].min() >= np.delete(counts, vocab).max()

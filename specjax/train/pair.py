@@ -157,6 +157,12 @@ SCHEDULE_NOTES["draft-gen-long"] = (
 # The bundled draft drafts from the most frequent tokens of the training stream only (its LM
 # head cut to these columns, `draft_vocab.npy`; see specjax/draft/vocab.py).
 DRAFT_VOCAB_SIZE = 2048
+# Export ships the draft attending to the latest DRAFT_WINDOW positions only (a Mistral-layout
+# config): trained on whole 1,024-token windows, its held-out loss at positions 512-1024 is no
+# worse with the window (3.420 full, 3.404 windowed), its drafts on held-out long windows are
+# within 1% (2.525 and 2.494 tokens a round greedy), and a draft step at 900 tokens of context
+# costs about a quarter less (experiments/results/2026-12-05-draft-window.md).
+DRAFT_WINDOW = 256
 
 # How export fits the draft's calibration (adaptive lengths; `specjax train calibrate`'s
 # settings): function-definition prompts from held-out files (calibration_prompts), the target's
@@ -219,13 +225,17 @@ def stage_target_long(workdir: pathlib.Path, minutes: float | None, start: pathl
 
 
 def _start(folder: pathlib.Path, config: ModelConfig, role: str):
-    """The model in ``folder`` in float32, refused unless it has the shape ``config`` trains."""
+    """The model in ``folder`` in float32 as ``config`` computes it (a shipped draft's attention
+    window dropped: stages train on whole windows), refused unless it has the shape ``config``
+    trains."""
     from ..checkpoint import load_model
+    from ..model import Model
     init = load_model(folder, dtype="float32")
-    if dataclasses.replace(init.config, dtype=config.dtype) != config:
+    if dataclasses.replace(init.config, dtype=config.dtype,
+                           sliding_window=config.sliding_window) != config:
         raise SystemExit(f"{folder} holds another model than the {role} this stage trains "
                          f"({init.config} against {config})")
-    return init
+    return Model(dataclasses.replace(config, dtype=init.config.dtype), init.params)
 
 
 def _restore(config: ModelConfig, settings: TrainConfig, run: pathlib.Path):
@@ -596,8 +606,8 @@ from scratch on this machine (2-core CPU) on Python source code. {blurb}
 | | |
 | --- | --- |
 | parameters | {params:,} ({params_m:.1f}M) |
-| shape | hidden {hidden}, {layers} layers, {heads} heads ({kv} key/value heads), MLP {inter}, vocabulary {vocab}, context {ctx} |
-| stored as | bfloat16 safetensors, Hugging Face `LlamaForCausalLM` layout (`sj.load_model` computes in float32 on CPU and in bfloat16 on GPU/TPU by default) |
+| shape | hidden {hidden}, {layers} layers, {heads} heads ({kv} key/value heads), MLP {inter}, vocabulary {vocab}, context {ctx}{attends} |
+| stored as | bfloat16 safetensors, Hugging Face `{layout}` layout (`sj.load_model` computes in float32 on CPU and in bfloat16 on GPU/TPU by default) |
 | training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{distil}{note} |
 | held-out loss | {loss:.3f} nats/token on held-out files (32 batches, stored bf16 weights) |
 | context | trained on sequences of {seq} tokens, `max_position_embeddings` {ctx}; held-out loss by position in windows of {window} tokens: {by_position} |
@@ -617,14 +627,30 @@ programs.
 """
 
 
+def _window(stored) -> int | None:
+    """The attention window of an exported model (an sj.Model or sj.DraftModel)."""
+    return getattr(stored, "model", stored).config.sliding_window
+
+
+def _attends(stored) -> str:
+    window = _window(stored)
+    return "" if window is None else (
+        f"; it attends to the latest {window} positions (a sliding window, set at export: "
+        "trained on whole windows of its context, it predicts long positions no worse with it, "
+        "and a draft step over a long context costs less)")
+
+
 def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                  runs=(("target", TARGET, TARGET_TRAINING), ("draft", DRAFT, DRAFT_TRAINING)),
                  draft_vocab_size: int = DRAFT_VOCAB_SIZE, calibration: dict | None = None,
-                 shipped: dict[str, pathlib.Path] | None = None) -> None:
+                 shipped: dict[str, pathlib.Path] | None = None,
+                 draft_window: int | None = DRAFT_WINDOW) -> None:
     """Write the trained runs as model folders under ``out`` (code-target, code-draft) with
     their cards; with both, the draft's acceptance and its calibration for adaptive lengths
     (``calibration``: the fit's settings, default CALIBRATION). A run named in ``shipped`` is
-    read from that model folder (as its run's last step) instead of its checkpoints."""
+    read from that model folder (as its run's last step) instead of its checkpoints. The draft
+    is written attending to the latest ``draft_window`` positions (None, or a window as long as
+    its context: all of them); every figure is measured as it is written."""
     import shutil
     calibration = calibration or CALIBRATION
 
@@ -632,6 +658,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
     from ..draft.draft_model import VOCAB_FILE, load_draft_model
     from ..draft.vocab import frequent_tokens
     from ..files import replace_folder
+    from ..model import Model
     from ..tokenizer import load_tokenizer
     _, heldout = _tokens(workdir)
     corpus = json.loads((workdir / "corpus.json").read_text())
@@ -647,6 +674,10 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             else:
                 model, step = _restore(config, settings, workdir / name)
             folder = out / f"code-{role}"
+            if (role == "draft" and draft_window is not None
+                    and draft_window < config.max_position_embeddings):
+                model = Model(dataclasses.replace(model.config, sliding_window=draft_window),
+                              model.params)
             where = swaps.enter_context(replace_folder(folder, _model_file))
             save_model(cast(model, "bfloat16"), where, format="hf", eos_token_id=0)  # <|endoftext|>
             if role == "target":
@@ -715,6 +746,9 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                 params_m=c.num_params / 1e6, hidden=c.hidden_size, layers=c.num_hidden_layers,
                 heads=c.num_attention_heads, kv=c.num_key_value_heads, inter=c.intermediate_size,
                 vocab=c.vocab_size, ctx=c.max_position_embeddings, steps=d["step"],
+                attends=_attends(d["model"]), layout=("MistralForCausalLM"
+                                                      if _window(d["model"]) else
+                                                      "LlamaForCausalLM"),
                 batch=s.batch_size, seq=s.seq_len, tokens=d["step"] * s.batch_size * s.seq_len / 1e6,
                 lr=s.learning_rate, distil=(", distilled from the target" if name == "draft" else ""),
                 note=SCHEDULE_NOTES.get(d["run"], ""), rebuild=rebuild,
@@ -937,6 +971,9 @@ def main(argv=None) -> int:
                          "default the bundled one) written again beside it")
     ap.add_argument("--gen-long", action="store_true",
                     help="export: as --gen, with the draft-gen-long draft")
+    ap.add_argument("--draft-from", type=pathlib.Path, default=None,
+                    help="export --gen / --gen-long: the draft folder to write (and measure) "
+                         "instead of the run's last step, e.g. the shipped code-draft")
     ap.add_argument("--long", action="store_true",
                     help="export: write target-long and draft-long as code-target and "
                          "code-draft")
@@ -983,10 +1020,15 @@ def main(argv=None) -> int:
     else:
         if args.long + args.gen + args.gen_long > 1:
             raise SystemExit("export takes one of --long, --gen and --gen-long")
+        if args.draft_from is not None and not (args.gen or args.gen_long):
+            raise SystemExit("--draft-from is for export --gen or --gen-long")
         if args.gen or args.gen_long:
             from ..bundle import bundled
-            stage_export(args.workdir, args.out, runs=GEN_LONG_RUNS if args.gen_long else GEN_RUNS,
-                         shipped={"target-long": args.start or bundled("code-target")})
+            runs = GEN_LONG_RUNS if args.gen_long else GEN_RUNS
+            shipped = {"target-long": args.start or bundled("code-target")}
+            if args.draft_from is not None:
+                shipped[runs[1][0]] = args.draft_from
+            stage_export(args.workdir, args.out, runs=runs, shipped=shipped)
         else:
             stage_export(args.workdir, args.out, **({"runs": LONG_RUNS} if args.long else {}))
     return 0
