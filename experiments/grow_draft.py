@@ -1,7 +1,7 @@
 """Issue 24: does the bundled draft fall off at long positions for want of capacity?
 
-The draft's held-out loss is flat with position (3.667 / 3.681 / 3.626 at 0-256 / 256-512 /
-512-1024) while the target's falls, and more of the target's text did not change that
+The draft's held-out loss, attending to every position, is flat with position (3.667 / 3.681 /
+3.626 at 0-256 / 256-512 / 512-1024) while the target's falls, and more of the target's text did not change that
 (2026-12-05-long-positions.md). This grows the shipped draft without changing what it computes
 -- a third layer whose output projections start at zero, and a key/value head per query head
 (the one it has, copied) -- then distils it on the same long rows of the target's text as
@@ -72,7 +72,9 @@ def start(workdir: pathlib.Path) -> None:
 
     import specjax as sj
     from specjax.bundle import bundled
-    draft = sj.load_model(bundled("code-draft"), dtype="float32")
+    from specjax.train.pair import DRAFT, _start
+    # as trained, attending to every position (the shipped folder sets a window at export)
+    draft = _start(bundled("code-draft"), DRAFT, "draft")
     grown = grow(draft)
     tokens = jnp.asarray(np.load(workdir / "heldout.npy")[:2 * 512].reshape(2, 512), jnp.int32)
     from specjax.model import logits

@@ -436,7 +436,8 @@ class SpecConfig:
         if self.num_speculative_tokens > MAX_NODES:
             raise ValueError(f"SpecConfig.num_speculative_tokens={self.num_speculative_tokens}; "
                              f"at most {MAX_NODES} drafts a round are supported")
-        if self.method in ("suffix", "lookahead") and self.num_speculative_tokens > MAX_DEPTH:
+        if (self.method in ("suffix", "lookahead") and self.tree is None
+                and self.num_speculative_tokens > MAX_DEPTH):
             raise ValueError(f"SpecConfig.num_speculative_tokens={self.num_speculative_tokens}; "
                              f"method {self.method!r} drafts a tree that deep, and trees of at "
                              f"most {MAX_DEPTH} levels are supported")

@@ -1017,13 +1017,13 @@ def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
         try:
             arr = np.asarray(row)
         except ValueError:  # numpy refuses ragged nesting, [1, [2, 3]]
-            arr = np.asarray(row, dtype=object)
-        if arr.ndim != 1 or (arr.dtype == object and any(np.ndim(x) for x in arr)):
+            arr = None
+        if arr is None or arr.ndim != 1:
             raise ValueError(f"prompt {b} must be a flat list of token ids, got "
                              f"{reprlib.repr(row)}")
         if arr.size == 0:
             raise ValueError(f"prompt {b} is empty: every prompt needs at least one token")
-        if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        if not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"prompt {b} must hold integer token ids, got dtype {arr.dtype}")
         bad = arr[(arr < 0) | (arr >= vocab_size)]
         if bad.size:

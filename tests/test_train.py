@@ -167,8 +167,13 @@ def test_pair_stages_end_to_end(tmp_path):
     card = (exported / "code-draft" / "README.md").read_text()
     assert "attends to the latest 8 positions" in card and "`MistralForCausalLM` layout" in card
     assert "`LlamaForCausalLM` layout" in (exported / "code-target" / "README.md").read_text()
-    # a stage continuing from the windowed draft trains it on whole windows again
-    assert pair._start(exported / "code-draft", draft, "draft").config == draft
+    # a stage continuing from the windowed draft trains it attending to every position again:
+    # the same logits within the window, others past it
+    ids = np.arange(1, 17)[None] % 300
+    windowed = np.asarray(sj.logits(sj.load_model(exported / "code-draft", dtype="float32"), ids))
+    whole = np.asarray(sj.logits(pair._start(exported / "code-draft", draft, "draft"), ids))
+    np.testing.assert_allclose(whole[:, :8], windowed[:, :8], atol=1e-5)
+    assert np.abs(whole[:, 8:] - windowed[:, 8:]).max() > 1e-3
     vocab = np.asarray(d.vocab.ids)  # the 100 most frequent training tokens
     counts = np.bincount(np.load(work / "train.npy"), minlength=300)
     assert len(vocab) == 100 and counts[vocab].min() >= np.delete(counts, vocab).max()

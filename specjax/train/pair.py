@@ -160,7 +160,7 @@ DRAFT_VOCAB_SIZE = 2048
 # Export ships the draft attending to the latest DRAFT_WINDOW positions only (a Mistral-layout
 # config): trained on whole 1,024-token windows, its held-out loss at positions 512-1024 is no
 # worse with the window (3.420 full, 3.404 windowed), its drafts on held-out long windows are
-# within 1% (2.525 and 2.494 tokens a round greedy), and a draft step at 900 tokens of context
+# about 1% fewer (2.525 and 2.494 tokens a round greedy), and a draft step at 900 tokens of context
 # costs about a quarter less (experiments/results/2026-12-05-draft-window.md).
 DRAFT_WINDOW = 256
 
@@ -225,14 +225,16 @@ def stage_target_long(workdir: pathlib.Path, minutes: float | None, start: pathl
 
 
 def _start(folder: pathlib.Path, config: ModelConfig, role: str):
-    """The model in ``folder`` in float32 as ``config`` computes it (a shipped draft's attention
-    window dropped: stages train on whole windows), refused unless it has the shape ``config``
-    trains."""
+    """The model in ``folder`` in float32 as ``config`` computes it (a draft's attention window,
+    set at export, dropped: stages train on whole windows), refused unless it has the shape
+    ``config`` trains."""
     from ..checkpoint import load_model
     from ..model import Model
     init = load_model(folder, dtype="float32")
-    if dataclasses.replace(init.config, dtype=config.dtype,
-                           sliding_window=config.sliding_window) != config:
+    found = dataclasses.replace(init.config, dtype=config.dtype)
+    if role.startswith("draft") and found.layer_types is None:
+        found = dataclasses.replace(found, sliding_window=config.sliding_window)
+    if found != config:
         raise SystemExit(f"{folder} holds another model than the {role} this stage trains "
                          f"({init.config} against {config})")
     return Model(dataclasses.replace(config, dtype=init.config.dtype), init.params)
@@ -635,9 +637,8 @@ def _window(stored) -> int | None:
 def _attends(stored) -> str:
     window = _window(stored)
     return "" if window is None else (
-        f"; it attends to the latest {window} positions (a sliding window, set at export: "
-        "trained on whole windows of its context, it predicts long positions no worse with it, "
-        "and a draft step over a long context costs less)")
+        f"; it attends to the latest {window} positions only (a sliding window set at export, "
+        "`pair.DRAFT_WINDOW`; trained attending to every position)")
 
 
 def stage_export(workdir: pathlib.Path, out: pathlib.Path,
@@ -654,7 +655,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
     import shutil
     calibration = calibration or CALIBRATION
 
-    from ..checkpoint import _model_file, cast, load_model, save_model
+    from ..checkpoint import _model_file, cast, hf_architecture, load_model, save_model
     from ..draft.draft_model import VOCAB_FILE, load_draft_model
     from ..draft.vocab import frequent_tokens
     from ..files import replace_folder
@@ -746,9 +747,8 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                 params_m=c.num_params / 1e6, hidden=c.hidden_size, layers=c.num_hidden_layers,
                 heads=c.num_attention_heads, kv=c.num_key_value_heads, inter=c.intermediate_size,
                 vocab=c.vocab_size, ctx=c.max_position_embeddings, steps=d["step"],
-                attends=_attends(d["model"]), layout=("MistralForCausalLM"
-                                                      if _window(d["model"]) else
-                                                      "LlamaForCausalLM"),
+                attends=_attends(d["model"]), layout=hf_architecture(
+                    getattr(d["model"], "model", d["model"]).config),
                 batch=s.batch_size, seq=s.seq_len, tokens=d["step"] * s.batch_size * s.seq_len / 1e6,
                 lr=s.learning_rate, distil=(", distilled from the target" if name == "draft" else ""),
                 note=SCHEDULE_NOTES.get(d["run"], ""), rebuild=rebuild,
