@@ -4,8 +4,9 @@ The draft's held-out loss, attending to every position, is flat with position (3
 3.626 at 0-256 / 256-512 / 512-1024) while the target's falls, and more of the target's text
 did not change that (2026-12-05-long-positions.md). This grows the shipped draft without
 changing what it computes -- a third layer whose output projections start at zero, and a
-key/value head per query head (the one it has, copied) -- then distils it on the same long rows of the target's text as
-``draft-gen-long`` did (the control), and compares held-out loss by position.
+key/value head per query head (the one it has, copied) -- then distils it on the same long
+rows of the target's text as ``draft-gen-long`` did (the control), and compares held-out loss
+by position.
 
     python experiments/grow_draft.py start --data W      # grow, check it is the same function
     python experiments/grow_draft.py train --data W --minutes 40     # resumable
