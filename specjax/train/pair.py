@@ -629,13 +629,9 @@ programs.
 """
 
 
-def _window(stored) -> int | None:
-    """The attention window of an exported model (an sj.Model or sj.DraftModel)."""
-    return getattr(stored, "model", stored).config.sliding_window
-
-
-def _attends(stored) -> str:
-    window = _window(stored)
+def _attends(written: ModelConfig) -> str:
+    """The card's words for an exported model's attention window (none without one)."""
+    window = written.sliding_window
     return "" if window is None else (
         f"; it attends to the latest {window} positions only (a sliding window set at export, "
         "`pair.DRAFT_WINDOW`; trained attending to every position)")
@@ -692,6 +688,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             stored = (load_draft_model if role == "draft" else load_model)(where, dtype="float32")
             whole = stored.model if role == "draft" else stored
             info[role] = dict(run=name, folder=folder, where=where, model=stored, config=config,
+                              written=whole.config,
                               settings=settings, step=step,
                               loss=evaluate(whole, heldout, batches=32),
                               by_position=loss_by_position(whole, heldout))
@@ -747,8 +744,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
                 params_m=c.num_params / 1e6, hidden=c.hidden_size, layers=c.num_hidden_layers,
                 heads=c.num_attention_heads, kv=c.num_key_value_heads, inter=c.intermediate_size,
                 vocab=c.vocab_size, ctx=c.max_position_embeddings, steps=d["step"],
-                attends=_attends(d["model"]), layout=hf_architecture(
-                    getattr(d["model"], "model", d["model"]).config),
+                attends=_attends(d["written"]), layout=hf_architecture(d["written"]),
                 batch=s.batch_size, seq=s.seq_len, tokens=d["step"] * s.batch_size * s.seq_len / 1e6,
                 lr=s.learning_rate, distil=(", distilled from the target" if name == "draft" else ""),
                 note=SCHEDULE_NOTES.get(d["run"], ""), rebuild=rebuild,
