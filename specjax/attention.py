@@ -5,7 +5,8 @@ same thing:
 
 * ``dense``: one softmax over all S slots. Used when the cache is a single block (S <= block) or
   the chunk fills it (a full-sequence forward, as in training, where every slot is live and the
-  backward pass needs a static loop).
+  backward pass needs a static loop), and for a sliding layer's ring of at most two blocks (all
+  of a wrapped ring is live: ``ring_is_dense``).
 * ``blocked``: the cache is walked in blocks of ``block`` slots with an online softmax (running
   maximum, running sum, running weighted values, as in flash-decoding), from slot 0 up to the
   batch's longest live row only. The trip count is computed on the device, so a step's cost
@@ -201,6 +202,15 @@ def uses_dense(capacity: int, T: int, block: int) -> bool:
     return capacity <= block or capacity == T
 
 
+def ring_is_dense(slots: int, block: int) -> bool:
+    """Whether attention over a ring of ``slots`` slots is one dense softmax: when it spans at
+    most two blocks. Once a ring has wrapped, every slot is live, so walking it block by block
+    skips nothing, and over two blocks the walk's loop, its block copies and its overlapping last
+    block cost more than one softmax (the bundled draft's 319-slot ring: a draft step about a
+    fifth cheaper); the scores take at most twice a block's memory."""
+    return slots <= 2 * block
+
+
 def is_ring(slots: int, view: View) -> bool:
     """Whether a layer buffer of ``slots`` slots is a ring (fewer than the cache's capacity)."""
     return view.capacity is not None and slots < view.capacity
@@ -211,18 +221,20 @@ def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
            softcap: float | None = None) -> Array:
     """q [B, T, K, G, D] over layer ``layer`` of the cache k_all, v_all [L, B, S, K, D] (the
     chunk already written, or passed as ``chunk`` = its keys and values [B, T, K, D] when
-    ``view.chunk_in_cache`` is False), by ``view``; dense when ``uses_dense``. Scores are scaled
+    ``view.chunk_in_cache`` is False), by ``view``; dense when ``uses_dense`` (a ring: when
+    ``ring_is_dense``). Scores are scaled
     by ``scale`` (None: D ** -0.5) and soft-capped by ``softcap`` (None: not). A buffer of fewer
     slots than ``view.capacity`` is a ring (``View.ring_mask``)."""
     S, T = k_all.shape[2], q.shape[1]
     if (chunk is None) != view.chunk_in_cache:
         raise ValueError("pass the chunk's keys and values exactly when the view says they are "
                          "not in the cache")
-    if uses_dense(S, T, block):
+    ring = is_ring(S, view)
+    if uses_dense(S, T, block) or (ring and ring_is_dense(S, block)):
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
         v = jax.lax.dynamic_index_in_dim(v_all, layer, axis=0, keepdims=False)
         mask = view.dense_mask
-        if is_ring(S, view):
+        if ring:
             mask = view.ring_mask(jnp.arange(S, dtype=jnp.int32), S)
         elif mask is None:
             mask = view.mask(jnp.arange(S, dtype=jnp.int32))

@@ -88,13 +88,22 @@ def _mismatch(model, block, span=CHUNK) -> float:
     return max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("block", [256, 8], ids=["dense", "blocked"])
+# block 256: every layer dense; 12: the 20-slot rings dense over two blocks
+# (attention.ring_is_dense), the 192-slot full layer walked in blocks; 8: both walked in blocks
+BLOCKS = pytest.mark.parametrize("block", [256, 12, 8], ids=["dense", "ring-dense", "blocked"])
+
+
+def test_which_rings_attend_densely():
+    assert attention.ring_is_dense(20, 12) and not attention.ring_is_dense(20, 8)
+
+
+@BLOCKS
 def test_rings_compute_what_the_whole_cache_computes(model, block):
     assert _mismatch(model, block) < 1e-4
 
 
 @pytest.mark.parametrize("broken", ["ring_too_small", "padding_at_start"])
-@pytest.mark.parametrize("block", [256, 8], ids=["dense", "blocked"])
+@BLOCKS
 def test_the_comparison_catches_broken_rings(model, monkeypatch, fresh_programs, block, broken):
     """A ring one slot smaller than window + span - 1 (let past the check that refuses it), or a
     prefill that writes a finished row's padding at the chunk's start (it evicts what the row's
