@@ -5,9 +5,9 @@ Four programs, each ``timing.INNER`` repetitions from one state of ``sj.generate
 
 * propose   the proposer's propose alone (as ``timing.round_timers``' "propose")
 * verify    the target's forward over γ + 1 tokens alone (as ``timing.forward_timer``)
-* both      the two back to back in one loop, the forward fed the first draft, nothing else:
-            what they cost together when each evicts the other's weights and buffers from the
-            CPU's caches
+* both      the two back to back in one loop, the forward fed the first draft and the next
+            propose waiting for the forward, nothing else: what they cost together when each
+            evicts the other's weights and buffers from the CPU's caches
 * round     generate's whole round (``round_timers``' "round")
 * const     the same round with the proposer's drafts replaced by constants (no draft forward):
             verification and bookkeeping on top of the verify forward
@@ -81,7 +81,9 @@ def main() -> None:
                 draft_state, tc, total = carry
                 first = jnp.ones((1, 1), jnp.int32)
                 if propose:
-                    s = dataclasses.replace(state, draft_state=draft_state)
+                    # after the last forward, as in a round (else XLA may overlap the two)
+                    after = state.length + (total * 0).astype(jnp.int32)
+                    s = dataclasses.replace(state, draft_state=draft_state, length=after)
                     d, draft_state = engine._propose(plan, target_params, draft_params, request,
                                                      s, keys)
                     for x in jax.tree.leaves(d):  # every output feeds the result
