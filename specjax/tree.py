@@ -63,6 +63,7 @@ class Tree:
     ancestors [N, N] bool, ancestors[i, j]: node j is node i or one of its ancestors
     children  [N, C] int32, node i's children in rank order, -1 padded (C = most children)
     levels    per depth d >= 1, the (start, stop) node range at that depth
+    ranks_under(d): candidates the nodes at depth d need (highest child rank + 1)
     """
 
     paths: tuple[tuple[int, ...], ...]
@@ -149,6 +150,15 @@ class Tree:
         depths = self.depths
         return tuple((int(np.argmax(depths == d)), int(np.sum(depths <= d)))
                      for d in range(1, self.depth + 1))
+
+    def ranks_under(self, d: int) -> int:
+        """How many ranked candidates the nodes at depth d (0: the root) need: one more than
+        the highest child rank at depth d + 1 (0 below the deepest level). A drafter ranks or
+        draws only that many at each level, not the tree's widest fan-out everywhere."""
+        if d >= self.depth:
+            return 0
+        start, stop = self.levels[d]
+        return int(self.ranks[start:stop].max()) + 1
 
     def to_json(self) -> list[list[int]]:
         return [list(p) for p in self.paths]

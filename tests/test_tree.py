@@ -567,3 +567,31 @@ def test_tree_without_residual_update_fails_end_to_end(models, monkeypatch, fres
     samples = generate_samples(target, drafts["close"], sampling,
                                sj.SpecConfig(tree=((0,), (1,), (2,), (0, 0), (1, 0))))
     assert g_test(samples, exact_joint(target, t, k, 1.0)) < 1e-6
+
+
+def test_each_level_ranks_only_the_candidates_its_children_take():
+    tree = Tree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+    assert [tree.ranks_under(d) for d in range(4)] == [2, 2, 1, 0]
+    assert [Tree.chain(3).ranks_under(d) for d in range(4)] == [1, 1, 1, 0]
+
+
+def _sorts(target, draft, tree):
+    """Sort instructions in the greedy decode program of ``tree``."""
+    engine.PROGRAMS.clear()
+    sj.generate(target, [[1, 2, 3]], sampling=sj.SamplingParams(temperature=0, max_new_tokens=8),
+                draft=draft, spec=sj.SpecConfig(tree=tree))
+    (decode,) = engine.PROGRAMS.programs()[-1].executables("decode")
+    return decode.as_text().count(" sort(")
+
+
+def test_a_greedy_tree_sorts_no_vocabulary(greedy_setup, monkeypatch, fresh_programs):
+    """A level whose nodes take one child each ranks it by an argmax: XLA's CPU backend lowered
+    the top-k of a level where only the top-ranked candidate was read to a sort of the whole
+    vocabulary (2 ms a round over 8,192 tokens). Ranking the tree's widest fan-out at every
+    level, as before, brings the sort back."""
+    target, drafts = greedy_setup[:2]
+    tree = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    assert _sorts(target, drafts["other"], tree) == 0
+    monkeypatch.setattr(Tree, "ranks_under", lambda self, d: int(self.children.shape[1]))
+    jax.clear_caches()
+    assert _sorts(target, drafts["other"], tree) > 0

@@ -16,12 +16,13 @@ point masses when greedy); draft j's q does not depend on the drafts before it, 
 verifier allows (a draft may come from any distribution fixed before it is drawn), so the output
 is the target's distribution exactly.
 
-Trees (``SpecConfig.tree``): the block runs over the tree's depth, and every node at depth d
-takes as children the same candidates of position d + 1: its ``width`` top-ranked tokens when
-greedy, ``width`` draws without replacement from its q when sampled (one draw per depth, shared
-by the nodes at that depth). Position d + 1's q does not depend on the tokens above it and each
-depth's draw has its own key, so whichever node the verifier reaches, its children are a fresh
-draw from the q it reports (``Draft.probs``), as recursive rejection sampling needs.
+Trees (``SpecConfig.tree``): the block runs over the tree's depth, and every node at depth d takes
+as children the same candidates of position d + 1: as many top-ranked tokens as that depth's nodes
+have children (``Tree.ranks_under``) when greedy, as many draws without replacement from its q when
+sampled (one draw per depth, shared by the nodes at that depth). Position d + 1's q does not depend
+on the tokens above it and each depth's draw has its own key, so whichever node the verifier
+reaches, its children are a fresh draw from the q it reports (``Draft.probs``), as recursive
+rejection sampling needs.
 
 Cache: slot t holds the injected keys and values of the target's features at position t. Each
 round first injects the features the last verification produced (along the accepted path, from
@@ -233,17 +234,17 @@ class DFlashProposer(RiderProposer):
     def _tree(self, logits: Array, keys: Array, sampling_params: sampling.SamplingArrays,
               filters: sampling.Filters, vocab) -> Draft:
         """The tree's nodes from the block's per-position logits [B, depth, M]."""
-        B, width = logits.shape[0], int(self.tree.children.shape[1])
+        B, tree = logits.shape[0], self.tree
 
         def candidates(d):  # the children of any node at depth d: position d + 1's
             level_keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(keys)
-            return tree_candidates(logits[:, d:d + 1], width, level_keys, sampling_params,
-                                   filters, vocab)
+            return tree_candidates(logits[:, d:d + 1], tree.ranks_under(d), level_keys,
+                                   sampling_params, filters, vocab)
 
         def expand(d, level, parent):  # the same candidates under every node of the level
             ids, q = candidates(d + 1)
             n = level.shape[1]
-            return (jnp.broadcast_to(ids, (B, n, width)),
+            return (jnp.broadcast_to(ids, (B, n, ids.shape[-1])),
                     None if q is None else jnp.broadcast_to(q, (B, n, q.shape[-1])))
 
         tokens, q = expand_tree(self.tree, candidates(0), expand, vocab, self.config.vocab_size)

@@ -683,12 +683,11 @@ class DraftTreeProposer:
                 ) -> tuple[Draft, KVCache]:
         draft, tree = params, self.tree
         B = history.shape[0]
-        width = int(tree.children.shape[1])
 
-        def children(logits, d):  # each node's `width` candidates: top-ranked or sampled
+        def children(logits, d):  # the candidates depth d's nodes need: top-ranked or sampled
             level_keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(keys)
-            return tree_candidates(logits, width, level_keys, sampling_params, filters,
-                                   draft.vocab)
+            return tree_candidates(logits, tree.ranks_under(d), level_keys, sampling_params,
+                                   filters, draft.vocab)
 
         logits, cache = _catch_up(draft, cache, history, length)
 

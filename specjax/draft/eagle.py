@@ -161,14 +161,13 @@ class EagleProposer(RiderProposer):
         p, tree = params["heads"], self.tree
         vocab = p["vocab"]
         B = g.shape[0]
-        width = int(tree.children.shape[1])
         base = length - 1  # the slot of the root's pair (f_{L-1}, x_L), written by the catch-up
         feats = g[:, None]  # the predicted features of the level being expanded [B, n, E]
 
-        def top(g, d=0):  # each feature's `width` candidates: top-ranked or sampled
+        def top(g, d=0):  # the candidates depth d's nodes need: top-ranked or sampled
             level_keys = jax.vmap(lambda k: jax.random.fold_in(k, d))(keys)
-            return tree_candidates(vocab.logits(g), width, level_keys, sampling_params, filters,
-                                   vocab)
+            return tree_candidates(vocab.logits(g), tree.ranks_under(d), level_keys,
+                                   sampling_params, filters, vocab)
 
         def expand(d, level, parent):
             nonlocal cache, feats
