@@ -461,8 +461,13 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
         draft_state = plan.proposer.observe_lookahead(
             draft_state, sampling_lib.argmax(logits[:, N:]).astype(jnp.int32))
         logits, hidden = logits[:, :N], hidden[:, :N]
-    target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
-    verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid, draft.probs)
+    if plan.filters.greedy:  # every row greedy: the argmax after each node decides
+        verdict = verify.greedy_tree_verdict(tree, draft.tokens, sampling_lib.argmax(logits),
+                                             draft.valid)
+    else:
+        target_probs = sampling_lib.process_logits(logits, request.sampling, plan.filters)
+        verdict = verify.tree_sample(keys, tree, draft.tokens, target_probs, draft.valid,
+                                     draft.probs)
     nodes = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), verdict.path], axis=1)  # root, path
     if plan.filters.greedy:
         near = sampling_lib.near_ties(logits, plan.target.dtype)  # [B, N]

@@ -24,6 +24,7 @@ the tests enumerate exactly; ``rejection_sample`` draws from them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -205,6 +206,46 @@ def sampled_sibling_probs(p: Array, q: Array, child_tokens: Array, child_valid: 
     return jnp.stack(accept, axis=1), p
 
 
+def _walk(tree, draft_tokens: Array, valid: Array | None,
+          accept: Callable[[int, Array, Array, Array], Array]) -> tuple[Array, Array, Array, Array]:
+    """From the root, each depth tries the current node's children and moves to the first one
+    ``accept(d, node [B], kid_tokens [B, C], kid_ok [B, C]) -> hit [B, C]`` takes (``kid_ok``:
+    the child exists and was proposed; a hit must imply it); a row stops at the first node none
+    of whose children is taken. Returns the node each row ends at [B], whether it moved at every
+    depth (reached a leaf) [B], the accepted node at each depth [B, D] (0 past the end) and the
+    accepted tokens [B, D] (-1 past the end)."""
+    B = draft_tokens.shape[0]
+    rows = jnp.arange(B)
+    children = jnp.asarray(tree.children)  # [N, C]
+    tokens = jnp.concatenate([jnp.zeros((B, 1), draft_tokens.dtype), draft_tokens], axis=1)
+    ok = jnp.ones((B, tree.num_nodes), bool)
+    if valid is not None:
+        ok = ok.at[:, 1:].set(valid)
+    node = jnp.zeros((B,), jnp.int32)
+    alive = jnp.ones((B,), bool)
+    path, out = [], []
+    for d in range(tree.depth):
+        kids = children[node]  # [B, C]
+        safe = jnp.maximum(kids, 0)
+        hit = accept(d, node, tokens[rows[:, None], safe], (kids >= 0) & ok[rows[:, None], safe])
+        first = jnp.argmax(hit, axis=1)
+        moved = alive & jnp.any(hit, axis=1)
+        node = jnp.where(moved, kids[rows, first], node)
+        path.append(jnp.where(moved, node, 0))
+        out.append(jnp.where(moved, tokens[rows, node], -1))
+        alive = moved
+    return node, alive, jnp.stack(path, axis=1), jnp.stack(out, axis=1)
+
+
+def _tree_verdict(path: Array, out: Array, last: Array) -> Verdict:
+    """The round's tokens: the accepted ones, then ``last`` [B] (recovered or bonus)."""
+    num_accepted = jnp.sum(out >= 0, axis=1).astype(jnp.int32)
+    index = jnp.arange(out.shape[1] + 1)[None, :]
+    emitted = jnp.concatenate([out, jnp.full((out.shape[0], 1), -1, jnp.int32)], axis=1)
+    emitted = jnp.where(index == num_accepted[:, None], last[:, None], emitted)
+    return Verdict(emitted.astype(jnp.int32), num_accepted, path)
+
+
 def tree_sample(keys: Array, tree, draft_tokens: Array, target_probs: Array,
                 valid: Array | None = None, draft_probs: Array | None = None) -> Verdict:
     """One verification round for a batch of trees.
@@ -221,45 +262,42 @@ def tree_sample(keys: Array, tree, draft_tokens: Array, target_probs: Array,
     follow the longest path that matches the target's argmax. Returns tokens [B, D+1],
     num_accepted [B] and the accepted nodes path [B, D].
     """
-    B = draft_tokens.shape[0]
-    D = tree.depth
+    B, D = draft_tokens.shape[0], tree.depth
     rows = jnp.arange(B)
-    children = jnp.asarray(tree.children)  # [N, C]
-    C = children.shape[1]
-    tokens = jnp.concatenate([jnp.zeros((B, 1), draft_tokens.dtype), draft_tokens], axis=1)
-    ok = jnp.ones((B, tree.num_nodes), bool)
-    if valid is not None:
-        ok = ok.at[:, 1:].set(valid)
     split = jax.vmap(jax.random.split)(keys)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (D, C)))(split[:, 0])  # [B, D, C]
+    u = jax.vmap(lambda k: jax.random.uniform(k, (D, tree.children.shape[1])))(split[:, 0])
+    residuals = []  # each depth's residual after rejecting every child of the node there
 
-    node = jnp.zeros((B,), jnp.int32)
-    alive = jnp.ones((B,), bool)
-    final_p = target_probs[:, 0]
-    path, out = [], []
-    for d in range(D):
-        kids = children[node]  # [B, C]
-        safe = jnp.maximum(kids, 0)
-        kid_ok = (kids >= 0) & ok[rows[:, None], safe]
-        kid_tokens = tokens[rows[:, None], safe]
+    def accept(d, node, kid_tokens, kid_ok):
         if draft_probs is None:
-            accept, residual = sibling_probs(target_probs[rows, node], kid_tokens, kid_ok)
+            a, residual = sibling_probs(target_probs[rows, node], kid_tokens, kid_ok)
         else:
-            accept, residual = sampled_sibling_probs(target_probs[rows, node],
-                                                     draft_probs[rows, node], kid_tokens, kid_ok)
-        hit = u[:, d] < accept  # [B, C]; accept is 0 for invalid children
-        first = jnp.argmax(hit, axis=1)
-        moved = alive & jnp.any(hit, axis=1)
-        # The residual after rejecting every child; a row that accepts child c never uses it.
-        final_p = jnp.where((alive & ~moved)[:, None], residual, final_p)
-        node = jnp.where(moved, kids[rows, first], node)
-        path.append(jnp.where(moved, node, 0))
-        out.append(jnp.where(moved, tokens[rows, node], -1))
-        alive = moved
-    final_p = jnp.where(alive[:, None], target_probs[rows, node], final_p)  # reached a leaf
-    num_accepted = jnp.sum(jnp.stack(out, axis=1) >= 0, axis=1).astype(jnp.int32)
-    last = sampling.sample(split[:, 1], final_p)
-    index = jnp.arange(D + 1)[None, :]
-    emitted = jnp.concatenate([jnp.stack(out, axis=1), jnp.full((B, 1), -1, jnp.int32)], axis=1)
-    emitted = jnp.where(index == num_accepted[:, None], last[:, None], emitted)
-    return Verdict(emitted.astype(jnp.int32), num_accepted, jnp.stack(path, axis=1))
+            a, residual = sampled_sibling_probs(target_probs[rows, node],
+                                                draft_probs[rows, node], kid_tokens, kid_ok)
+        residuals.append(residual)
+        return u[:, d] < a  # [B, C]; a is 0 for invalid children
+
+    node, leaf, path, out = _walk(tree, draft_tokens, valid, accept)
+    # a row that stops at depth k (k accepted) draws from depth k's residual; a leaf's bonus
+    # token from the leaf's p
+    stopped = jnp.minimum(jnp.sum(out >= 0, axis=1), D - 1)
+    final_p = jnp.where(leaf[:, None], target_probs[rows, node],
+                        jnp.stack(residuals, axis=1)[rows, stopped])
+    return _tree_verdict(path, out, sampling.sample(split[:, 1], final_p))
+
+
+def greedy_tree_verdict(tree, draft_tokens: Array, target_tokens: Array,
+                        valid: Array | None = None) -> Verdict:
+    """``tree_sample`` for calls where every row is greedy, without distributions:
+    target_tokens [B, N], the argmax of the target's logits after each node. With one-hot p a
+    point-mass child is accepted exactly when its token is the argmax at its parent (the first
+    such child; the residual after rejecting the others is the same one-hot), and the row's last
+    token is the argmax where it stops: the same verdict, from [B, N] integers instead of
+    [B, N, V] probabilities, residuals and a draw."""
+    rows = jnp.arange(draft_tokens.shape[0])
+
+    def accept(d, node, kid_tokens, kid_ok):
+        return kid_ok & (kid_tokens == target_tokens[rows, node][:, None])
+
+    node, _, path, out = _walk(tree, draft_tokens, valid, accept)
+    return _tree_verdict(path, out, target_tokens[rows, node])

@@ -595,3 +595,27 @@ def test_a_greedy_tree_sorts_no_vocabulary(greedy_setup, monkeypatch, fresh_prog
     monkeypatch.setattr(Tree, "ranks_under", lambda self, d: int(self.children.shape[1]))
     jax.clear_caches()
     assert _sorts(target, drafts["other"], tree) > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_greedy_tree_verdict_is_tree_sample_with_one_hot_p(seed):
+    """Greedy calls verify a tree from the target's argmax after each node
+    (``verify.greedy_tree_verdict``): the same tokens, accepted counts and paths as
+    ``tree_sample`` with the one-hot p greedy processing gives, on random trees whose drafts
+    often match (a 3-token vocabulary), with unproposed nodes and NaN logits mixed in."""
+    rng = np.random.default_rng(seed)
+    tree = Tree(random_tree(rng, max_nodes=12))
+    B, N, V = 64, tree.num_nodes, 3
+    logits = rng.normal(size=(B, N, V)).astype(np.float32)
+    logits[rng.random((B, N)) < 0.05, 0] = np.nan
+    argmax = sj.sampling.argmax(jnp.asarray(logits))
+    one_hot = jax.nn.one_hot(argmax, V)
+    drafts = jnp.asarray(rng.integers(0, V, (B, N - 1)), jnp.int32)
+    valid = jnp.asarray(rng.random((B, N - 1)) < 0.9)
+    keys = jax.random.split(jax.random.key(seed), B)
+    want = verify.tree_sample(keys, tree, drafts, one_hot, valid)
+    got = verify.greedy_tree_verdict(tree, drafts, argmax, valid)
+    for a, b in ((got.tokens, want.tokens), (got.num_accepted, want.num_accepted),
+                 (got.path, want.path)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(want.num_accepted.max()) >= 2  # long paths were taken, not only stops
