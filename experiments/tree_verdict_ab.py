@@ -26,17 +26,6 @@ from specjax import bench, timing, verify
 CKPT = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
 
 
-def through_probs(tree, draft_tokens, target_tokens, valid=None):
-    """The verdict as before: one-hot p and ``tree_sample`` (a greedy draw ignores its keys)."""
-    B, V = target_tokens.shape[0], TARGET_VOCAB[0]
-    p = jax.nn.one_hot(target_tokens, V)
-    return verify.tree_sample(jax.random.split(jax.random.key(0), B), tree, draft_tokens, p,
-                              valid)
-
-
-TARGET_VOCAB = [0]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", default="[[0],[1],[0,0],[0,0,0],[0,0,0,0]]")
@@ -44,7 +33,14 @@ def main() -> None:
     args = ap.parse_args()
     tok = sj.load_tokenizer(CKPT / "code-target")
     target = sj.load_model(CKPT / "code-target")
-    TARGET_VOCAB[0] = target.config.vocab_size
+
+    def through_probs(tree, draft_tokens, target_tokens, valid=None):
+        """The verdict as before: one-hot p and ``tree_sample`` (a greedy draw ignores its
+        keys)."""
+        p = jax.nn.one_hot(target_tokens, target.config.vocab_size)
+        keys = jax.random.split(jax.random.key(0), target_tokens.shape[0])
+        return verify.tree_sample(keys, tree, draft_tokens, p, valid)
+
     drafts = {"draft_model": sj.load_draft_model(CKPT / "code-draft"),
               "eagle": sj.load_heads(CKPT / "code-eagle", target)}
     prompt = tok.encode(bench.load_prompts()[0]["text"])
