@@ -32,7 +32,8 @@ Figures per (temperature, γ):
 * several methods can run in one bench (``--method draft_model,medusa,eagle``): one AR baseline,
   every variant interleaved with it
 * predicted: the formula ``(1 - α^(γ+1)) / ((1 - α)(γc + 1))`` (specjax/theory.py) from the
-  measured α and c; it assumes verifying γ + 1 tokens costs one target step. ``pred·v`` puts the
+  measured α and c; it assumes verifying γ + 1 tokens costs one target step (the target's
+  one-token forward, timed in the same temperature's repeats as the row). ``pred·v`` puts the
   measured verify cost in the denominator (γc + v); for a tree, whose acceptance the formula
   does not model, its numerator is the measured mean accepted length. For a chain whose rounds
   propose fewer than γ drafts (n-gram, suffix), both parts follow the lengths it proposed: the
@@ -389,10 +390,13 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     round_widths: dict = {}  # (temperature, spec) -> the width its timed round verified at
     inner = -(-verify_repeats // repeats)  # samples of each part per repeat
 
-    def sample_parts(keys):
+    def sample_parts(keys, temperature):
         for _ in range(inner):
             for k in keys:
-                samples.setdefault(k, []).append(timers[k]())
+                t = timers[k]()
+                samples.setdefault(k, []).append(t)
+                if not isinstance(k, tuple):  # a forward: pooled, and this temperature's own
+                    samples.setdefault((temperature, "forward", k), []).append(t)
 
     rows = []
     for temperature in temperatures:
@@ -438,7 +442,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         for r in range(repeats):
             for name, v in variants.items():
                 runs[name].add(run_all(*v))
-            sample_parts([k for k in timers if not isinstance(k, tuple) or k[0] == temperature])
+            sample_parts([k for k in timers if not isinstance(k, tuple) or k[0] == temperature],
+                         temperature)
             log(f"T={temperature}: repeat {r + 1}/{repeats} done")
         ar = runs["ar"]
         for i, spec in enumerate(specs):
@@ -494,8 +499,13 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     seconds = {k: statistics.median(v) for k, v in samples.items()}
     for k, row in enumerate(rows):  # temperature-major, then specs in order
         i = k % len(specs)
-        step = seconds[1]
-        row["verify_cost"] = seconds[row["verify_tokens"]] / step
+        # The forwards' times sampled in this temperature's own repeats, beside its generate
+        # runs and parts: a phase of the machine that hit one temperature's runs hits them too.
+        forward = {k[2]: v for k, v in seconds.items()
+                   if isinstance(k, tuple) and k[:2] == (row["temperature"], "forward")}
+        step = forward[1]
+        row["target_step_ms"] = 1e3 * step
+        row["verify_cost"] = forward[row["verify_tokens"]] / step
         row["propose_ms"] = 1e3 * seconds[(row["temperature"], i, "propose")]
         row["round_ms"] = 1e3 * seconds[(row["temperature"], i, "round")]
         # c: the proposer's time per draft in target steps, its propose timed alone (a draft
@@ -510,7 +520,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         # for that state's drafts, so its parts are that width's forward)
         width = round_widths[(row["temperature"], i)]
         row["round_verify_tokens"] = row["verify_tokens"] if width is None else width
-        row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * seconds[
+        row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * forward[
             row["round_verify_tokens"]])
         # What a round spends besides the verify forward, in target steps, per draft, from the
         # generate loop's own times: the drafter plus the loop's overhead.
@@ -527,7 +537,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                   else row["mean_accepted_length"] if not chain else float("nan"))
         verify = row["verify_cost"]
         if ok and width is not None:  # per-row lengths: the widths' forwards were timed
-            width_costs = {n: seconds[n] / step for n in engine.loop_widths(g)}
+            width_costs = {n: forward[n] / step for n in engine.loop_widths(g)}
             tokens, verify = _varied_round(alpha, row["proposed_length_distribution"],
                                            row["batch_size"], width_costs)
             # [width, cost in target steps] of each width its loop verifies over, and their

@@ -235,7 +235,7 @@ BENCH_FIELDS = {
     "per_position_acceptance", "proposal_rate", "accepted_length_by_position",
     "rounds", "proposed_tokens", "accepted_tokens", "c", "verify_cost", "predicted_speedup",
     "predicted_speedup_with_verify_cost", "measured_over_predicted", "propose_ms", "round_ms",
-    "round_over_parts", "round_verify_tokens", "draft_cost_per_draft"}
+    "round_over_parts", "round_verify_tokens", "draft_cost_per_draft", "target_step_ms"}
 
 
 def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
@@ -279,8 +279,9 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
         assert r["proposed_tokens"] == r["gamma"] * r["rounds"]  # a draft model always proposes γ
         assert r["c"] > 0 and r["verify_cost"] > 0
         assert r["propose_ms"] > 0 and r["round_ms"] > 0  # which is larger is a timing
-        step = result["settings"]["target_step_ms"]
-        assert r["c"] == pytest.approx(r["propose_ms"] / step / r["gamma"])
+        # the step each row's figures are in: timed in its own temperature's repeats
+        step = r["target_step_ms"]
+        assert step > 0 and r["c"] == pytest.approx(r["propose_ms"] / step / r["gamma"])
         assert r["measured_over_predicted"] == pytest.approx(
             r["speedup"] / r["predicted_speedup_with_verify_cost"])
         if r["tree"] is None:
@@ -360,7 +361,7 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
     assert static["survival_threshold"] is None and adaptive["survival_threshold"] == 0.1
     assert adaptive["mean_proposed"] == adaptive["proposed_tokens"] / adaptive["rounds"]
     assert adaptive["mean_proposed"] <= 3 and adaptive["identical_to_autoregressive"]
-    step = runs[0]["settings"]["target_step_ms"]
+    step = adaptive["target_step_ms"]
     assert adaptive["c"] == pytest.approx(adaptive["propose_ms"] / step
                                           / max(adaptive["mean_proposed"], 1e-9))
     assert np.isnan(adaptive["predicted_speedup"])
@@ -474,7 +475,7 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path, monkeypatch):
     assert row["predicted_speedup_with_verify_cost"] == pytest.approx(
         tokens / (2 * row["c"] + verify))
     # its timed round verified at the width its loop picked there; its parts are that width's
-    costs, step = dict(row["verify_cost_by_width"]), result["settings"]["target_step_ms"]
+    costs, step = dict(row["verify_cost_by_width"]), row["target_step_ms"]
     assert picked == [row["round_verify_tokens"]] and picked[0] in costs
     assert row["round_over_parts"] == pytest.approx(
         row["round_ms"] / (row["propose_ms"] + costs[row["round_verify_tokens"]] * step))
