@@ -11,6 +11,7 @@ timer run without it.
 
     python experiments/round_profile.py                       # ar, ngram, draft_model, eagle
     python experiments/round_profile.py --methods ngram --top 10
+    python experiments/round_profile.py --methods draft_model --tree '[[0],[1],[0,0],[0,0,0]]'
     python experiments/round_profile.py --methods draft_model --batch 4 --gamma 2 \
         --survival-threshold 1e-9        # adaptive lengths' program, every draft verified
 """
@@ -55,7 +56,7 @@ def group(name: str, op_name: str, line: str) -> str:
 
 
 def profile(method: str, temperature: float, top: int, batch: int = 1, gamma: int = 4,
-            threshold: float | None = None, no_match: bool = False) -> None:
+            threshold: float | None = None, no_match: bool = False, tree=None) -> None:
     tok = sj.load_tokenizer(CKPT / "code-target")
     target = sj.load_model(CKPT / "code-target")
     draft = {"draft_model": lambda: sj.load_draft_model(CKPT / "code-draft"),
@@ -68,8 +69,9 @@ def profile(method: str, temperature: float, top: int, batch: int = 1, gamma: in
     if no_match:  # distinct ids: n-gram and suffix find nothing to copy, rounds propose nothing
         prompt = [int(t) for t in np.random.default_rng(0).permutation(
             np.arange(1, target.config.vocab_size))[:200]]
-    spec = None if method == "ar" else sj.SpecConfig(method=method, num_speculative_tokens=gamma,
-                                                     survival_threshold=threshold)
+    spec = None if method == "ar" else sj.SpecConfig(
+        method=method, survival_threshold=threshold,
+        **({"tree": tree} if tree is not None else {"num_speculative_tokens": gamma}))
     timers = timing.round_timers(target, prompt, spec=spec, draft=draft,
                                  decoded=2 if no_match else 64,
                                  sampling=sj.SamplingParams(temperature=temperature,
@@ -105,7 +107,8 @@ def profile(method: str, temperature: float, top: int, batch: int = 1, gamma: in
         groups[g] += us
         members[g].append((us, name))
     total = sum(groups.values())
-    print(f"\n{method}, γ={gamma}, threshold {threshold}, batch {batch}, T={temperature}: "
+    shape = f"γ={gamma}" if tree is None else f"tree {tree}"
+    print(f"\n{method}, {shape}, threshold {threshold}, batch {batch}, T={temperature}: "
           f"round {1e6 * plain:.0f} µs timed without the profiler; "
           f"{total:.0f} µs in {sum(count.values()):.0f} operations under it")
     for g, us in groups.most_common():
@@ -130,10 +133,13 @@ def main() -> None:
     ap.add_argument("--no-match", action="store_true",
                     help="a prompt of 200 distinct random ids, so n-gram and suffix rounds "
                          "propose nothing (a round's fixed cost)")
+    ap.add_argument("--tree", type=json.loads, default=None,
+                    help="a tree (JSON list of node paths) instead of a chain of --gamma")
     args = ap.parse_args()
     for method in args.methods.split(","):
         profile(method, args.temperature, args.top, args.batch, args.gamma,
-                None if method == "ar" else args.survival_threshold, args.no_match)
+                None if method == "ar" else args.survival_threshold, args.no_match,
+                None if method == "ar" else args.tree)
 
 
 if __name__ == "__main__":

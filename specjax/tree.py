@@ -160,6 +160,14 @@ class Tree:
         start, stop = self.levels[d]
         return int(self.ranks[start:stop].max()) + 1
 
+    def expanded(self, d: int) -> int:
+        """How many leading nodes of depth d + 1 (``levels[d]``) a drafter expands: up to the
+        last one with children (0 for the deepest level). The leaves after it have nothing under
+        them, so no draft forward needs their entries or their candidates."""
+        start, stop = self.levels[d]
+        parents = np.flatnonzero(self.children[start:stop, 0] >= 0)
+        return int(parents[-1]) + 1 if parents.size else 0
+
     def to_json(self) -> list[list[int]]:
         return [list(p) for p in self.paths]
 

@@ -368,6 +368,19 @@ def test_greedy_equals_autoregressive(target, trained, method, spec):
         assert out.stats.per_position_acceptance[1] > 0.02, out.stats
 
 
+def test_eagle_trees_skip_trailing_leaves(target, trained, monkeypatch, fresh_programs):
+    """EAGLE expands each tree level up to its last node with children (``Tree.expanded``): the
+    same drafts, so the same sampled tokens and acceptance, as expanding every node; one node
+    short is caught."""
+    from test_tree import same_run, sampled_tree_runs
+    runs = sampled_tree_runs(lambda: sj.generate(
+        target, PROMPTS, sampling=sj.SamplingParams(temperature=0.8, max_new_tokens=30),
+        spec=dict(method="eagle", tree=TREE), draft=trained["eagle"], key=5), monkeypatch)
+    assert runs["trimmed"][1] > 0
+    assert same_run(runs["trimmed"], runs["every node"])
+    assert not same_run(runs["trimmed"], runs["one short"])
+
+
 def accept_all(draft_tokens, target_tokens, valid=None):
     """Broken on purpose: a greedy verdict that accepts every draft."""
     G = draft_tokens.shape[1]

@@ -494,7 +494,10 @@ def test_tree_errors(greedy_setup):
 
 def test_committed_cache_equals_plain_decoding(greedy_setup):
     """After each tree round, the target's and the draft's caches hold what decoding the accepted
-    tokens one by one would have written (K and V compared), for every row."""
+    tokens one by one would have written (K and V compared), for every row. The draft's slot of
+    the last accepted token is left out: the next round's catch-up forward writes it again, and
+    when the path ended at a leaf that no draft forward expanded (``Tree.expanded``) it holds
+    nothing yet."""
     target, drafts, prompts, _, _ = greedy_setup
     draft = drafts["other"]
     tree = Tree(TREE)
@@ -523,11 +526,13 @@ def test_committed_cache_equals_plain_decoding(greedy_setup):
         for b in range(B):
             seq = jnp.asarray(state.history[b:b + 1, :length[b]])
             for model, cache, upto in [(target, state.cache, length[b]),
-                                       (draft, state.draft_state, min(length[b], old[b] + 3))]:
+                                       (draft, state.draft_state,
+                                        min(length[b] - 1, old[b] + 3))]:
                 positions = jnp.arange(seq.shape[1])[None]
                 _, _, ref = sj.forward(model, seq, positions, sj.KVCache.init(model.config, 1,
                                                                               seq.shape[1]))
-                # the draft holds nodes up to depth D - 1 = 2 after the root (slot old[b])
+                # the draft holds nodes up to depth D - 1 = 2 after the root (slot old[b]), the
+                # path's moved ones (compacted) included
                 np.testing.assert_allclose(cache.k[:, b, :upto], ref.k[:, 0, :upto], atol=2e-5)
                 np.testing.assert_allclose(cache.v[:, b, :upto], ref.v[:, 0, :upto], atol=2e-5)
     assert deep > 0  # paths of depth >= 2 were accepted and compacted
@@ -575,6 +580,60 @@ def test_each_level_ranks_only_the_candidates_its_children_take():
     assert [Tree.chain(3).ranks_under(d) for d in range(4)] == [1, 1, 1, 0]
 
 
+def test_each_level_expands_up_to_its_last_node_with_children():
+    tree = Tree(TREE)  # depth 1: [0] and [1] have children; depth 2: [0, 0] of three
+    assert [tree.expanded(d) for d in range(3)] == [2, 1, 0]
+    assert [Tree(((0,), (1,), (2,), (1, 0))).expanded(d) for d in range(2)] == [2, 0]
+    assert [Tree.chain(3).expanded(d) for d in range(3)] == [1, 1, 0]
+
+
+def every_node(tree, d):
+    """Tree.expanded as it was: every node of a level but the deepest."""
+    start, stop = tree.levels[d]
+    return stop - start if d + 1 < tree.depth else 0
+
+
+def one_parent_short(tree, d):
+    """Broken on purpose: a level of several nodes with children expands one too few."""
+    start, stop = tree.levels[d]
+    parents = np.flatnonzero(tree.children[start:stop, 0] >= 0)
+    n = int(parents[-1]) + 1 if parents.size else 0
+    return n - 1 if n >= 2 else n
+
+
+def sampled_tree_runs(generate, monkeypatch):
+    """``generate()``'s result with trees expanded up to each level's last node with children,
+    with every node expanded, and with one node too few (each compiled afresh)."""
+    runs = {}
+    for name, rule in (("trimmed", Tree.expanded), ("every node", every_node),
+                       ("one short", one_parent_short)):
+        monkeypatch.setattr(Tree, "expanded", rule)
+        engine.PROGRAMS.clear()
+        jax.clear_caches()
+        out = generate()
+        runs[name] = (out.tokens, out.stats.accepted_tokens,
+                      tuple(out.stats.per_position_acceptance))
+    return runs
+
+
+def same_run(a, b) -> bool:
+    return np.array_equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_trailing_leaves_need_no_draft_forward(greedy_setup, monkeypatch, fresh_programs):
+    """A draft model expands each tree level up to its last node with children
+    (``Tree.expanded``): the leaves after it have nothing under them. A sampled call then draws
+    the same drafts, so the same tokens and acceptance, as expanding every node; a level
+    expanded one node short is caught."""
+    target, drafts, prompts = greedy_setup[:3]
+    runs = sampled_tree_runs(lambda: sj.generate(
+        target, prompts, sampling=sj.SamplingParams(temperature=0.8, max_new_tokens=23),
+        draft=drafts["other"], spec=sj.SpecConfig(tree=TREE), key=3), monkeypatch)
+    assert runs["trimmed"][1] > 0  # drafts were accepted
+    assert same_run(runs["trimmed"], runs["every node"])
+    assert not same_run(runs["trimmed"], runs["one short"])
+
+
 def _sorts(target, draft, tree):
     """Sort instructions in the greedy decode program of ``tree``."""
     engine.PROGRAMS.clear()
@@ -590,7 +649,9 @@ def test_a_greedy_tree_sorts_no_vocabulary(greedy_setup, monkeypatch, fresh_prog
     vocabulary (2 ms a round over 8,192 tokens). Ranking the tree's widest fan-out at every
     level, as before, brings the sort back."""
     target, drafts = greedy_setup[:2]
-    tree = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+    # depth 1 expands three nodes (up to its last with a child, Tree.expanded) whose children
+    # are all top-ranked ones
+    tree = ((0,), (1,), (2,), (1, 0), (2, 0), (2, 0, 0))
     assert _sorts(target, drafts["other"], tree) == 0
     monkeypatch.setattr(Tree, "ranks_under", lambda self, d: int(self.children.shape[1]))
     jax.clear_caches()

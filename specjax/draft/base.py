@@ -255,8 +255,10 @@ def expand_tree(tree, first: tuple[Array, Array | None],
 
     first: the candidates after the root, ids [B, 1, C] (best first when ranked) and q [B, 1, M]
     or None. For each depth d a node takes its parent's candidate at the node's rank;
-    ``expand(d, level [B, n], parent [n])`` then returns the candidates after each node of level
-    d (``parent`` indexes the previous level; never called for the deepest level). Returns the
+    ``expand(d, level [B, n], parent [n])`` then returns the candidates after each of those n
+    nodes: the level's first ``tree.expanded(d)`` nodes, up to its last one with children (the
+    leaves after it need no draft forward; ``parent`` indexes the previous level; never called
+    for the deepest level). Returns the
     nodes' tokens [B, N-1] in the tree's order and, with q's, the tree's [B, N, V] draft
     distributions (``Draft.probs``; q's over a draft vocabulary widened to the ``vocab_size``
     ids), else None. (The older form, ranked ids alone with ``expand`` returning ids alone,
@@ -270,7 +272,11 @@ def expand_tree(tree, first: tuple[Array, Array | None],
         level = ranked[:, parent, tree.ranks[start:stop]].astype(jnp.int32)  # [B, n]
         tokens.append(level)
         if d + 1 < tree.depth:  # the deepest level's children are never needed
-            ranked, q = (expand(d, level, parent), None) if ids_only else expand(d, level, parent)
+            n = tree.expanded(d)  # nor those of the leaves that end a level
+            ranked, q = ((expand(d, level[:, :n], parent[:n]), None) if ids_only
+                         else expand(d, level[:, :n], parent[:n]))
+            if q is not None and n < stop - start:  # the leaves' rows: never read
+                q = jnp.pad(q, ((0, 0), (0, stop - start - n), (0, 0)))
             qs.append(q)
     tokens = jnp.concatenate(tokens, axis=1)
     if ids_only:

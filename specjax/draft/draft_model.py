@@ -691,9 +691,10 @@ class DraftTreeProposer:
 
         logits, cache = _catch_up(draft, cache, history, length)
 
-        def expand(d, level, parent):
+        def expand(d, level, parent):  # level: the nodes at depth d + 1 that have children
             nonlocal cache
-            start, stop = tree.levels[d]
+            start = tree.levels[d][0]
+            stop = start + level.shape[1]
             positions = jnp.broadcast_to((length + d + 1)[:, None], (B, stop - start))
             logits, cache = draft.logits(level, positions, cache.rollback(length + start),
                                          chunk_mask=jnp.asarray(tree.ancestors[start:stop, :stop]))

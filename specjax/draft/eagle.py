@@ -169,9 +169,10 @@ class EagleProposer(RiderProposer):
             return tree_candidates(vocab.logits(g), tree.ranks_under(d), level_keys,
                                    sampling_params, filters, vocab)
 
-        def expand(d, level, parent):
+        def expand(d, level, parent):  # level: the nodes at depth d + 1 that have children
             nonlocal cache, feats
-            start, stop = tree.levels[d]
+            start = tree.levels[d][0]
+            stop = start + level.shape[1]
             positions = jnp.broadcast_to((length + d)[:, None], (B, stop - start))  # the parents'
             feats, cache = eagle_forward(
                 self.config, p["weights"], feats[:, parent], embed(params["target"], level),
