@@ -263,6 +263,9 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
     rows = result["rows"]
     assert [(r["temperature"], r["label"]) for r in rows] == [
         (t, label) for t in (0, 0.8) for label in ("chain 1", "chain 3", "tree 3/2")]
+    # each temperature's rows are counted in the step timed in its own repeats, not one pooled
+    steps = {t: {r["target_step_ms"] for r in rows if r["temperature"] == t} for t in (0, 0.8)}
+    assert all(len(s) == 1 for s in steps.values()) and steps[0] != steps[0.8]
     for r in rows:
         assert BENCH_FIELDS <= set(r), BENCH_FIELDS - set(r)
         assert len(r["per_position_acceptance"]) == r["depth"]
