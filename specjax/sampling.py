@@ -93,7 +93,11 @@ def process_logits(logits: Array, params: SamplingArrays,
     x = logits.astype(jnp.float32)
     temperature = _per_row(params.temperature, x)[..., None]
     greedy = temperature == 0
-    x = x / jnp.where(greedy, 1.0, temperature)
+    # Shifted by the row's largest logit before dividing: x / T overflows to inf at a tiny T, and
+    # XLA may compute x / T in the softmax's element-wise pass with other rounding than in its
+    # max (at T = 1e-10 one ulp of x / T is about 8,000, so exp(x / T - max) was inf and the row
+    # NaN). Shifted, the largest is exactly 0 on every path and every other value is below it.
+    x = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(greedy, 1.0, temperature)
     if filters.top_k:
         kmax = min(filters.top_k, V)
         k = _per_row(params.top_k, x)[..., None]

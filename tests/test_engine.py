@@ -374,3 +374,19 @@ def test_drafts_proposed_a_round_ahead_give_the_rounds_of_a_round_by_round_run(
     for b, n in enumerate(ref[1]):
         start = len(prompts[b])
         np.testing.assert_array_equal(out.tokens[b, :n], ref[0][b, start:start + n])
+
+
+def test_a_tiny_temperature_speculates_as_greedy_decoding_does():
+    """At T = 1e-10 the target and the draft are one-hots on their argmaxes, so the sampled
+    verifier accepts exactly the drafts greedy verification accepts, and the tokens are greedy
+    decoding's. (A draft q of NaN there, from a softmax that overflowed, rejected every draft
+    while the tokens stayed right.)"""
+    target = tiny_model(seed=0, vocab_size=2048, max_pos=64)
+    draft = tiny_model(seed=0, vocab_size=2048, max_pos=64, layers=1)
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    runs = {t: sj.generate(target, [[1, 2, 3]], spec=spec, draft=draft, key=0,
+                           sampling=sj.SamplingParams(temperature=t, max_new_tokens=12))
+            for t in (0.0, 1e-10)}
+    np.testing.assert_array_equal(runs[1e-10].tokens, runs[0.0].tokens)
+    assert runs[0.0].stats.accepted_tokens > 0
+    assert runs[1e-10].stats.accepted_tokens == runs[0.0].stats.accepted_tokens

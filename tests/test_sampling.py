@@ -76,6 +76,25 @@ def test_filters_off_means_no_filtering():
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.nn.softmax(logits)), atol=1e-6)
 
 
+@pytest.mark.parametrize("k,p", [(0, 1.0), (5, 0.9)])
+def test_tiny_temperatures_give_the_argmax_one_hot(k, p):
+    """As T -> 0 the processed distribution tends to a one-hot on the argmax (no ties here), and
+    stays a distribution at every T > 0: at T = 1e-10, one ulp of x / T is thousands, and a
+    jitted softmax over 1,000 or 2,048 logits computed x / T with other rounding in its
+    element-wise pass than in its max, so exp(x / T - max) overflowed and the row became NaN
+    (a draft's q at such a temperature: every draft rejected). Down to a subnormal T, where
+    x / T itself overflows."""
+    process = jax.jit(sampling.process_logits, static_argnums=2)
+    rng = np.random.default_rng(5)
+    for shape in [(1, 1000), (1, 2048), (2, 3, 8192)]:
+        logits = jnp.asarray(rng.standard_normal(shape) * 3, jnp.float32)
+        want = np.asarray(jax.nn.one_hot(jnp.argmax(logits, -1), shape[-1]))
+        for t in (1e-6, 1e-10, 1e-30, 1e-45):
+            B = int(np.prod(shape[:-1]))
+            got = np.asarray(process(logits.reshape(B, -1), _arrays(B, t, k, p), _filters(k, p)))
+            np.testing.assert_array_equal(got.reshape(shape), want, err_msg=f"{shape} T={t}")
+
+
 def test_sample_draws_from_the_distribution_with_per_row_keys():
     probs = jnp.array([0.1, 0.6, 0.0, 0.3])
     N = 20000
