@@ -654,8 +654,13 @@ def compute_dtype(dtype: str | None, platform: str) -> str | None:
     "auto" (or None): float32 on CPU, the checkpoint's dtype elsewhere. On a CPU without native
     bfloat16 arithmetic XLA converts the weights inside every step (the bundled target's decode
     step: 1.40x as long, docs/performance.md#dtype); GPUs and TPUs compute in bfloat16 natively,
-    in half the memory. "stored" keeps the checkpoint's dtype everywhere; a dtype name casts to
-    it."""
+    in half the memory. "stored" keeps the checkpoint's dtype everywhere; a dtype name (or a
+    dtype object, jnp.float32) casts to it."""
+    if dtype is not None and not isinstance(dtype, str):  # jnp.float32, np.dtype("bfloat16")
+        try:
+            dtype = jnp.dtype(dtype).name
+        except TypeError:
+            pass  # refused below, by its own repr
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} or None, "
                          f"got {dtype!r}")

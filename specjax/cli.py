@@ -184,7 +184,8 @@ def _generate(args) -> int:
     for name, s, d in runs:  # compiling takes seconds: say so instead of staying silent
         print(f"compiling the {name} program...", end="", file=sys.stderr, flush=True)
         done = warmup(target, prompt_tokens=len(tok.encode(args.prompt)), sampling=sampling,
-                      spec=s, draft=d, max_cache_len=args.max_cache_len)
+                      spec=s, draft=d, max_cache_len=args.max_cache_len,
+                      stream=name == runs[0][0] and not args.no_stream)
         compile_seconds[name] = done.compile_seconds
         print(f" done in {done.compile_seconds:.1f} s (cache capacity {done.capacity} tokens)",
               file=sys.stderr, flush=True)

@@ -25,11 +25,23 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _plain(value: Any) -> Any:
+    """A 0-d array (``jnp.float32(0.5)``, ``np.array(3)``) as the Python number it holds; any
+    other value as it is."""
+    if getattr(value, "shape", None) == () and not isinstance(value, numbers.Number):
+        try:
+            return value.item()
+        except (AttributeError, TypeError, ValueError):
+            return value
+    return value
+
+
 def _require_int(owner: Any, name: str, value: Any, minimum: int,
                  maximum: int | None = None, bound: str | None = None) -> None:
-    """Check an int field (numpy ints welcome) and store it back as a plain int. Above
-    ``maximum`` it is refused as a corrupt model config, or, with ``bound`` (why the maximum is
-    what it is), as a setting out of range."""
+    """Check an int field (numpy ints and 0-d integer arrays welcome) and store it back as a
+    plain int. Above ``maximum`` it is refused as a corrupt model config, or, with ``bound`` (why
+    the maximum is what it is), as a setting out of range."""
+    value = _plain(value)
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{type(owner).__name__}.{name} must be an int >= {minimum}, "
                          f"got {value!r}")
@@ -53,7 +65,9 @@ MAX_PARAMS = 10**13
 
 
 def _require_real(owner: Any, name: str, value: Any, ok, allowed: str) -> None:
-    """Check a float field (numpy floats welcome) and store it back as a plain float."""
+    """Check a float field (numpy floats and 0-d arrays welcome) and store it back as a plain
+    float."""
+    value = _plain(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value):
         raise ValueError(f"{type(owner).__name__}.{name} must be {allowed}, got {value!r}")
     object.__setattr__(owner, name, float(value))
@@ -242,7 +256,7 @@ class SamplingParams:
     """
 
     temperature: float = 1.0  # 0 = greedy (argmax through an explicit mask)
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 (or vLLM's -1) = off
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = off
     max_new_tokens: int = 64  # tokens generated per row, EOS included
     eos_token_id: int | tuple[int, ...] | None = None  # a row stops after emitting any of these
@@ -263,6 +277,8 @@ class SamplingParams:
     def __post_init__(self):
         _require_real(self, "temperature", self.temperature,
                       lambda x: x >= 0 and math.isfinite(x), "a finite number >= 0")
+        if _is_int(_plain(self.top_k)) and _plain(self.top_k) == -1:  # vLLM's spelling of off
+            object.__setattr__(self, "top_k", 0)
         _require_int(self, "top_k", self.top_k, 0, 2 ** 31 - 1,
                      bound="token ids are int32")
         _require_real(self, "top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
@@ -584,14 +600,22 @@ class SpecConfig:
         if spec is None or isinstance(spec, SpecConfig):
             return spec
         if isinstance(spec, str):
+            from .draft import registry
+            if spec.strip() in registry.names():  # a method's bare name: its defaults
+                return cls(method=spec.strip())
             try:
                 spec = json.loads(spec)
             except json.JSONDecodeError as e:
-                raise ValueError(f"speculative config is not valid JSON: {spec!r} ({e})") from None
+                raise ValueError(f"speculative config is not valid JSON nor a method name "
+                                 f"({', '.join(registry.names())}): {spec!r} ({e})") from None
         if not isinstance(spec, Mapping):
             raise ValueError(f"spec must be a SpecConfig, dict, JSON string or None, got {spec!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(spec) - known)
+        if "model" in unknown:  # vLLM's key for the draft's path; the command line reads it
+            raise ValueError(f"speculative config key 'model' ({spec['model']!r}) names a draft "
+                             f"to load: in Python pass it loaded, draft=sj.load_draft_model(path) "
+                             f"(heads: sj.load_heads(path, target))")
         if unknown:
             raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
         return cls(**spec)

@@ -32,6 +32,7 @@ import logging
 import numbers
 import os
 import reprlib
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -1009,11 +1010,35 @@ def bucket(n: int, minimum: int = 16) -> int:
     return size
 
 
+def tokenizer_eos(tokenizer) -> tuple[int, ...]:
+    """The EOS ids of a tokenizer: an sj.Tokenizer's ``eos_token_ids``, else (a Hugging Face
+    tokenizer) its ``eos_token_id``, an int or a list; () when it has none."""
+    eos = getattr(tokenizer, "eos_token_ids", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return ()
+    if isinstance(eos, numbers.Integral):
+        return (int(eos),)
+    return tuple(int(e) for e in eos)
+
+
+def _one_prompt(prompts) -> bool:
+    """Whether ``prompts`` is a single flat list (or 1-D array) of integer ids."""
+    try:
+        arr = np.asarray(prompts)
+    except ValueError:  # ragged: a list of prompts
+        return False
+    return arr.ndim == 1 and arr.size > 0 and np.issubdtype(arr.dtype, np.integer)
+
+
 def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
+    if _one_prompt(prompts):
+        prompts = [prompts]
     rows = []
     for b, row in enumerate(prompts):
         if isinstance(row, (str, bytes)):
@@ -1062,8 +1087,7 @@ def check_request(target: Model, prompts, sampling: SamplingParams | None, token
         raise ValueError(f"SamplingParams.logprobs={sampling.logprobs} exceeds the target's "
                          f"vocab_size {cfg.vocab_size}")
     if tokenizer is not None:
-        missing = [a for a in ("vocab_size", "eos_token_ids", "encode", "decode")
-                   if not hasattr(tokenizer, a)]
+        missing = [a for a in ("vocab_size", "encode", "decode") if not hasattr(tokenizer, a)]
         if missing:  # any object with a Tokenizer's interface serves
             raise ValueError(f"tokenizer must be an sj.Tokenizer (sj.load_tokenizer) or have its "
                              f"{', '.join(missing)}, got {type(tokenizer).__name__}")
@@ -1073,8 +1097,9 @@ def check_request(target: Model, prompts, sampling: SamplingParams | None, token
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        if sampling.eos_token_id is None and tokenizer.eos_token_ids:
-            sampling = dataclasses.replace(sampling, eos_token_id=tokenizer.eos_token_ids)
+        eos = tokenizer_eos(tokenizer)
+        if sampling.eos_token_id is None and eos:
+            sampling = dataclasses.replace(sampling, eos_token_id=eos)
     elif return_text:
         raise ValueError("return_text=True needs tokenizer=")
     if sampling.stop and tokenizer is None:
@@ -1210,9 +1235,10 @@ class Inputs:
 
 
 def _as_key(key) -> Array:
-    """One PRNG key from None (seed 0), an int seed, a typed key or a legacy uint32 [2] key."""
+    """One PRNG key from None (a fresh seed from the operating system's randomness), an int
+    seed, a typed key or a legacy uint32 [2] key."""
     if key is None:
-        return jax.random.key(0)
+        return _seed_key(secrets.randbits(63))
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):
         return _seed_key(int(key))
     dtype = getattr(key, "dtype", None)
@@ -1386,20 +1412,24 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
              draft: Any = None,
              proposer: Any = None,
              key: Array | int | None = None,
-             tokenizer=None, return_text: bool = False, mesh=None,
+             tokenizer=None, return_text: bool | None = None, mesh=None,
              max_cache_len: int | None = None, allow_synthetic: bool = False,
              draft_tokenizer=None) -> Generation:
     """Generate from ``target`` for a batch of prompts, speculatively when ``spec`` or
     ``proposer`` is given.
 
-    prompts: B lists of token ids, any lengths (>= 1), or strings with ``tokenizer=``. sampling:
+    prompts: B lists of token ids, any lengths (>= 1), or strings with ``tokenizer=``; one flat
+    list of ids (or one string) is one prompt. return_text: decode ``out.text`` (default: when a
+    tokenizer is given; False leaves it None). sampling:
     SamplingParams (default: temperature 1, 64 new tokens). spec: SpecConfig, a dict or JSON
     string in vLLM's style, or None for plain autoregressive decoding. draft: what the method
     drafts with: a draft model (sj.Model or sj.DraftModel, same vocabulary as the target) for
     "draft_model", sj.Heads for "medusa" / "eagle". proposer: instead of spec, any object
     satisfying ``sj.draft.Proposer`` (frozen and hashable); draft= is then its params (any pytree,
     or None). key: a PRNG key (or an int seed); each row draws from its own key folded from it,
-    so the same key gives the same output and rows do not depend on each other.
+    so the same key gives the same output and rows do not depend on each other. None (the
+    default) draws a fresh seed each call, as vLLM and Hugging Face do: sampled calls differ;
+    pass a key to reproduce one.
 
     The output distribution equals autoregressive sampling from the target with the same
     SamplingParams; with temperature 0 the tokens equal autoregressive greedy decoding.
@@ -1426,6 +1456,7 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
     its distribution renormalised over them (``sj.draft.for_tokenizers``; lossless like every
     draft; ``sj.draft.vocab_coverage`` says how much probability the shared tokens carry).
     """
+    return_text = tokenizer is not None if return_text is None else return_text
     rows, sampling, plan, target, draft_params, inputs = _prepare(
         target, prompts, sampling, spec, draft, proposer, key, tokenizer, return_text, mesh,
         max_cache_len, allow_synthetic, draft_tokenizer)
@@ -1668,20 +1699,22 @@ class Warmup:
 def warmup(target: Model, *, batch_size: int = 1, prompt_tokens: int = 1,
            sampling: SamplingParams | None = None,
            spec: SpecConfig | dict | str | None = None, draft: Any = None, proposer: Any = None,
-           mesh=None, max_cache_len: int | None = None, allow_synthetic: bool = False
-           ) -> Warmup:
+           mesh=None, max_cache_len: int | None = None, allow_synthetic: bool = False,
+           stream: bool = False) -> Warmup:
     """Compile ahead (a notebook's first cell, a server's start-up) the program that
     ``generate`` with the same target, spec, draft, proposer, mesh and max_cache_len will use
     for ``batch_size`` prompts of up to ``prompt_tokens`` tokens and ``sampling`` (its
     max_new_tokens, whether it is greedy and which filters it turns on). Every request that
     lands in the same batch bucket and capacity then compiles nothing. Runs one prefill on a
-    dummy prompt; decodes nothing."""
+    dummy prompt; decodes nothing. ``stream=True`` (or stop strings in ``sampling``) also
+    compiles the segment of the loop that ``stream`` and stop strings run."""
     for name, value in [("batch_size", batch_size), ("prompt_tokens", prompt_tokens)]:
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     prompts = [[0] * int(prompt_tokens)] * int(batch_size)
     if isinstance(sampling, SamplingParams) and sampling.stop:  # host-side: no tokenizer needed
         sampling = dataclasses.replace(sampling, stop=None)
+        stream = True  # stop strings are matched between segments
     _, _, plan, target, draft_params, inputs = _prepare(
         target, prompts, sampling, spec, draft, proposer, None, None, False, mesh, max_cache_len,
         allow_synthetic)
@@ -1691,5 +1724,9 @@ def warmup(target: Model, *, batch_size: int = 1, prompt_tokens: int = 1,
                                           inputs.lengths, inputs.request)
     _, decode_compile = program.executable("decode", target.params, draft_params,
                                            inputs.request, state)
+    if stream:
+        _, spent = program.executable("segment", target.params, draft_params, inputs.request,
+                                      state, jnp.asarray(0, jnp.int32))
+        decode_compile += spent
     return Warmup(plan.capacity, int(inputs.lengths.shape[0]), program.compiled - before,
                   prefill_compile + decode_compile)

@@ -7,8 +7,11 @@ import dataclasses
 import json
 import os
 import pathlib
+import reprlib
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -38,7 +41,12 @@ class Tokenizer:
         """Token ids -> text; -1 padding (as in Generation.tokens) is dropped. Any other id
         outside [0, vocab_size) is refused by name, or with ``unknown="skip"`` dropped (a model
         whose embedding is padded past the tokenizer's ids can emit them; generate's text does
-        this, as Hugging Face's decode does)."""
+        this, as Hugging Face's decode does). One row: a batch's rows are decoded one by one
+        (``[tok.decode(row) for row in out.tokens]``; ``out.text`` holds them with tokenizer=)."""
+        if _rows(ids) > 1:
+            raise ValueError(f"decode takes one row of token ids, got rows "
+                             f"{reprlib.repr(ids)}: decode each row ([tok.decode(row) for row in "
+                             f"tokens]), or pass tokenizer= to generate for out.text")
         ids = [int(i) for i in ids]
         bad = [i for i in ids if i < -1 or i >= self.vocab_size]
         if bad and unknown == "skip":
@@ -48,6 +56,15 @@ class Tokenizer:
                              f"(-1 is padding and dropped)")
         return self.backend.decode([i for i in ids if i >= 0],
                                    skip_special_tokens=skip_special_tokens)
+
+
+def _rows(ids) -> int:
+    """How many axes ``ids`` has (0 or 1 for a row; 2 for a batch; a ragged list of rows counts
+    as 2)."""
+    try:
+        return np.ndim(ids)
+    except ValueError:  # numpy refuses ragged nesting
+        return 2
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike,

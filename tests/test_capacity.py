@@ -153,6 +153,16 @@ def test_warmup_compiles_what_generate_then_uses(long_pair, fresh_programs):
     again = sj.warmup(target, batch_size=2, prompt_tokens=20, sampling=sampling, spec=spec,
                       draft=draft)
     assert again.compiled == 0 and again.compile_seconds == 0
+    # stream (and stop strings) run the loop in segments, one more executable: stream=True
+    # compiles it too, so the first stream compiles nothing
+    streamed = sj.warmup(target, batch_size=2, prompt_tokens=20, sampling=sampling, spec=spec,
+                         draft=draft, stream=True)
+    assert streamed.compiled == 1 and streamed.compile_seconds > 0
+    before = engine.compiled_programs()
+    chunks = list(sj.stream(target, prompts_of([12, 3]), sampling=sampling, spec=spec,
+                            draft=draft))
+    assert chunks[-1].generation.stats.compile_seconds == 0
+    assert engine.compiled_programs() == before
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         sj.warmup(target, batch_size=0)
     with pytest.raises(ValueError, match="max_cache_len=10 is too small"):

@@ -390,3 +390,76 @@ def test_a_tiny_temperature_speculates_as_greedy_decoding_does():
     np.testing.assert_array_equal(runs[1e-10].tokens, runs[0.0].tokens)
     assert runs[0.0].stats.accepted_tokens > 0
     assert runs[1e-10].stats.accepted_tokens == runs[0.0].stats.accepted_tokens
+
+
+class _Chars:
+    """Token i is chr(97 + i): a tokenizer for a 32-token model, with EOS ``eos_token_id`` in
+    Hugging Face's spelling (an int), not sj.Tokenizer's ``eos_token_ids``."""
+
+    vocab_size = 32
+
+    def __init__(self, eos_token_id=None):
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(97 + int(i)) for i in ids)
+
+
+def test_what_users_pass_first_is_understood(target):
+    """One flat list (or 1-D array) of ids is one prompt; a tokenizer implies decoded text unless
+    return_text=False; a tokenizer's EOS in Hugging Face's spelling (eos_token_id, an int, here
+    id 0, which a truthiness test lost) is the default stop; key=None draws fresh randomness each
+    call while a key reproduces."""
+    greedy = sj.SamplingParams(temperature=0, max_new_tokens=8)
+    listed = sj.generate(target, [[3, 4, 5]], sampling=greedy)
+    for one in ([3, 4, 5], np.asarray([3, 4, 5], np.int64), (3, 4, 5)):
+        out = sj.generate(target, one, sampling=greedy)
+        np.testing.assert_array_equal(out.tokens, listed.tokens)
+    tok = _Chars()
+    out = sj.generate(target, "def", sampling=greedy, tokenizer=tok)
+    assert out.text == [tok.decode(out.tokens[0, :out.lengths[0]])]
+    assert sj.generate(target, "def", sampling=greedy, tokenizer=tok,
+                       return_text=False).text is None
+    # the first greedy token as EOS: the row stops there
+    eos = int(out.tokens[0, 0])
+    stopped = sj.generate(target, "def", sampling=greedy, tokenizer=_Chars(eos_token_id=eos))
+    assert stopped.lengths[0] == 1
+    assert engine.tokenizer_eos(_Chars(eos_token_id=0)) == (0,)
+    sampled = sj.SamplingParams(temperature=1.0, max_new_tokens=16)
+    flat = tiny_model(seed=0, vocab_size=32, init_std=0.02)  # near-uniform: draws differ
+    fresh = [sj.generate(flat, [[1, 2]], sampling=sampled).tokens for _ in range(2)]
+    assert not np.array_equal(*fresh)
+    seeded = [sj.generate(flat, [[1, 2]], sampling=sampled, key=5).tokens for _ in range(2)]
+    np.testing.assert_array_equal(*seeded)
+
+
+def test_settings_in_the_spellings_users_bring():
+    """vLLM's top_k=-1 is "off"; 0-d arrays pass where numbers do; a bare method name is a spec;
+    vLLM's "model" key says how to pass a draft in Python; dtype objects name their dtype; a
+    batch given to decode says to decode rows."""
+    import jax.numpy as jnp
+
+    from specjax import checkpoint
+    from specjax.tokenizer import Tokenizer
+    p = sj.SamplingParams(temperature=jnp.float32(0.5), top_k=-1, top_p=np.float32(0.5),
+                          max_new_tokens=np.array(5))
+    assert (p.temperature, p.top_k, p.top_p, p.max_new_tokens) == (0.5, 0, 0.5, 5)
+    assert all(type(x) in (int, float) for x in (p.temperature, p.top_k, p.max_new_tokens))
+    for bad in (dict(top_k=-2), dict(temperature=jnp.asarray([0.5]))):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            sj.SamplingParams(**bad)
+    assert sj.SpecConfig.parse("ngram") == sj.SpecConfig(method="ngram")
+    with pytest.raises(ValueError, match="not valid JSON nor a method name"):
+        sj.SpecConfig.parse("ngarm")
+    with pytest.raises(ValueError, match=r"'model' \('folder'\).*sj.load_draft_model"):
+        sj.SpecConfig.parse({"model": "folder", "num_speculative_tokens": 3})
+    assert checkpoint.compute_dtype(jnp.float32, "gpu") == "float32"
+    assert checkpoint.compute_dtype(np.dtype("float16"), "cpu") == "float16"
+    with pytest.raises(ValueError, match="got 'int32'"):
+        checkpoint.compute_dtype(jnp.int32, "cpu")
+    tok = Tokenizer.__new__(Tokenizer)  # decode refuses a batch before touching its backend
+    with pytest.raises(ValueError, match=r"one row of token ids.*tok.decode\(row\)"):
+        tok.decode(np.zeros((2, 3), np.int32))

@@ -735,9 +735,10 @@ def build(spec: SpecConfig, draft, target: ModelConfig):
     elif draft.config.vocab_size != target.vocab_size:
         raise ValueError(
             f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
-            f"{target.vocab_size}: draft and target must share one vocabulary (a draft whose "
-            f"ids are the first ones of the target's: sj.draft.shared_prefix(draft, "
-            f"{target.vocab_size}))")
+            f"{target.vocab_size}: a draft with a tokenizer of its own is passed with it, "
+            f"generate(..., tokenizer=target_tokenizer, draft_tokenizer=its_tokenizer); a draft "
+            f"whose ids are the first ones of the target's: sj.draft.shared_prefix(draft, "
+            f"{target.vocab_size})")
     if spec.tree is None and draft.spelling is not None and spec.survival_threshold is None \
             and spec.budget is None:
         return SpelledChainProposer(draft.config, spec.num_speculative_tokens,
