@@ -135,9 +135,12 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray],
     sibling, renamed into place)."""
     from safetensors.numpy import save_file
     arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
+
+    def write(tmp):
+        save_file(arrays, tmp, metadata=metadata or {"format": "pt"})
+        os.chmod(tmp, files.new_file_mode())  # as the folder's other files, not 0o600
     try:
-        files.write_atomic(path, b"", writer=lambda tmp: save_file(
-            arrays, tmp, metadata=metadata or {"format": "pt"}))
+        files.write_atomic(path, b"", writer=write)
     except (ValueError, TypeError, OSError) as e:
         raise ValueError(f"cannot write {path} with safetensors: {e}") from e
 
@@ -721,7 +724,8 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
 
 def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
                bos_token_id: int | None = None,
-               eos_token_id: int | list[int] | None = None, tokenizer=None) -> None:
+               eos_token_id: int | list[int] | None = None, tokenizer=None,
+               dtype: str | None = None) -> None:
     """Save a model folder. format="orbax": params through orbax plus ``specjax.json``;
     format="hf": ``config.json`` and ``model.safetensors`` that ``transformers`` loads as is (plus
     ``generation_config.json`` when BOS/EOS ids are given, or a tokenizer has them). With
@@ -730,8 +734,19 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
     read the folder. The new save replaces an earlier one (of either format) in one atomic swap:
     interrupted at any point, the folder holds the complete earlier save or the complete new one
     (``specjax/files.py``). Files of the user's in the folder (a README, a tokenizer when none is
-    given) are kept."""
+    given) are kept.
+
+    dtype: store the parameters in this dtype ("float32", "bfloat16", "float16" or a dtype
+    object); None stores them as the model holds them (a bfloat16 checkpoint loaded on a CPU
+    computes in float32 and so saves twice its size unless given "bfloat16")."""
     folder = pathlib.Path(path)
+    if dtype is not None:
+        name = compute_dtype(dtype, "cpu")
+        if name is None or (isinstance(dtype, str) and dtype in ("auto", "stored")):
+            raise ValueError(f"save_model's dtype must be 'float32', 'bfloat16', 'float16' or "
+                             f"None, got {dtype!r}")
+        if isinstance(model, Model):
+            model = cast(model, name)
     if tokenizer is not None:
         from .tokenizer import Tokenizer, save_tokenizer
         if not isinstance(tokenizer, Tokenizer):

@@ -55,6 +55,14 @@ def fsync_tree(root: pathlib.Path) -> None:
         fsync_path(pathlib.Path(folder))
 
 
+def new_file_mode() -> int:
+    """The mode ``open`` gives a new file here (0o666 less the process's umask): for files a
+    library wrote with a private mode of its own (safetensors writes 0o600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes,
                  writer: Callable[[pathlib.Path], None] | None = None) -> None:
     """Replace ``path`` with ``data`` (text is UTF-8) or with what ``writer(tmp)`` writes to a

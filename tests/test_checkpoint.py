@@ -5,6 +5,7 @@ import pathlib
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -404,6 +405,17 @@ def test_one_dtype_rule(tmp_path):
     from specjax import cli
     for command in ("generate", "bench"):
         assert cli.build_parser().parse_args([command]).dtype == "auto"
+    # loaded on a CPU (float32) and saved back: as it is held, or as asked
+    for fmt in ("orbax", "hf"):
+        for dtype, want in [(None, auto), ("bfloat16", "bfloat16"), (jnp.float16, "float16")]:
+            sj.save_model(sj.load_model(tmp_path / "m"), tmp_path / fmt, format=fmt, dtype=dtype)
+            again = sj.load_model(tmp_path / fmt, dtype="stored")
+            assert again.config.dtype == want, (fmt, dtype)
+            assert {x.dtype for x in jax.tree.leaves(again.params)} == {np.dtype(want)}
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # safetensors' own: 0o600
+    with pytest.raises(ValueError, match="save_model's dtype must be .* got 'stored'"):
+        sj.save_model(stored, tmp_path / "x", dtype="stored")
 
 
 def test_bad_arguments(tmp_path):
