@@ -219,7 +219,7 @@ def _generate(args) -> int:
         print()
     for name, out in results.items():
         st = out.stats
-        streamed = " (streamed: a host sync a round)" if (
+        streamed = " (streamed: a host read per chunk of rounds)" if (
             name == shown_name and not args.no_stream and not args.compare) else ""
         line = (f"[{name}] {out.lengths[0]} tokens, {st.decode_tokens_per_second:.1f} "
                 f"tokens/s{streamed}, "
