@@ -192,9 +192,11 @@ class Stats:
             lines.append(f"  calibration error {self.calibration_error:.3f}")
         if self.rested_rounds:
             lines.append(f"  {self.rested_rounds} rounds rested (the budget declined drafting)")
-        lines.append(f"  prefill (TTFT) {1e3 * self.prefill_seconds:.1f} ms, decode "
-                     f"{1e3 * self.decode_seconds:.1f} ms ({self.decode_tokens_per_second:.1f} "
-                     f"tokens/s), compile {self.compile_seconds:.1f} s")
+        decode = (f"decode {1e3 * self.decode_seconds:.1f} ms "
+                  f"({self.decode_tokens_per_second:.1f} tokens/s)" if self.num_rounds
+                  else "no decode rounds (each row's one token came from the prefill)")
+        lines.append(f"  prefill (TTFT) {1e3 * self.prefill_seconds:.1f} ms, {decode}, "
+                     f"compile {self.compile_seconds:.1f} s")
         if self.greedy_near_ties:
             lines.append(f"  greedy near ties: {self.greedy_near_ties}")
         return "\n".join(lines)

@@ -428,6 +428,9 @@ def test_what_users_pass_first_is_understood(target):
     stopped = sj.generate(target, "def", sampling=greedy, tokenizer=_Chars(eos_token_id=eos))
     assert stopped.lengths[0] == 1
     assert engine.tokenizer_eos(_Chars(eos_token_id=0)) == (0,)
+    one = sj.generate(target, [3, 4], sampling=sj.SamplingParams(temperature=0, max_new_tokens=1))
+    assert one.stats.num_rounds == 0 and "no decode rounds" in str(one.stats)
+    assert "tokens/s" not in str(one.stats)  # not "0.0 tokens/s" for a decode that never ran
     sampled = sj.SamplingParams(temperature=1.0, max_new_tokens=16)
     flat = tiny_model(seed=0, vocab_size=32, init_std=0.02)  # near-uniform: draws differ
     fresh = [sj.generate(flat, [[1, 2]], sampling=sampled).tokens for _ in range(2)]
