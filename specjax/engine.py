@@ -1238,7 +1238,11 @@ def _as_key(key) -> Array:
     """One PRNG key from None (a fresh seed from the operating system's randomness), an int
     seed, a typed key or a legacy uint32 [2] key."""
     if key is None:
-        return _seed_key(secrets.randbits(63))
+        seed = secrets.randbits(63)
+        if jax.process_count() > 1:  # every process of a multi-process run draws alike
+            from jax.experimental import multihost_utils
+            seed = int(multihost_utils.broadcast_one_to_all(np.int64(seed)))
+        return _seed_key(seed)
     if isinstance(key, numbers.Integral) and not isinstance(key, bool):
         return _seed_key(int(key))
     dtype = getattr(key, "dtype", None)

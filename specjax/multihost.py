@@ -66,12 +66,18 @@ def run(args) -> int:
                                                      max_new_tokens=args.max_new_tokens),
                           key=args.seed)
         out[name] = gen.tokens.tolist()
+    if jax.process_count() > 1:  # key=None: one fresh seed, drawn alike by every process
+        from jax.experimental import multihost_utils
+
+        from .engine import _as_key
+        keys = multihost_utils.process_allgather(jax.random.key_data(_as_key(None))[None])
+        out["fresh_keys_agree"] = bool((np.asarray(keys) == np.asarray(keys)[0]).all())
     if jax.process_index() == 0:
         print(f"{jax.process_count()} processes, {jax.device_count()} devices "
               f"({jax.local_device_count()} local), mesh "
               f"{dict(mesh.shape) if mesh is not None else None}")
         for name, rows in out.items():
-            print(name, np.asarray(rows)[:, :12].tolist())
+            print(name, np.asarray(rows)[:, :12].tolist() if isinstance(rows, list) else rows)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f)

@@ -43,5 +43,6 @@ def test_two_processes_equal_one(tmp_path):
                          cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     a, b = json.loads(two.read_text()), json.loads(one.read_text())
+    assert a.pop("fresh_keys_agree") is True  # key=None: the processes drew one seed
     assert set(a) == {"greedy", "sampled"} and len(a["greedy"]) == 4
     assert a == b
