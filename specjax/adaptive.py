@@ -819,7 +819,8 @@ def calibrate_main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.8, help="the sampled rows' fit")
     ap.add_argument("--out", help="folder to write calibration.json to (default: --draft or "
                                   "--heads)")
-    args = ap.parse_args(argv)
+    from .cli import show_defaults
+    args = show_defaults(ap).parse_args(argv)
     if args.heads and args.draft:
         ap.error("give --draft or --heads, not both")
     if args.heads and args.fit == "teacher":

@@ -445,6 +445,24 @@ def _default_models(args) -> None:
         args.target = str(bundled("code-target"))
 
 
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Say each option's default in --help, in this parser and its subcommands, unless its help
+    already speaks of one, or it has none to say (None, a flag that is off, an empty list)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                show_defaults(child)
+            continue
+        default = action.default
+        if (not action.option_strings or any(default is x for x in (None, False))
+                or default == argparse.SUPPRESS
+                or isinstance(default, (list, tuple)) and not default
+                or "default" in (action.help or "")):
+            continue
+        action.help = (f"{action.help} " if action.help else "") + "(default: %(default)s)"
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``specjax`` argument parser (``train`` is dispatched before it parses)."""
     parser = argparse.ArgumentParser(
@@ -468,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", add_help=False,
                    help="train models (`specjax train pair --help`, `specjax train heads --help`, "
                         "`specjax train calibrate --help`)")
-    return parser
+    return show_defaults(parser)
 
 
 TRAIN_HELP = """usage: specjax train {pair,heads,calibrate} ...

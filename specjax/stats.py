@@ -15,6 +15,11 @@ POSITION_EDGES = (256, 512, 1024)
 256-512, 512-1024 and beyond (a round counts in the bin of its first verified position)."""
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 token', '2 tokens', '0 tokens'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Counters:
@@ -171,14 +176,15 @@ class Stats:
     accepted_length_by_position: tuple[tuple[int, int | None, float, int], ...] = ()
 
     def __repr__(self) -> str:
-        lines = [f"Stats: {self.generated_tokens} tokens in {self.num_rounds} rounds, "
-                 f"{self.target_calls} target and {self.draft_calls} draft forwards"]
+        lines = [f"Stats: {_count(self.generated_tokens, 'token')} in "
+                 f"{_count(self.num_rounds, 'round')}, {self.target_calls} target and "
+                 f"{_count(self.draft_calls, 'draft forward')}"]
         if self.synthetic_acceptance is not None:
             lines.append("  SYNTHETIC acceptance (benchmark only, NOT LOSSLESS): "
                          + " ".join(f"{a:g}" for a in self.synthetic_acceptance))
         if self.proposed_tokens:
             lines.append(f"  acceptance rate {self.acceptance_rate:.3f} ({self.accepted_tokens} "
-                         f"of {self.proposed_tokens} drafts), mean accepted length "
+                         f"of {_count(self.proposed_tokens, 'draft')}), mean accepted length "
                          f"{self.mean_accepted_length:.2f} tokens a round")
             lines.append("  per position " + " ".join(
                 f"{a:.2f}" for a in np.asarray(self.per_position_acceptance)))
@@ -191,7 +197,8 @@ class Stats:
         if np.isfinite(self.calibration_error):
             lines.append(f"  calibration error {self.calibration_error:.3f}")
         if self.rested_rounds:
-            lines.append(f"  {self.rested_rounds} rounds rested (the budget declined drafting)")
+            lines.append(f"  {_count(self.rested_rounds, 'round')} rested (the budget declined "
+                         "drafting)")
         decode = (f"decode {1e3 * self.decode_seconds:.1f} ms "
                   f"({self.decode_tokens_per_second:.1f} tokens/s)" if self.num_rounds
                   else "no decode rounds (each row's one token came from the prefill)")

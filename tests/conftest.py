@@ -26,6 +26,26 @@ import pytest
 import specjax as sj
 from specjax import engine
 
+# The files that take longest on CI's two workers (seconds from a profiled fresh-clone run,
+# experiments/results/2026-12-05-suite-time.md), run first: with each file on one worker
+# (--dist loadfile), the longest-first order leaves short files for the end, so the two workers
+# finish together. xdist's own order (most tests first, .ci/run turns it off) put the two
+# longest single tests, the notebook and the sharded suite, last. Only the order changes.
+LONGEST_FILES = {"test_adaptive.py": 278, "test_lossless.py": 198, "test_docs_and_cli.py": 191,
+                 "test_heads.py": 156, "test_sharding.py": 138, "test_dflash.py": 133,
+                 "test_mtp.py": 121, "test_string_drafts.py": 114, "test_notebook.py": 106,
+                 "test_bundled.py": 100, "test_capacity.py": 82, "test_draft_vocab.py": 80,
+                 "test_tree.py": 79, "test_crash_safety.py": 79, "test_engine.py": 77}
+
+
+def pytest_collection_modifyitems(items):
+    """Files in LONGEST_FILES first, longest first; the rest after them as collected; each
+    file's tests in their own order."""
+    def rank(indexed):
+        i, item = indexed
+        return -LONGEST_FILES.get(item.path.name, 0), i
+    items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
+
 
 def tiny_config(vocab_size=16, hidden_size=16, layers=2, heads=2, kv_heads=1, max_pos=64, **kw):
     return sj.ModelConfig(vocab_size=vocab_size, hidden_size=hidden_size,

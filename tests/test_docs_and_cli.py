@@ -515,6 +515,26 @@ def test_train_help_and_bad_subcommands(capsys):
         assert e.value.code == 2 and named in capsys.readouterr().err
 
 
+def test_help_says_every_default(capsys):
+    """--help states each option's default (0 and 0.0 included), once, in every command."""
+    def help_of(argv):
+        with pytest.raises(SystemExit) as e:
+            cli.main([*argv, "--help"])
+        assert e.value.code == 0
+        return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    text = help_of(["generate"])
+    for option, default in (("--temperature TEMPERATURE", "0.0"), ("--top-k TOP_K", "0"),
+                            ("--seed SEED", "0"), ("--max-new-tokens MAX_NEW_TOKENS", "128"),
+                            ("--num-speculative-tokens GAMMA", "4")):
+        assert f"{option} (default: {default})" in text, option
+    assert "--compare also run plain autoregressive decoding and print the speed-up --stop" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default 2)" in text and "(default 2) (default" not in text  # said once
+    assert "--repeats REPEATS timed passes per variant (median) (default: 3)" in help_of(["bench"])
+    assert "--steps STEPS the schedule's length (default: 600)" in help_of(["train", "heads"])
+    assert "--num-prompts NUM_PROMPTS half fit" in help_of(["train", "calibrate"])
+
+
 def test_train_heads_names_missing_inputs(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "heads", "eagle", "--data", str(tmp_path), "--workdir",

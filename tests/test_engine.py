@@ -325,6 +325,10 @@ def test_stats_print_as_a_short_summary(target, draft):
     plain = str(sj.generate(target, [[1, 2, 3]], sampling=sj.SamplingParams(max_new_tokens=5))
                 .stats)
     assert "no drafts proposed" in plain and "acceptance rate" not in plain
+    assert plain.startswith("Stats: 5 tokens in 4 rounds, 5 target and 0 draft forwards")
+    one = str(sj.generate(target, [[1, 2, 3]], sampling=sj.SamplingParams(max_new_tokens=2))
+              .stats)  # a count of one in the singular
+    assert one.startswith("Stats: 2 tokens in 1 round, 2 target and 0 draft forwards"), one
 
 
 def run_round_by_round(target, prompts, sampling, spec, draft, ahead: bool):

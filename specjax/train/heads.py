@@ -311,7 +311,8 @@ def heads_main(argv=None) -> int:
     ap.add_argument("--save-dtype", default="bfloat16")
     ap.add_argument("--verbose", action="store_true",
                     help="also show the INFO logs of orbax and absl")
-    args = ap.parse_args(argv)
+    from ..cli import show_defaults
+    args = show_defaults(ap).parse_args(argv)
     configure_logging(args.verbose)
     workdir = pathlib.Path(args.workdir).expanduser()
     data = pathlib.Path(args.data).expanduser()

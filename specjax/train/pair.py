@@ -977,7 +977,8 @@ def main(argv=None) -> int:
                     help="data: a folder of .py files (default: this Python's standard library)")
     ap.add_argument("--verbose", action="store_true",
                     help="also show the INFO logs of orbax and absl")
-    args = ap.parse_args(argv)
+    from ..cli import show_defaults
+    args = show_defaults(ap).parse_args(argv)
     configure_logging(args.verbose)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.stage == "data":
