@@ -596,7 +596,8 @@ class SpecConfig:
 
     @classmethod
     def parse(cls, spec: SpecConfig | Mapping[str, Any] | str | None) -> SpecConfig | None:
-        """Accept a SpecConfig, a dict, a JSON string (vLLM style), or None (no speculation)."""
+        """Accept a SpecConfig, a dict, a JSON string (vLLM style), a method's bare name
+        ("ngram": that method's defaults), or None (no speculation)."""
         if spec is None or isinstance(spec, SpecConfig):
             return spec
         if isinstance(spec, str):

@@ -293,9 +293,8 @@ class Decoder(nn.Module):
         # The LM head accumulates and returns float32 whatever the model computes in: bfloat16
         # logits (8 significant bits) tie exactly at a few percent of the bundled target's
         # greedy tokens, where a verify forward and a one-token forward then choose apart.
-        if cfg.tie_word_embeddings:
-            logits = jnp.einsum("bte,ve->btv", head_in, embed.embedding,
-                                preferred_element_type=jnp.float32)
+        if cfg.tie_word_embeddings:  # [B, T, E] x [V, E] -> [B, T, V]
+            logits = _float32_dot(head_in, embed.embedding, (((2,), (1,)), ((), ())))
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
                               kernel_init=nn.initializers.normal(self.init_std),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 
 import fast_compile
 
@@ -26,16 +27,20 @@ import pytest
 import specjax as sj
 from specjax import engine
 
-# The files that take longest on CI's two workers (seconds from a profiled fresh-clone run,
-# experiments/results/2026-12-05-suite-time.md), run first: with each file on one worker
-# (--dist loadfile), the longest-first order leaves short files for the end, so the two workers
-# finish together. xdist's own order (most tests first, .ci/run turns it off) put the two
-# longest single tests, the notebook and the sharded suite, last. Only the order changes.
-LONGEST_FILES = {"test_adaptive.py": 278, "test_lossless.py": 198, "test_docs_and_cli.py": 191,
-                 "test_heads.py": 156, "test_sharding.py": 138, "test_dflash.py": 133,
-                 "test_mtp.py": 121, "test_string_drafts.py": 114, "test_notebook.py": 106,
-                 "test_bundled.py": 100, "test_capacity.py": 82, "test_draft_vocab.py": 80,
-                 "test_tree.py": 79, "test_crash_safety.py": 79, "test_engine.py": 77}
+# The files that take longest on CI's two workers, run first (seconds of a fresh-clone CI run,
+# 2026-12-06; every file over half a minute): with each file on one worker (--dist loadfile),
+# the longest-first order leaves short files for the end, so the two workers finish about
+# together. xdist's own order (most tests first; .ci/run turns it off) put the two longest
+# single tests, the notebook and the sharded suite, last. Only the order changes.
+LONGEST_FILES = {"test_adaptive.py": 254, "test_docs_and_cli.py": 160, "test_heads.py": 175,
+                 "test_lossless.py": 171, "test_sharding.py": 127, "test_mtp.py": 118,
+                 "test_dflash.py": 109, "test_string_drafts.py": 97, "test_notebook.py": 95,
+                 "test_bundled.py": 91, "test_tree.py": 87, "test_capacity.py": 81,
+                 "test_draft_vocab.py": 75, "test_crash_safety.py": 75, "test_engine.py": 90,
+                 "test_ring.py": 69, "test_fuzz.py": 57, "test_train.py": 53,
+                 "test_suffix.py": 48, "test_gate.py": 48, "test_families.py": 44,
+                 "test_synthetic.py": 42, "test_spelled_draft.py": 42, "test_attention.py": 38,
+                 "test_stop.py": 36, "test_lookahead.py": 36, "test_checkpoint.py": 34}
 
 
 def pytest_collection_modifyitems(items):
@@ -77,10 +82,33 @@ def _release_compiled_programs():
     860 memory mappings (LLVM's JIT sections; measured for a small generate program), and Linux
     allows a process 65,530 (vm.max_map_count): a pytest-xdist worker that kept every program
     of every file it ran crashed inside XLA's compilation-cache write (segfault, after LLVM's
-    "Cannot allocate memory"). Programs needed again are read back from the on-disk cache."""
+    "Cannot allocate memory"). Programs needed again are read back from the on-disk cache.
+
+    First, every program the module's tests left compiled is checked for a host round trip: a
+    whole generate call is one prefill and one decode program on the device, so none of their
+    instructions may call back into Python or move data to or from the host."""
     yield
+    held = host_round_trips()
     engine.PROGRAMS.clear()
     jax.clear_caches()
+    assert not held, f"compiled programs that call the host inside the loop: {held[:5]}"
+
+
+# a host callback (jax.debug.callback, pure_callback, io_callback) or host transfer in HLO text
+_HOST_CALL = re.compile(r'custom_call_target="[^"]*callback[^"]*"|\b(?:send|recv|infeed|outfeed)'
+                        r'(?:-done)?\(')
+
+
+def host_round_trips() -> list[str]:
+    """'plan stage: instruction' for each instruction of the compiled programs engine.PROGRAMS
+    holds that calls the host (_HOST_CALL)."""
+    found = []
+    for program in engine.PROGRAMS.programs():
+        for stage in ("prefill", "decode", "segment", "round"):
+            for exe in program.executables(stage):
+                found += [f"{type(program.plan.proposer).__name__} {stage}: {m.group(0)}"
+                          for m in _HOST_CALL.finditer(exe.as_text())]
+    return found
 
 
 @pytest.fixture

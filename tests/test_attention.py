@@ -69,6 +69,34 @@ def test_the_comparison_catches_a_walk_that_stops_short(monkeypatch, short_by):
         test_blocked_equals_dense_and_numpy(16, 4, "causal")
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_attention_reads_the_live_blocks_not_the_capacity(monkeypatch, broken):
+    """A 4,096-slot cache holding 64 tokens: one token's attention walks ceil(65 / 256) = 1 block,
+    not 16 (nor one dense softmax over every slot). Deliberately broken, a walk over the whole
+    capacity (dense attention at any capacity) fails: the results would be the same, the work
+    64 times larger."""
+    if broken:
+        monkeypatch.setattr(attention, "uses_dense", lambda capacity, T, block: True)
+    trips = []
+    fori_loop = jax.lax.fori_loop
+
+    def counted(lo, hi, body, init):
+        trips.append(int(hi) - int(lo))
+        return fori_loop(lo, hi, body, init)
+    monkeypatch.setattr(jax.lax, "fori_loop", counted)
+    rng = np.random.default_rng(1)
+    L, B, S, K, G, D = 1, 2, 4096, 1, 2, 4
+    k_all = jnp.asarray(rng.normal(size=(L, B, S, K, D)), jnp.float32)
+    v_all = jnp.asarray(rng.normal(size=(L, B, S, K, D)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(B, 1, K, G, D)), jnp.float32)
+    view = attention.View(jnp.array([5, 64]), jnp.ones((B, 1, 1), bool),
+                          jnp.array([[5], [64]]))
+    out = attention.attend(q, k_all, v_all, jnp.int32(0), view, 256)
+    want = numpy_attention(q, k_all[0], v_all[0], view.mask(jnp.arange(S)))
+    np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)  # right either way
+    assert (trips != [1]) if broken else (trips == [1]), trips
+
+
 def test_a_row_does_not_depend_on_how_long_the_others_are():
     """Extra blocks walked for a longer neighbour add exactly nothing: bitwise the same."""
     rng = np.random.default_rng(0)

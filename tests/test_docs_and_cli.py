@@ -325,23 +325,22 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
 def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
     """--survival-threshold adds adaptive chains beside the static ones (and --verify-budget the
     same with the batch's verify budget, its costs measured at each --batch-size); their c is
-    per draft proposed and the static-γ prediction is not given for them; --plots writes PNGs."""
+    per draft proposed and the static-γ prediction is not given for them; --plots writes PNGs.
+    Two calls: the batch sizes with the static and adaptive rows, then the budget rows at one
+    batch size (whose other rows' programs the first call compiled)."""
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
-                     str(model_folders / "d"), "--gammas", "3", "--survival-threshold", "0.1",
-                     "--temperatures", "0", "--max-new-tokens", "10", "--repeats", "1",
-                     "--verify-repeats", "1", "--num-prompts", "2", "--max-prompt-tokens", "40",
-                     "--batch-size", "1,2", "--verify-budget", "--without-rests",
-                     "--plot", str(tmp_path / "png"), "--json", str(out)]) == 0
+    common = ["bench", "--target", str(model_folders / "t"), "--draft", str(model_folders / "d"),
+              "--gammas", "3", "--survival-threshold", "0.1", "--temperatures", "0",
+              "--max-new-tokens", "10", "--repeats", "1", "--verify-repeats", "1",
+              "--num-prompts", "2", "--max-prompt-tokens", "40"]
+    assert cli.main([*common, "--batch-size", "1,2", "--plot", str(tmp_path / "png"),
+                     "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["settings"]["batch_size"] for r in runs] == [1, 2]
     for run in runs:
-        costs = run["settings"]["verify_budget"]["verify_costs"]
-        assert len(costs) == 4 and costs[0] == 1.0
         assert [(r["label"], r["idle_rounds"]) for r in run["rows"]] == [
-            ("chain 3", None), ("chain 3 adaptive 0.1", None),
-            ("chain 3 adaptive 0.1 budget", 16), ("chain 3 adaptive 0.1 budget no rests", 0)]
-        assert run["rows"][-1]["verify_costs"] == costs
+            ("chain 3", None), ("chain 3 adaptive 0.1", None)]
+        assert "verify_budget" not in run["settings"] or not run["settings"]["verify_budget"]
         assert all(r["batch_size"] == run["settings"]["batch_size"] for r in run["rows"])
         assert all(r["identical_to_autoregressive"] for r in run["rows"])
         scored = run["rows"][1]  # the adaptive chain: its predictions against its verdicts
@@ -349,18 +348,14 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
         assert sum(n for _, _, n in scored["reliability"]) <= scored["proposed_tokens"]
         assert run["rows"][0]["reliability"] == [] and np.isnan(run["rows"][0][
             "calibration_error"])
-    for name in ("speedup_vs_gamma.png", "acceptance_per_position.png", "tpot.png",
-                 "speedup_vs_batch.png", "reliability.png"):
-        assert (tmp_path / "png" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for run in runs:  # one TPOT per generate call: 2 prompts (one a call at batch 1), 1 repeat
+        # one TPOT per generate call: 2 prompts (one a call at batch 1), 1 repeat
         calls = 2 // run["settings"]["batch_size"]
         assert all(len(r["tpot_samples_ms"]["spec"]) == len(r["tpot_samples_ms"]["ar"]) == calls
                    and min(r["tpot_samples_ms"]["spec"]) > 0 for r in run["rows"])
-    rows = runs[0]["rows"]
-    assert [r["label"] for r in rows] == ["chain 3", "chain 3 adaptive 0.1",
-                                          "chain 3 adaptive 0.1 budget",
-                                          "chain 3 adaptive 0.1 budget no rests"]
-    static, adaptive = rows[:2]
+    for name in ("speedup_vs_gamma.png", "acceptance_per_position.png", "tpot.png",
+                 "speedup_vs_batch.png", "reliability.png"):
+        assert (tmp_path / "png" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    static, adaptive = runs[0]["rows"]
     assert static["survival_threshold"] is None and adaptive["survival_threshold"] == 0.1
     assert adaptive["mean_proposed"] == adaptive["proposed_tokens"] / adaptive["rounds"]
     assert adaptive["mean_proposed"] <= 3 and adaptive["identical_to_autoregressive"]
@@ -369,6 +364,17 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
                                           / max(adaptive["mean_proposed"], 1e-9))
     assert np.isnan(adaptive["predicted_speedup"])
     assert np.isnan(adaptive["predicted_speedup_with_verify_cost"])
+    # the budget rows, their costs measured at this batch size
+    assert cli.main([*common, "--batch-size", "2", "--verify-budget", "--without-rests",
+                     "--json", str(out)]) == 0
+    run = json.loads(out.read_text())  # one batch size: the run itself
+    costs = run["settings"]["verify_budget"]["verify_costs"]
+    assert len(costs) == 4 and costs[0] == 1.0
+    assert [(r["label"], r["idle_rounds"]) for r in run["rows"]] == [
+        ("chain 3", None), ("chain 3 adaptive 0.1", None),
+        ("chain 3 adaptive 0.1 budget", 16), ("chain 3 adaptive 0.1 budget no rests", 0)]
+    assert run["rows"][-1]["verify_costs"] == costs
+    assert all(r["batch_size"] == 2 and r["identical_to_autoregressive"] for r in run["rows"])
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "ngram",
                      "--gammas", "2", "--survival-threshold", "0.5", "--temperatures", "0",
                      "--max-new-tokens", "4", "--repeats", "1", "--verify-repeats", "1",

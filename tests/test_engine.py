@@ -61,6 +61,53 @@ def test_draft_identical_to_target_accepts_everything(target, gamma):
     assert out.stats.num_rounds == -(-30 // (gamma + 1))  # 30 tokens after the first
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_draft_that_is_the_target_is_always_accepted_when_sampling(target, shape, broken,
+                                                                    monkeypatch, fresh_programs):
+    """Sampled drafts from the target itself (q = p) are accepted every time: a sampled draft
+    passes with min(1, p/q). Lossless rules that throw acceptance away pass every distribution
+    test, so this one looks at acceptance: deliberately broken, equality with a token drawn
+    from the target (the chain), or a tree that forgets the q its children were drawn from
+    (point-mass checks), both fail it."""
+    from specjax import verify
+    if broken and shape == "chain":
+        monkeypatch.setattr(verify, "acceptance_probs",
+                            lambda toks, q, p, valid=None: verify._draft_token_probs(
+                                p[:, :toks.shape[1]], toks) * (1.0 if valid is None else valid))
+    if broken and shape == "tree":
+        real = verify.tree_sample
+        monkeypatch.setattr(verify, "tree_sample", lambda *a: real(*a[:5], None))
+    spec = (sj.SpecConfig(num_speculative_tokens=3) if shape == "chain"
+            else sj.SpecConfig(tree=[[0], [1], [0, 0]]))
+    out = sj.generate(target, PROMPTS * 4, spec=spec, draft=target, key=3,
+                      sampling=sj.SamplingParams(temperature=0.8, top_k=5, max_new_tokens=31))
+    every_position = out.stats.per_position_acceptance.min()
+    assert (every_position < 0.9) if broken else (every_position > 0.99), \
+        out.stats.per_position_acceptance
+
+
+def test_a_proposer_that_calls_the_host_is_caught(target, monkeypatch, fresh_programs):
+    """Every test module ends by checking the programs it compiled for calls to the host
+    (conftest's host_round_trips): a proposer that looks its drafts up on the host each round,
+    deliberately, is caught by that check."""
+    from conftest import host_round_trips
+
+    from specjax.draft import ngram
+    real = ngram.NgramProposer.propose
+
+    def on_the_host(self, params, state, history, length, *rest):
+        jax.debug.callback(lambda n: None, length)  # e.g. a host-side index of the history
+        return real(self, params, state, history, length, *rest)
+    monkeypatch.setattr(ngram.NgramProposer, "propose", on_the_host)
+    out = sj.generate(target, PROMPTS, spec="ngram", sampling=sj.SamplingParams(
+        temperature=0, max_new_tokens=8))
+    assert (out.lengths == 8).all()
+    found = host_round_trips()
+    assert found and all(x.startswith("NgramProposer") for x in found), found
+    assert any(x.startswith("NgramProposer decode: ") for x in found), found
+
+
 def test_rows_do_not_depend_on_their_neighbours(target, draft):
     """Row 0 keeps its output when its neighbour changes (content, length, capacity tier).
     A row's key is folded from its index, so the same prompt at another index is another sample."""

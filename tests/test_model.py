@@ -60,6 +60,24 @@ def test_incremental_decoding_equals_full_forward(kw):
     assert list(np.asarray(cache.length)) == [T, T]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("broken", [False, True])
+def test_bfloat16_models_give_float32_logits(tied, broken, monkeypatch, fresh_programs):
+    """The LM head of a bfloat16 model accumulates and returns float32: logits rounded to
+    bfloat16's 8 significant bits tie exactly often enough that a verify forward and a one-token
+    forward part on greedy tokens. Most float32 logits are not bfloat16 numbers; a head computing
+    in bfloat16 (deliberately broken) gives only bfloat16 numbers and fails."""
+    from specjax import model as model_lib
+    if broken:
+        monkeypatch.setattr(model_lib, "_float32_dot", jax.lax.dot_general)
+    half = sj.checkpoint.cast(tiny_model(seed=3, vocab_size=64, hidden_size=32,
+                                         tie_word_embeddings=tied), "bfloat16")
+    logits = np.asarray(sj.logits(half, np.arange(1, 9)[None]))
+    assert logits.dtype == np.float32  # the broken head's too: the cast comes after it
+    exact = logits == np.asarray(jnp.asarray(logits).astype(jnp.bfloat16).astype(jnp.float32))
+    assert (exact.mean() == 1.0) if broken else (exact.mean() < 0.1), exact.mean()
+
+
 def test_stale_entries_past_length_are_invisible():
     model = tiny_model(seed=4)
     B = 1

@@ -138,6 +138,34 @@ def test_enumeration_catches_soft_q_rule_for_point_mass_drafts():
     assert np.abs(got - tables.target_joint()).max() > 1e-2
 
 
+def _first_draft_acceptance(tables, accept_fn):
+    """The chance that a draft drawn from q at the first position is accepted, exactly."""
+    drafts = [(d,) + (0,) * (tables.gamma - 1) for d in range(V)]
+    toks, q, p = tables.batch(drafts)
+    accept = np.asarray(accept_fn(toks, q, p), np.float64)[:, 0]
+    return float(np.dot(np.asarray(tables.q[()], np.float64), accept))
+
+
+def _equality_rule(toks, q, p):  # sample the target's token, accept a sampled draft if equal
+    return verify.acceptance_probs(toks, None, p)
+
+
+@pytest.mark.parametrize("sampling", [s for s in PARAMS if s[0] > 0])
+def test_sampled_drafts_are_accepted_as_often_as_any_lossless_rule_can(sampling):
+    """A sampled draft is accepted with probability sum_x min(p(x), q(x)), the most any lossless
+    rule reaches; equality with a token drawn from the target (also lossless) reaches only
+    sum_x p(x) q(x). The distribution tests cannot tell the two apart: this one can."""
+    tables = Tables(1, sampling, seed=21)
+    # a draft that overlaps the target (filters can leave two random ones disjoint)
+    tables.q[()] = (0.5 * (tables.p[()] + tables.q[()])).astype(np.float32)
+    p, q = (np.asarray(t[()], np.float64) for t in (tables.p, tables.q))
+    best = np.minimum(p, q).sum()
+    assert _first_draft_acceptance(tables, verify.acceptance_probs) == pytest.approx(best,
+                                                                                   abs=1e-6)
+    # the equality rule, deliberately: the same test fails it
+    assert _first_draft_acceptance(tables, _equality_rule) < best - 0.02
+
+
 @pytest.mark.parametrize("point_mass", [False, True])
 def test_rejection_sample_draws_what_the_rule_says(point_mass):
     """rejection_sample's (num_accepted, last token) frequencies match the analytic ones."""
