@@ -44,6 +44,27 @@ def test_the_pair_is_small():
     assert size < 60 * 2 ** 20, f"checkpoints/ holds {size / 2**20:.1f} MiB"
 
 
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in CKPT.glob("*/config.json")))
+def test_each_model_was_trained_for_the_context_it_declares(name):
+    """A model that declares more positions than it was trained on (a model quietly worse past
+    its trained length) records how it does out there, by position, and its card says so."""
+    config = json.loads((CKPT / name / "config.json").read_text())
+    info = json.loads((CKPT / name / "training.json").read_text())
+    declared = config["max_position_embeddings"]
+    trained = max(x["seq_len"] for x in (info["train"], info.get("soft_labels", {}).get(
+        "train", {"seq_len": 0})))
+    if trained >= declared:
+        return
+    long = info["acceptance"].get("long")
+    assert long is not None, f"{name}: trained on {trained} positions, declares {declared}, " \
+                             "and records no acceptance by position"
+    reached = max(int(k.split("-")[1] or 10 ** 9) for k in long["by_position"])
+    assert reached >= declared, (name, long)
+    card = (CKPT / name / "README.md").read_text()
+    assert f"trained on sequences of {trained} of its own tokens" in card
+    assert pair.long_row(long).rstrip(" |\n") in card
+
+
 @pytest.mark.parametrize("name", ["code-target", "code-draft"])
 def test_model_cards_carry_the_recorded_figures(name):
     info = json.loads((CKPT / name / "training.json").read_text())
@@ -58,17 +79,22 @@ def test_model_cards_carry_the_recorded_figures(name):
     assert info["corpus"]["heldout_files"] == len(info["corpus"]["heldout"]) > 0
 
 
+def assert_long_figures(target, draft, tok, want):
+    """``pair.measure_long`` gives the figures ``want`` records, within rounding."""
+    got = pair.measure_long(target, draft, tok, want["gamma"], want["max_new_tokens"])
+    assert got["by_position"].keys() == want["by_position"].keys()
+    assert abs(got["mean_accepted_length"] - want["mean_accepted_length"]) < 0.1, (got, want)
+    for bin_, value in want["by_position"].items():
+        assert abs(got["by_position"][bin_] - value) < 0.2, (bin_, got, want)
+
+
 def test_the_cards_acceptance_by_position_reproduces(bundled):
     """The shipped pair gives the acceptance by context position its cards state (greedy, the
     long bench prompts; export measured it in float32 on this kind of CPU), within rounding."""
     target, draft, tok = bundled
     info = json.loads((CKPT / "code-target" / "training.json").read_text())
     want = info["acceptance"]["long"]
-    got = pair.measure_long(target, draft, tok, want["gamma"], want["max_new_tokens"])
-    assert got["by_position"].keys() == want["by_position"].keys()
-    assert abs(got["mean_accepted_length"] - want["mean_accepted_length"]) < 0.1, (got, want)
-    for bin_, value in want["by_position"].items():
-        assert abs(got["by_position"][bin_] - value) < 0.2, (bin_, got, want)
+    assert_long_figures(target, draft, tok, want)
     assert pair.long_row(want) in (CKPT / "code-target" / "README.md").read_text()
 
 
@@ -95,6 +121,9 @@ def test_the_draft_with_its_own_tokenizer_is_what_its_card_says(bundled):
         out.stats.acceptance_rate, greedy)
     plain = sj.generate(target, prompts, sampling=greedy_params)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
+    # and the acceptance by context position its card states, past its trained length too
+    want = info["acceptance"]["long"]
+    assert_long_figures(target, draft, tok, want)
 
 
 @pytest.mark.parametrize("name,low,high", [("short", 60, 200), ("long", 300, 900)])

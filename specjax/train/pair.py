@@ -784,11 +784,29 @@ the target wrote (distillation by sequences){soft}. It is there to measure draft
 | draft vocabulary | drafts only from its {draft_vocab} most frequent tokens (`draft_vocab.npy`) |
 | coverage (held-out text) | the target puts {target_mass:.3f} of its probability on tokens this draft can propose; the draft puts {draft_mass:.3f} of its own there |
 | acceptance (γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}), T = 0.8 {acc_t:.3f} ({len_t:.2f}); `code-draft` on the same prompts: greedy {same_g:.3f} ({same_len_g:.2f}), T = 0.8 {same_t:.3f} ({same_len_t:.2f}) |
-
+{context_rows}
 **Rebuild.** `specjax train pair data --workdir W`, `specjax train pair draft-bpe4k --workdir W`,
 `specjax train pair draft-bpe4k-kd --workdir W` (each resumable), `specjax train pair
 export-bpe4k --workdir W`{soft_rebuild} (settings: the constants in `specjax/train/pair.py`).
 """
+
+
+def bpe4k_context_rows(seq_len: int, ctx: int, long: dict, reference: dict) -> str:
+    """The bpe4k card's rows on its context: trained length against declared, and
+    ``measure_long``'s figures beside code-draft's (positions are the target's)."""
+    return (f"| context | trained on sequences of {seq_len} of its own tokens (about "
+            f"{round(seq_len * BPE4K_TARGET_TOKENS_PER_TOKEN)} target tokens), "
+            f"`max_position_embeddings` {ctx}: past that it agrees with the target less, as the "
+            f"next row shows |\n"
+            + long_row(long).replace(" |\n", f"; `code-draft`: mean accepted length "
+                                     f"{reference['mean_accepted_length']:.2f}, "
+                                     + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                 reference["by_position"].items()) + " |\n"))
+
+
+BPE4K_TARGET_TOKENS_PER_TOKEN = 0.93
+"""Target tokens per token of code-draft-bpe4k, on the long bench prompts (6,638 against 7,133):
+its vocabulary is half the target's, so its tokens are a little shorter."""
 
 
 def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
@@ -852,6 +870,8 @@ def _describe_bpe4k(where: pathlib.Path, workdir: pathlib.Path, out: pathlib.Pat
                                                for i in range(0, 256 * 16, 256)])
     acceptance = measure_acceptance(target, paired, tokenizer)
     reference = measure_acceptance(target, same, tokenizer)
+    acceptance["long"] = measure_long(target, paired, tokenizer)
+    reference["long"] = measure_long(target, same, tokenizer)
     print(f"{where}: step {step}, loss {loss:.4f} ({per_byte:.4f} nats/byte, code-draft "
           f"{same_per_byte:.4f}); acceptance {json.dumps(acceptance)}; code-draft "
           f"{json.dumps(reference)}; coverage {json.dumps(coverage)}")
@@ -886,6 +906,8 @@ def _describe_bpe4k(where: pathlib.Path, workdir: pathlib.Path, out: pathlib.Pat
               "of every target token, reading the text as the chain does (each target token "
               "spelled in its tokens), on the training files and on text the target wrote "
               "(token-level distillation)" if soft else ""),
+        context_rows=bpe4k_context_rows(s.seq_len, c.max_position_embeddings,
+                                        acceptance["long"], reference["long"]),
         soft_rebuild=(", then `specjax train pair draft-bpe4k-soft --workdir W` and `specjax "
                       "train pair export-bpe4k-soft --workdir W`" if soft else "")))
 
