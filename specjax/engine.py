@@ -344,9 +344,29 @@ def _propose(plan: Plan, target_params, draft_params, request: Request, state: L
     # adaptive lengths (specjax/adaptive.py) draft, and count toward the budget, only for rows
     # still generating
     extra = {"active": ~state.done} if getattr(plan.proposer, "adaptive", False) else {}
-    return plan.proposer.propose(
+    draft, draft_state = plan.proposer.propose(
         _proposer_params(plan, draft_params, target_params), state.draft_state, state.history,
         state.length, keys, request.sampling, plan.filters, **extra)
+    _check_draft(plan, draft, B)
+    return draft, draft_state
+
+
+def _check_draft(plan: Plan, draft: draft_base.Draft, B: int) -> None:
+    """A proposer's Draft, checked when the program is traced (before anything compiles): its
+    tokens [B, G] (a tree: [B, N - 1]) of integers, and its q, when it has one, in float32. A q
+    in lower precision, checked against the target's float32 p, is not what the token was drawn
+    from to the last bits, and the output would not be exactly the target's."""
+    name = type(plan.proposer).__name__
+    G = plan.gamma if plan.tree is None else plan.tree.num_nodes - 1
+    tokens = draft.tokens
+    if tokens.shape != (B, G) or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"{name}.propose returned Draft.tokens {tokens.dtype}"
+                         f"{list(tokens.shape)}; expected integer token ids [B, "
+                         f"{'gamma' if plan.tree is None else 'tree nodes - 1'}] = [{B}, {G}]")
+    if draft.probs is not None and draft.probs.dtype != jnp.float32:
+        raise ValueError(f"{name}.propose returned Draft.probs in {draft.probs.dtype}; they must "
+                         f"be float32, what each draft was drawn from exactly "
+                         f"(sampling.process_logits returns float32 for any model dtype)")
 
 
 def _verify_chain(plan: Plan, target: Model, request: Request, state: LoopState,

@@ -158,6 +158,37 @@ def test_bad_proposers_are_refused(target, proposer, message):
     assert sj.engine.compiled_programs() == before
 
 
+@dataclasses.dataclass(frozen=True)
+class HalfPrecisionQ(FixedQ):
+    """Broken on purpose: reports its q in bfloat16."""
+
+    def propose(self, q, state, history, length, keys, sampling, filters):
+        draft, state = super().propose(q, state, history, length, keys, sampling, filters)
+        return sj.draft.Draft(draft.tokens, draft.probs.astype(jnp.bfloat16)), state
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortDraft(RepeatLast):
+    """Broken on purpose: one draft fewer than its gamma."""
+
+    def propose(self, params, state, history, length, keys, sampling, filters):
+        draft, state = super().propose(params, state, history, length, keys, sampling, filters)
+        return sj.draft.Draft(draft.tokens[:, 1:], None), state
+
+
+@pytest.mark.parametrize("proposer,message", [
+    (HalfPrecisionQ(gamma=2), r"HalfPrecisionQ.propose returned Draft.probs in bfloat16; they "
+                              r"must be float32"),
+    (ShortDraft(gamma=3), r"ShortDraft.propose returned Draft.tokens int32\[3, 2\]; expected "
+                          r"integer token ids \[B, gamma\] = \[3, 3\]")])
+def test_drafts_of_the_wrong_kind_are_refused_before_compiling(target, proposer, message):
+    before = sj.engine.compiled_programs()
+    with pytest.raises(ValueError, match=message):
+        sj.generate(target, PROMPTS, sampling=sj.SamplingParams(max_new_tokens=8),
+                    proposer=proposer, draft=jnp.full((32,), 1 / 32))
+    assert sj.engine.compiled_programs() == before
+
+
 def test_spec_and_proposer_together_are_refused(target):
     with pytest.raises(ValueError, match="either spec= or proposer="):
         sj.generate(target, PROMPTS, spec=sj.SpecConfig(method="ngram"), proposer=RepeatLast())

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ref_process
 from test_lossless import (
     exact_joint,
     g_test,
@@ -58,10 +59,22 @@ def test_restricted_draft_is_greedy_exact(target, noisy, reference, spec):
     assert not np.isin(emitted, vocab).all()  # the target did emit tokens the draft cannot
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_proposals_come_from_the_draft_vocabulary(target, noisy, temperature):
+@pytest.mark.parametrize("t,k,p,broken", [(0.0, 0, 1.0, False), (0.8, 0, 1.0, False),
+                                         (0.8, 3, 0.8, False), (0.8, 3, 0.8, True)],
+                         ids=["greedy", "T0.8", "T0.8-topk3-topp0.8", "broken"])
+def test_proposals_come_from_the_draft_vocabulary(target, noisy, t, k, p, broken, monkeypatch):
     """Tokens in the subset; q over V sums to one, is zero outside the subset and equals the
-    processed draft logits over the subset alone."""
+    processed draft logits over the subset alone (temperature, top-k, top-p, against conftest's
+    numpy reference), at every draft position given the drafts before it. Deliberately broken, a
+    q taken before top-k and top-p while the token was drawn after them (the q a Hugging Face
+    candidate generator once returned) fails."""
+    if broken:
+        real = draft_model.draw
+
+        def unfiltered_q(logits, key, params, filters, vocab=None):
+            token, _ = real(logits, key, params, filters, vocab)
+            return token, sampling.process_logits(logits, params, sampling.Filters())
+        monkeypatch.setattr(draft_model, "draw", unfiltered_q)
     vocab = np.array([0, 3, 4, 7, 11, 12, 20, 21, 25, 31])
     draft = restrict_vocab(noisy, vocab)
     proposer = draft_model.DraftModelProposer(draft.config, 3)
@@ -70,22 +83,31 @@ def test_proposals_come_from_the_draft_vocabulary(target, noisy, temperature):
     lengths = jnp.asarray([5, 3], jnp.int32)
     cache = proposer.init(draft, prompts, lengths, 32)
     history = jnp.zeros((B, 32), jnp.int32).at[:, :P].set(prompts)
-    arrays = sampling.SamplingArrays(temperature=jnp.full((B,), temperature, jnp.float32),
-                                     top_k=jnp.zeros((B,), jnp.int32),
-                                     top_p=jnp.ones((B,), jnp.float32))
-    filters = sampling.Filters(greedy=temperature == 0)
+    arrays = sampling.SamplingArrays(temperature=jnp.full((B,), t, jnp.float32),
+                                     top_k=jnp.full((B,), k, jnp.int32),
+                                     top_p=jnp.full((B,), p, jnp.float32))
+    filters = sampling.Filters(top_k=k, top_p=p < 1.0, greedy=t == 0)
     out, _ = proposer.propose(draft, cache, history, lengths - 1,
                               jax.random.split(jax.random.key(0), B), arrays, filters)
     assert np.isin(np.asarray(out.tokens), vocab).all()
-    if temperature == 0:
+    if t == 0:
         assert out.probs is None
         return
     q = np.asarray(out.probs)  # [B, G, V]
+    assert q.dtype == np.float32
     np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
     outside = np.setdiff1d(np.arange(32), vocab)
     assert (q[..., outside] == 0).all()
     tok = np.asarray(out.tokens)
     assert (np.take_along_axis(q, tok[..., None], -1) > 0).all()
+    worst = 0.0
+    for b in range(B):
+        seq = np.concatenate([np.asarray(prompts[b, :lengths[b]]), tok[b]])
+        logits = np.asarray(sj.logits(noisy, seq[None]))[0]  # [len, V]
+        for i in range(tok.shape[1]):  # draft i given the prompt and drafts 0 .. i-1
+            want = ref_process(logits[int(lengths[b]) - 1 + i, vocab], t, k, p)
+            worst = max(worst, np.abs(q[b, i, vocab] - want).max())
+    assert (worst > 0.05) if broken else (worst < 1e-4), worst
 
 
 def test_bad_vocabularies_are_refused(target, draft):

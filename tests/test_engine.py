@@ -4,6 +4,7 @@ errors."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
@@ -121,6 +122,38 @@ def test_rows_do_not_depend_on_their_neighbours(target, draft):
                     draft=draft, key=key, max_cache_len=96)  # another capacity: another program
     np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
     np.testing.assert_array_equal(a.tokens[0], c.tokens[0])
+    twice = sj.generate(target, [[1, 2, 3]] * 2, sampling=sampling, spec=spec, draft=draft,
+                        key=key)  # one key for the call, not one random stream for every row
+    np.testing.assert_array_equal(twice.tokens[0], a.tokens[0])
+    assert not np.array_equal(twice.tokens[1], twice.tokens[0])
+
+
+@pytest.mark.parametrize("path", ["ngram", "tree", "broken"])
+def test_a_row_keeps_what_it_accepts_whatever_its_neighbour_accepts(target, draft, path,
+                                                                   monkeypatch, fresh_programs):
+    """As above for n-gram's per-row lengths and a tree: a row's tokens do not depend on what
+    its neighbour accepts. Advancing every row by the batch's fewest accepted tokens is
+    lossless and greedy-exact (it only throws tokens away), so only this test sees it: a chain
+    broken that way (deliberately) fails."""
+    from conftest import verification_paths
+    name = "chain" if path == "broken" else path
+    spec, d = verification_paths(draft)[name]
+    if path == "broken":
+        real = engine._emit
+
+        def batch_fewest(state, tokens, num_accepted, request):
+            n_emit, hit_eos, history = real(state, tokens, num_accepted, request)
+            fewest = jnp.min(jnp.where(state.done, tokens.shape[1], n_emit))
+            return jnp.minimum(n_emit, fewest), hit_eos, history
+        monkeypatch.setattr(engine, "_emit", batch_fewest)
+    sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=24)
+    row = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so n-gram lookup drafts
+    run = lambda other: sj.generate(target, [row, other], sampling=sampling, spec=spec,  # noqa
+                                    draft=d, key=5)
+    a, b = run([4, 4]), run([7, 8, 9, 7, 8, 9, 7, 8, 9, 10])
+    assert a.stats.accepted_tokens > 0 and b.stats.accepted_tokens > 0
+    same = np.array_equal(a.tokens[0], b.tokens[0])
+    assert (not same) if path == "broken" else same
 
 
 def test_same_key_same_output_other_key_other_output(target, draft):

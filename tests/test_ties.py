@@ -117,3 +117,25 @@ def test_a_parting_is_blamed_on_rounding_only_at_a_near_tie():
         a[:2], b[:2] = head, head
         assert parted_at_near_tie(model, PROMPT, a, b) is want
     assert parted_at_near_tie(tie, PROMPT, a, a) is False  # they do not part
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_bfloat16_model_keeps_the_guarantee_it_states(seed):
+    """A bfloat16 model without planted ties, greedy: speculation's text equals autoregressive
+    decoding's, or the two part where the target's logits are a near tie that the speculative
+    call counted (Stats.greedy_near_ties): what docs/design.md promises in low precision."""
+    from specjax.bench import parted_at_near_tie
+    target = sj.checkpoint.cast(tiny_model(seed=10 + seed, vocab_size=64, hidden_size=32),
+                                "bfloat16")
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
+    params = sj.SamplingParams(temperature=0, max_new_tokens=40)
+    # the target drafting for itself: every round verifies 4 positions in one forward where
+    # autoregressive decoding ran 4 one-token forwards
+    sp = sj.generate(target, prompts, sampling=params, draft=target,
+                     spec=sj.SpecConfig(num_speculative_tokens=3))
+    ar = sj.generate(target, prompts, sampling=params)
+    assert sp.stats.acceptance_rate > 0.9
+    for prompt, a, b in zip(prompts, sp.tokens, ar.tokens):
+        if not np.array_equal(a, b):
+            assert sp.stats.greedy_near_ties > 0
+            assert parted_at_near_tie(target, prompt, a, b), (prompt, a, b)
