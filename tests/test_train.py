@@ -209,6 +209,12 @@ def test_pair_stages_end_to_end(tmp_path):
     card = (tmp_path / "out" / "code-draft-bpe4k" / "README.md").read_text()
     assert "280" in card and "{" not in card and "export-bpe4k" in card
     assert "then fine-tuned 4 steps" in card and info["fine_tuned_on_target_text"]
+    # its context as trained (16 of its tokens) against declared (64), measured by position
+    # on the long prompts beside code-draft's; the table ends before the rebuild paragraph
+    assert info["acceptance"]["long"]["by_position"] and info["code_draft_acceptance"]["long"]
+    assert "| context | trained on sequences of 16 of its own tokens" in card
+    assert "as the next row shows |\n| acceptance by context position" in card
+    assert " |\n\n**Rebuild.**" in card
     # target-long continues the exported target on longer sequences, resumably, from its
     # weights: at step 0 (no update yet) it is the exported model
     longer = train.TrainConfig(steps=2, batch_size=2, seq_len=64, checkpoint_every=1,

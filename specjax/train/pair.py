@@ -794,10 +794,11 @@ export-bpe4k --workdir W`{soft_rebuild} (settings: the constants in `specjax/tra
 def bpe4k_context_rows(seq_len: int, ctx: int, long: dict, reference: dict) -> str:
     """The bpe4k card's rows on its context: trained length against declared, and
     ``measure_long``'s figures beside code-draft's (positions are the target's)."""
+    beyond = (": past that it agrees with the target less, as the next row shows"
+              if seq_len < ctx else "")
     return (f"| context | trained on sequences of {seq_len} of its own tokens (about "
             f"{round(seq_len * BPE4K_TARGET_TOKENS_PER_TOKEN)} target tokens), "
-            f"`max_position_embeddings` {ctx}: past that it agrees with the target less, as the "
-            f"next row shows |\n"
+            f"`max_position_embeddings` {ctx}{beyond} |\n"
             + long_row(long).replace(" |\n", f"; `code-draft`: mean accepted length "
                                      f"{reference['mean_accepted_length']:.2f}, "
                                      + ", ".join(f"{k} {v:.2f}" for k, v in
