@@ -363,6 +363,11 @@ def _check_draft(plan: Plan, draft: draft_base.Draft, B: int) -> None:
         raise ValueError(f"{name}.propose returned Draft.tokens {tokens.dtype}"
                          f"{list(tokens.shape)}; expected integer token ids [B, "
                          f"{'gamma' if plan.tree is None else 'tree nodes - 1'}] = [{B}, {G}]")
+    if plan.tree is not None and draft.probs is not None and draft.probs.shape[:2] != (
+            B, plan.tree.num_nodes):
+        raise ValueError(f"a tree proposer's Draft.probs must be [B, N, V] = [{B}, "
+                         f"{plan.tree.num_nodes}, V] (row i: what node i's children were drawn "
+                         f"from), got {tuple(draft.probs.shape)}")
     if draft.probs is not None and draft.probs.dtype != jnp.float32:
         raise ValueError(f"{name}.propose returned Draft.probs in {draft.probs.dtype}; they must "
                          f"be float32, what each draft was drawn from exactly "
@@ -464,10 +469,6 @@ def _verify_tree(plan: Plan, target: Model, request: Request, state: LoopState, 
     them; it observes the target's argmax there. Returns the verdict, cache, hidden states along
     the accepted path [B, D+1, E] (root first), and draft state."""
     tree, B = plan.tree, chunk.shape[0]
-    if draft.probs is not None and draft.probs.shape[:2] != (B, tree.num_nodes):
-        raise ValueError(f"a tree proposer's Draft.probs must be [B, N, V] = [{B}, "
-                         f"{tree.num_nodes}, V] (row i: what node i's children were drawn from), "
-                         f"got {tuple(draft.probs.shape)}")
     depths, mask, logits_at, N = tree.depths, tree.ancestors, None, tree.num_nodes
     if draft.lookahead is not None:  # the proposer's own positions ride along (Lookahead)
         chunk = jnp.concatenate([chunk, draft.lookahead], axis=1)
