@@ -17,6 +17,9 @@ from .cache import KVCache
 # Checkpoints
 from .checkpoint import CheckpointError, load_model, save_model
 
+# Compiled programs kept on disk between processes
+from .compile_cache import set_compilation_cache
+
 # Configuration
 from .config import ModelConfig, RopeScaling, SamplingParams, SpecConfig
 
@@ -61,7 +64,7 @@ __all__ = [
     "Heads", "HeadsConfig", "init_heads", "load_heads", "save_heads",
     "generate", "Generation", "Logprobs", "NonFiniteError", "stream", "StreamChunk", "warmup",
     "Warmup", "Stats",
-    "make_mesh", "shard",
+    "make_mesh", "shard", "set_compilation_cache",
     "sampling", "verify", "theory", "draft", "shapes", "roofline",
 ]
 

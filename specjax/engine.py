@@ -43,7 +43,7 @@ import numpy as np
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import attention, sharding, verify
+from . import attention, compile_cache, sharding, verify
 from . import cache as kv
 from . import sampling as sampling_lib
 from .cache import KVCache
@@ -801,6 +801,7 @@ class Program:
         if exe is not None:
             self._executables.move_to_end(signature)
             return exe, 0.0
+        compile_cache.ensure()
         t0 = time.perf_counter()
         exe = _STAGES[stage].lower(self.plan, *args).compile()
         spent = time.perf_counter() - t0
