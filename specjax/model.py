@@ -345,16 +345,19 @@ def view(cache: KVCache, positions: Array, chunk_mask: Array | None, window: int
 
 def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model:
     """Random parameters, every weight drawn from N(0, init_std²) (norm weights are ones)."""
-    T = 1
-    cache = KVCache.init(config, 1, T)
-    positions = jnp.zeros((1, T), jnp.int32)
+    return Model(config, _init_params(config, float(init_std), key))
 
-    @jax.jit
-    def init(key, tokens, view, k, v):
-        stacked = Decoder(config, init_std, stacked=True).init(key, tokens, view, k, v)
-        return unstack_layers(stacked["params"], config.num_hidden_layers)
-    return Model(config, init(key, jnp.zeros((1, T), jnp.int32),
-                              view(cache, positions, None, None), cache.k, cache.v))
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_params(config: ModelConfig, init_std: float, key: Array):
+    """The parameters of init_model: one program per (config, init_std), traced and compiled
+    once per process however often a model of that config is made (checkpoint loading builds
+    its template from it too)."""
+    cache = KVCache.init(config, 1, 1)
+    tokens, positions = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+    stacked = Decoder(config, init_std, stacked=True).init(
+        key, tokens, view(cache, positions, None, None), cache.k, cache.v)
+    return unstack_layers(stacked["params"], config.num_hidden_layers)
 
 
 def check_taps(config: ModelConfig, taps) -> tuple[int, ...]:

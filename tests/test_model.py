@@ -161,3 +161,19 @@ def test_config_validation_and_defaults():
                        num_attention_heads=2)
     with pytest.raises(ValueError, match="shape"):
         sj.logits(model, jnp.zeros((3,), jnp.int32))
+
+
+def test_a_config_is_initialised_by_one_program_however_often():
+    """init_model compiles once per (config, init_std): checkpoint loading and training build
+    templates from it many times a process. Keys still give different weights."""
+    from specjax import model
+    cfg = sj.ModelConfig(vocab_size=40, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2)
+    before = model._init_params._cache_size()
+    a, b, c = (sj.init_model(cfg, jax.random.key(k)) for k in (0, 1, 0))
+    assert model._init_params._cache_size() == before + 1
+    sj.init_model(cfg, jax.random.key(0), init_std=0.5)
+    assert model._init_params._cache_size() == before + 2
+    emb = lambda m: np.asarray(m.params["embed_tokens"]["embedding"])  # noqa: E731
+    np.testing.assert_array_equal(emb(a), emb(c))
+    assert not np.array_equal(emb(a), emb(b))
