@@ -1287,6 +1287,14 @@ def _seed_key(seed: int) -> Array:
     return jax.random.key(seed)
 
 
+@functools.lru_cache(maxsize=32)
+def _wrap_keys(impl, out_sharding):
+    """A jitted wrap of raw key data into keys of ``impl``, laid out as ``out_sharding``: one
+    per (impl, sharding), so a call on a mesh does not trace and compile it again."""
+    return jax.jit(functools.partial(jax.random.wrap_key_data, impl=impl),
+                   out_shardings=out_sharding)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _row_keys(root, rows: int):
     """Row i's key: fold_in(root, i), for ``rows`` rows (compiled once per padded batch size:
@@ -1327,8 +1335,7 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
             x.shape, sharding.rows(mesh, x.ndim), lambda index: x[index])
         everywhere = lambda x: jax.make_array_from_callback(  # noqa: E731
             x.shape, NamedSharding(mesh, PartitionSpec()), lambda index: x[index])
-        wrap = functools.partial(jax.random.wrap_key_data, impl=jax.random.key_impl(root))
-        keys = jax.jit(wrap, out_shardings=sharding.rows(mesh, 1))(
+        keys = _wrap_keys(jax.random.key_impl(root), sharding.rows(mesh, 1))(
             put(np.asarray(jax.random.key_data(keys))))
     request = Request(keys=keys, sampling=SamplingArrays(**{k: put(v) for k, v in per_row.items()}),
                       max_new_tokens=put(max_new), eos=everywhere(eos),

@@ -2,6 +2,7 @@
 start with test_): tests/test_sharding.py runs it in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8, set before jax is imported."""
 
+import functools
 import re
 
 import jax
@@ -285,3 +286,29 @@ def test_sharded_families_load_and_decode_as_one_device(tmp_path, monkeypatch):
         want = sj.generate(plain, prompts, sampling=sampling).tokens
         got = sj.generate(sharded, prompts, sampling=sampling, mesh=mesh).tokens
         np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["cached", "broken-jit-per-call"])
+def test_a_repeated_call_on_a_mesh_traces_nothing(models, monkeypatch, broken):
+    """Everything a call on a mesh compiles (its rows' keys laid out over the mesh included) is
+    reused by the next call of the same shapes: nothing is traced again. A jitted function built
+    afresh in each call (as the keys' once were) traces every call and fails."""
+    from jax._src import dispatch
+    target, _, _ = models
+    if broken:
+        monkeypatch.setattr(engine, "_wrap_keys", lambda impl, s: jax.jit(
+            functools.partial(jax.random.wrap_key_data, impl=impl), out_shardings=s))
+    mesh = sj.make_mesh(data=2, model=4)
+    sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=4)
+    sj.generate(target, PROMPTS, sampling=sampling, key=1, mesh=mesh)
+    traced = []
+
+    def listen(event, duration, **_):
+        if event in (dispatch.JAXPR_TRACE_EVENT, dispatch.BACKEND_COMPILE_EVENT):
+            traced.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        sj.generate(target, PROMPTS, sampling=sampling, key=2, mesh=mesh)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert (traced != []) == broken, traced
