@@ -773,7 +773,8 @@ _STAGES = {
 class Timing:
     prefill_seconds: float  # prefill and first token, compile excluded
     decode_seconds: float  # the decode loop, compile excluded
-    compile_seconds: float  # compiling in this call (0 when the executables were cached)
+    compile_seconds: float  # tracing and compiling, or loading from the disk cache, in this call
+    # (0 when the process held the executables)
 
 
 STREAM_SECONDS = 0.02

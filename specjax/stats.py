@@ -139,7 +139,8 @@ class Stats:
     prefill_seconds: float  # host-timed prefill and first token (TTFT), compile excluded
     decode_seconds: float  # host-timed decode loop, compile excluded
     decode_tokens_per_second: float  # tokens after the first, all rows, per decode second
-    compile_seconds: float  # time spent compiling in this call (0 when programs were cached)
+    compile_seconds: float  # tracing and compiling (or loading from the disk cache) in this call;
+    # 0 when the process already held the programs
     capacity: int = 0  # cache slots per row the program was compiled for (its tier)
     cache_bytes_per_row: int = 0  # target and draft caches (and proposer state), bytes per row
     # Set only when SpecConfig.synthetic_acceptance was used: the α per draft position. Such a
