@@ -1,40 +1,56 @@
-"""Compiled programs kept on disk, so a new process reads what an earlier one compiled.
+"""specjax's compiled programs kept on disk, so a new process reads what an earlier one compiled.
 
 Compiling a speculative program takes seconds (4-7 s for the bundled pair on a 2-core CPU, more
 for large targets on GPU and TPU), and a new process compiles every program again: each run of
-the command line, each restarted notebook or script. Before specjax compiles its first program
-it turns on JAX's persistent compilation cache in ``~/.cache/specjax/xla`` (``$XDG_CACHE_HOME``
-if set), so a later process with the same programs (same models' shapes, method, γ, batch and
-cache buckets, sampling filters, devices, jax version and XLA flags: JAX's cache key) loads them
+the command line, each restarted notebook or script. So each time specjax compiles one of its
+programs (a prefill, a decode loop, a stream segment) it does so with JAX's persistent
+compilation cache pointed at a folder, ``~/.cache/specjax/xla`` by default
+(``$XDG_CACHE_HOME/specjax/xla`` if that is set), and a later process with the same program
+(JAX's cache key: the program's HLO, the devices, the jax version and the XLA flags) loads it
 instead of compiling. Programs compiled in under ``jax_persistent_cache_min_compile_time_secs``
 (JAX's default, 1 s) are not stored.
 
-* JAX's own setting wins: with ``JAX_COMPILATION_CACHE_DIR`` set, or
-  ``jax.config.update("jax_compilation_cache_dir", ...)`` called, specjax changes nothing.
-* ``SPECJAX_COMPILATION_CACHE``: a directory to use instead of the default, or ``off``.
-* ``sj.set_compilation_cache(path)`` from Python, at any time: a directory, or None for off.
+Only specjax's own programs go there: the folder is set for the compile (in the compiling
+thread's JAX configuration) and JAX's cache is reopened before and after it, so every other
+compile of the process follows the process's own JAX settings, as before.
 
-JAX treats the cache's contents as trusted code: keep it in a folder only you can write to (the
-default folder is created with permissions 0700). Delete the folder to empty it.
+Which folder, in order:
+
+* ``sj.set_compilation_cache(path)`` (None: no cache for specjax's programs);
+* ``$SPECJAX_COMPILATION_CACHE``: a folder, or ``off``;
+* JAX's own folder if the process has one (``JAX_COMPILATION_CACHE_DIR``,
+  ``jax.config.update("jax_compilation_cache_dir", ...)``): specjax changes nothing then;
+* the default folder. It is created readable and writable by you only, and used only if it is
+  yours, not a symbolic link, and not writable by others: JAX runs what it finds in the cache as
+  trusted code. Otherwise (or with no home folder) specjax's programs are not cached.
+
+``jax_enable_compilation_cache=False`` turns it off whatever the folder. Nothing bounds the
+folder's size; delete it to empty it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
+import stat
+import threading
 
 import jax
+from jax._src import config as jax_config
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 log = logging.getLogger(__name__)
 
 ENV = "SPECJAX_COMPILATION_CACHE"
-OFF = ("", "0", "off", "false", "no", "none")
+OFF = ("0", "off", "false", "no", "none")
 
 _UNSET = object()
-_chosen = _UNSET  # set_compilation_cache's choice: a path, or None (off)
-_ensured = False  # ensure() has run since the last choice
+_JAX_OWN = object()  # specjax leaves the compile to the process's JAX settings
+_chosen = _UNSET  # set_compilation_cache's choice: a folder, or None (off)
+_lock = threading.Lock()
+_warned: set[str] = set()
 
 
 def default_dir() -> pathlib.Path:
@@ -43,63 +59,82 @@ def default_dir() -> pathlib.Path:
     return pathlib.Path(base).expanduser() / "specjax" / "xla"
 
 
-def wanted() -> pathlib.Path | None:
-    """The directory specjax would turn the cache on in (None: off): set_compilation_cache's
-    choice, else ``$SPECJAX_COMPILATION_CACHE``, else ``default_dir()``."""
-    if _chosen is not _UNSET:
-        return _chosen
-    env = os.environ.get(ENV)
-    if env is not None:
-        return None if env.strip().lower() in OFF else pathlib.Path(env).expanduser()
-    return default_dir()
-
-
-def current() -> str | None:
-    """The directory JAX's persistent compilation cache uses now (None: off)."""
-    return jax.config.jax_compilation_cache_dir
-
-
-def ensure() -> None:
-    """Turn the cache on in ``wanted()`` unless JAX already has a directory or it is off. Called
-    before each program specjax compiles; does the work once."""
-    global _ensured
-    if _ensured:
-        return
-    _ensured = True
-    path = wanted()
-    if path is None or current() is not None:
-        return
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as err:
-        log.warning("no compilation cache: cannot create %s (%s)", path, err)
-        return
-    _use(str(path))
-    log.info("compiled programs are cached in %s", path)
+def folder() -> str | None:
+    """The folder specjax's next program is compiled with (None: not cached). Creates the
+    default folder if it is the one."""
+    target = _target()
+    return jax.config.jax_compilation_cache_dir if target is _JAX_OWN else target
 
 
 def set_compilation_cache(path: str | os.PathLike | None) -> None:
-    """Keep compiled programs in the directory ``path`` (created if missing), so later processes
-    load them instead of compiling; None turns the cache off (JAX's setting included). Takes
-    effect from the next program compiled."""
-    global _chosen, _ensured
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"set_compilation_cache takes a directory or None, not {path!r}")
+    """Keep specjax's compiled programs in the folder ``path`` (created now; OSError if it
+    cannot be), so later processes load them instead of compiling; None: do not cache them.
+    Takes effect from the next program compiled; JAX's own settings are left as they are."""
+    global _chosen
     if path is None:
-        _chosen, _ensured = None, True
-        _use(None)
+        _chosen = None
         return
-    folder = pathlib.Path(path).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"compilation cache {str(path)!r} is a file, not a directory")
-    _chosen, _ensured = folder, False
-    _use(None)
-    ensure()
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"set_compilation_cache takes a folder or None, not {path!r}")
+    where = pathlib.Path(path).expanduser().resolve()
+    if where.exists() and not where.is_dir():
+        raise NotADirectoryError(f"compilation cache {str(path)!r} is a file, not a folder")
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _chosen = str(where)
 
 
-def _use(path: str | None) -> None:
-    jax.config.update("jax_compilation_cache_dir", path)
-    # JAX decides whether a cache is in use at the first compile of the process and keeps the
-    # answer (a process that compiled anything before this, loading a model say, would never
-    # use it): reset makes the next compile look again.
-    jax_cache.reset_cache()
+@contextlib.contextmanager
+def compiling():
+    """Around each compile of a specjax program: JAX's cache pointed at ``folder()`` for this
+    thread, and reopened before and after, so the compile reads and writes that folder and no
+    other compile of the process does."""
+    target = _target()
+    if target is _JAX_OWN:
+        yield
+        return
+    with _lock, jax_config.compilation_cache_dir(target):
+        jax_cache.reset_cache()  # JAX opens its folder once and keeps it: reopen it now ...
+        try:
+            yield
+        finally:
+            jax_cache.reset_cache()  # ... and again after, from the process's own settings
+
+
+def _target():
+    """A folder (str), None (off) or _JAX_OWN."""
+    if not jax.config.jax_enable_compilation_cache:
+        return _JAX_OWN  # off for the whole process
+    if _chosen is not _UNSET:
+        return _chosen
+    env = os.environ.get(ENV)
+    if env is not None and env.strip():
+        if env.strip().lower() in OFF:
+            return None
+        return _usable(env, chosen=True)
+    if jax.config.jax_compilation_cache_dir is not None:
+        return _JAX_OWN
+    return _usable(None, chosen=False)
+
+
+def _usable(path: str | None, chosen: bool) -> str | None:
+    """``path`` (None: the default folder) created if missing and resolved, or None (with a
+    note in the log) if it cannot serve: it cannot be made, is not a writable folder, or (the
+    default only) is not safely ours."""
+    try:
+        where = (pathlib.Path(path).expanduser() if path else default_dir()).resolve()
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = where.lstat()
+        problem = (None if stat.S_ISDIR(info.st_mode) and os.access(where, os.W_OK | os.X_OK)
+                   else "not a writable folder")
+        if problem is None and not chosen and hasattr(os, "getuid") and (
+                info.st_uid != os.getuid() or info.st_mode & 0o022):
+            problem = "owned by another user or writable by others"
+    except (OSError, RuntimeError, KeyError) as err:  # RuntimeError: no home folder
+        where, problem = path or "the default folder", f"unusable ({err})"
+    if problem is None:
+        return str(where)
+    note = f"specjax's programs are not cached on disk: {where} is {problem}"
+    if note not in _warned:
+        _warned.add(note)
+        log.log(logging.WARNING if chosen else logging.INFO, note)
+    return None

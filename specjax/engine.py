@@ -802,9 +802,9 @@ class Program:
         if exe is not None:
             self._executables.move_to_end(signature)
             return exe, 0.0
-        compile_cache.ensure()
         t0 = time.perf_counter()
-        exe = _STAGES[stage].lower(self.plan, *args).compile()
+        with compile_cache.compiling():  # read from and written to the disk cache
+            exe = _STAGES[stage].lower(self.plan, *args).compile()
         spent = time.perf_counter() - t0
         self._executables[signature] = exe
         self.compiled += 1

@@ -1,5 +1,6 @@
-"""The on-disk compilation cache (specjax/compile_cache.py): where it goes, who decides, and that
-a program compiled once is read back instead of compiled again."""
+"""specjax's compiled programs on disk (specjax/compile_cache.py): which folder, that a program
+compiled once is read back instead of compiled again, and that no other compile of the process
+is touched."""
 
 from __future__ import annotations
 
@@ -16,24 +17,23 @@ from specjax import compile_cache, engine
 
 
 @pytest.fixture
-def no_cache(monkeypatch):
-    """This process as a user's: no JAX cache directory, no specjax choice yet, and a compile
-    already made (so JAX has decided the process uses no cache). Every program is stored, however
-    quickly it compiled (the tiny models' compile in well under JAX's default 1 s). The suite's
-    own cache settings and specjax's state are put back afterwards."""
+def no_cache(monkeypatch, tmp_path):
+    """This process as a user's: no JAX cache folder, no specjax setting, the default folder
+    under tmp_path/home. Every program is stored, however quickly it compiled (the tiny models'
+    compile in well under JAX's default 1 s). The suite's own settings come back afterwards."""
     reset = jax_cache.reset_cache  # (a test may break the module's own)
     suite_dir = jax.config.jax_compilation_cache_dir
     suite_min = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    monkeypatch.delenv(compile_cache.ENV, raising=False)
-    monkeypatch.setattr(compile_cache, "_chosen", compile_cache._UNSET)
-    monkeypatch.setattr(compile_cache, "_ensured", False)
     jax.config.update("jax_compilation_cache_dir", None)
-    jax_cache.reset_cache()
-    jax.jit(lambda x: x * 3 + 1)(jnp.arange(5)).block_until_ready()  # JAX decides: no cache
+    reset()
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(compile_cache, "_chosen", compile_cache._UNSET)
+    monkeypatch.setattr(compile_cache, "_warned", set())
     engine.PROGRAMS.clear()
     jax.clear_caches()
-    yield
+    yield tmp_path / "home" / "specjax" / "xla"
     engine.PROGRAMS.clear()
     jax.clear_caches()
     jax.config.update("jax_compilation_cache_dir", suite_dir)
@@ -43,106 +43,129 @@ def no_cache(monkeypatch):
 
 @pytest.fixture
 def cache_events():
-    """Counts of JAX's persistent-cache hit and miss events while the test runs."""
-    seen = {"hits": 0, "misses": 0}
+    """Counts of JAX's persistent-cache hits while the test runs."""
+    seen = {"hits": 0}
 
     def listen(event, **_):
         if event == "/jax/compilation_cache/cache_hits":
             seen["hits"] += 1
-        elif event == "/jax/compilation_cache/cache_misses":
-            seen["misses"] += 1
     jax.monitoring.register_event_listener(listen)
     yield seen
     jax.monitoring.unregister_event_listener(listen)
 
 
-def decode(target, draft):
-    """One speculative call (whose programs specjax compiles, or JAX reads back)."""
-    return sj.generate(target, [[1, 2, 3]], sampling=sj.SamplingParams(temperature=0,
-                                                                        max_new_tokens=8),
-                       draft=draft, spec=sj.SpecConfig(num_speculative_tokens=3))
-
-
-def decode_twice(target, draft):
-    """One speculative call, every compiled program forgotten in memory, the same call again."""
-    first = decode(target, draft)
+def decode(target):
+    """One call (whose prefill and decode programs specjax compiles, or JAX reads back), after
+    forgetting every program compiled in memory. Plain decoding: the smallest programs; every
+    method's are compiled the same way."""
     engine.PROGRAMS.clear()
     jax.clear_caches()
-    np.testing.assert_array_equal(first.tokens, decode(target, draft).tokens)
+    return sj.generate(target, [[1, 2, 3]], sampling=sj.SamplingParams(temperature=0,
+                                                                        max_new_tokens=8))
 
 
-def test_the_default_folder_is_created_private_and_a_second_compile_reads_it(
-        no_cache, cache_events, target, draft, monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    decode_twice(target, draft)
-    folder = tmp_path / "specjax" / "xla"
-    assert compile_cache.current() == str(folder)
-    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    assert len(list(folder.iterdir())) >= 2  # a prefill and a decode program at least
-    # the second call compiled nothing it could read back: a hit for each program missed first
-    assert cache_events["misses"] >= 2 and cache_events["hits"] >= 2, cache_events
+def files(folder):
+    return set(folder.iterdir()) if folder.exists() else set()
 
 
-@pytest.mark.parametrize("reset", [True, False], ids=["moved", "broken-no-reset"])
-def test_a_moved_cache_is_written_where_it_now_is(no_cache, target, draft, monkeypatch,
-                                                   tmp_path, reset):
-    """JAX opens its cache folder at the first compile that uses it and keeps it open; moving the
-    cache afterwards must make it open the new one (a reset), or programs go on to the old."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
-    decode(target, draft)  # written to the default folder
-    if not reset:  # broken on purpose
+def users_own_compile(scale: int):
+    """A program of the user's own, compiled outside specjax."""
+    return jax.jit(lambda x: x * scale + 1)(jnp.arange(5)).block_until_ready()
+
+
+def test_the_default_folder_is_private_and_a_new_process_would_read_it(no_cache, cache_events,
+                                                                       target):
+    first = decode(target)
+    assert compile_cache.folder() == str(no_cache)
+    assert stat.S_IMODE(no_cache.stat().st_mode) == 0o700
+    assert len(files(no_cache)) >= 2  # a prefill and a decode program at least
+    assert cache_events["hits"] == 0
+    again = decode(target)  # compiled afresh in memory: read back from the folder
+    np.testing.assert_array_equal(first.tokens, again.tokens)
+    assert cache_events["hits"] >= 2, cache_events
+
+
+@pytest.mark.parametrize("reopen", [True, False], ids=["reopened", "broken-never-reopened"])
+def test_only_specjax_programs_go_to_its_folder_and_a_move_is_followed(no_cache, target,
+                                                                       tmp_path, monkeypatch,
+                                                                       reopen):
+    """JAX opens its cache folder at the first compile that uses it and keeps it open. specjax
+    reopens it before and after each of its compiles: the user's own programs stay out of
+    specjax's folder, and a folder chosen later is the one written. Without the reopening
+    (broken on purpose) both go wrong."""
+    if not reopen:
         monkeypatch.setattr(compile_cache.jax_cache, "reset_cache", lambda: None)
+    decode(target)
+    ours = files(no_cache)
+    users_own_compile(7)
+    assert (files(no_cache) == ours) == reopen
     sj.set_compilation_cache(tmp_path / "moved")
-    decode_twice(target, draft)
-    written = (tmp_path / "moved").exists() and any((tmp_path / "moved").iterdir())
-    assert written == reset
+    decode(target)
+    assert bool(files(tmp_path / "moved")) == reopen
 
 
-def test_off_writes_nothing_and_a_folder_of_the_users_own_is_kept(no_cache, target, draft,
-                                                                    monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
-    for off in ("off", "0", "false", "none", ""):
+def test_off_and_who_decides(no_cache, target, monkeypatch, tmp_path):
+    for off in ("off", "0", "false", "none", "OFF"):
         monkeypatch.setenv(compile_cache.ENV, off)
-        assert compile_cache.wanted() is None
-    decode(target, draft)
-    assert compile_cache.current() is None and not (tmp_path / "home").exists()
-    # JAX's own directory wins over specjax's default and its environment variable
-    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "ours"))
-    monkeypatch.setattr(compile_cache, "_ensured", False)
+        assert compile_cache.folder() is None
+    decode(target)
+    assert not (tmp_path / "home").exists()
+    # JAX's own folder, when the process has one and specjax has no setting of its own
+    monkeypatch.delenv(compile_cache.ENV)
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "users"))
-    engine.PROGRAMS.clear()
-    decode(target, draft)
-    assert compile_cache.current() == str(tmp_path / "users")
-    assert not (tmp_path / "ours").exists()
-
-
-def test_set_compilation_cache_moves_and_turns_off(no_cache, target, draft, monkeypatch,
-                                                   tmp_path):
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "users"))
-    sj.set_compilation_cache(tmp_path / "chosen")  # an explicit choice wins over JAX's own
-    assert compile_cache.current() == str(tmp_path / "chosen")
-    decode(target, draft)
-    assert any((tmp_path / "chosen").iterdir())
+    decode(target)
+    assert files(tmp_path / "users") and not (tmp_path / "home").exists()
+    # specjax's variable over JAX's folder, for specjax's programs only
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "env"))
+    before = files(tmp_path / "users")
+    decode(target)
+    assert files(tmp_path / "env") and files(tmp_path / "users") == before
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "users")
+    # and set_compilation_cache over both; None: specjax's programs are not cached at all
     sj.set_compilation_cache(None)
-    assert compile_cache.current() is None
-    engine.PROGRAMS.clear()
-    decode(target, draft)  # the default does not come back
-    assert compile_cache.current() is None
+    before = files(tmp_path / "env") | files(tmp_path / "users")
+    decode(target)
+    assert files(tmp_path / "env") | files(tmp_path / "users") == before
 
 
-def test_bad_cache_settings_are_refused_by_name(tmp_path):
-    with pytest.raises(TypeError, match="a directory or None, not 3"):
-        sj.set_compilation_cache(3)
+def test_jax_switched_off_writes_nothing(no_cache, target):
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        decode(target)
+        assert compile_cache.folder() is None and not files(no_cache)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+
+
+def test_bad_settings_are_refused_by_name(tmp_path):
+    for bad in (3, ""):
+        with pytest.raises(TypeError, match="a folder or None, not"):
+            sj.set_compilation_cache(bad)
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="'.*file' is a file"):
         sj.set_compilation_cache(tmp_path / "file")
+    with pytest.raises(OSError):
+        sj.set_compilation_cache(tmp_path / "file" / "below")
 
 
-def test_an_unwritable_folder_leaves_the_cache_off_and_decoding_on(no_cache, target, draft,
-                                                                   monkeypatch, tmp_path,
-                                                                   caplog):
-    (tmp_path / "file").write_text("x")
-    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "file" / "xla"))
-    decode(target, draft)
-    assert compile_cache.current() is None
-    assert "no compilation cache: cannot create" in caplog.text
+@pytest.mark.parametrize("case", ["no-home", "open-to-others", "a-file"])
+def test_an_unusable_default_leaves_programs_uncached_and_decoding_on(no_cache, target,
+                                                                      monkeypatch, tmp_path,
+                                                                      caplog, case):
+    if case == "no-home":
+        monkeypatch.delenv("XDG_CACHE_HOME")
+
+        def no_home():
+            raise RuntimeError("Could not determine home directory.")
+        monkeypatch.setattr(compile_cache.pathlib.Path, "home", staticmethod(no_home))
+    elif case == "open-to-others":  # JAX runs what it finds there: not if others can write it
+        no_cache.mkdir(parents=True)
+        no_cache.chmod(0o777)
+    else:
+        no_cache.parent.mkdir(parents=True)
+        no_cache.write_text("x")
+    caplog.set_level("INFO", logger="specjax.compile_cache")
+    out = decode(target)
+    assert out.tokens.shape == (1, 8) and compile_cache.folder() is None
+    assert "specjax's programs are not cached on disk" in caplog.text
+    assert not no_cache.is_dir() or not files(no_cache)
