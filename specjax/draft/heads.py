@@ -426,14 +426,14 @@ def load_heads(path: str | os.PathLike, target: Model, *, same_target: bool = Tr
     except (OSError, ValueError) as e:
         raise ValueError(f"{path / 'vocab.npy'}: {e}") from None
     dtype = target.config.dtype
-    shape = init_heads(target, record["method"], jax.random.key(0),
-                       num_heads=max(record["num_heads"], 1), vocab=vocab, dtype=dtype,
-                       intermediate_size=record.get("intermediate_size"),
-                       num_layers=record.get("num_layers", 2),
-                       block_size=record.get("block_size", 16),
-                       taps=tuple(record["taps"]) if "taps" in record else None,
-                       layer_width=record.get("layer_width"))
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, shape.params["weights"])
+    # the weights' shapes only: traced, never computed (initialising them took ~1 s a load)
+    shape = jax.eval_shape(lambda key: init_heads(
+        target, record["method"], key, num_heads=max(record["num_heads"], 1), vocab=vocab,
+        dtype=dtype, intermediate_size=record.get("intermediate_size"),
+        num_layers=record.get("num_layers", 2), block_size=record.get("block_size", 16),
+        taps=tuple(record["taps"]) if "taps" in record else None,
+        layer_width=record.get("layer_width")), jax.random.key(0))
+    abstract = shape.params["weights"]
     with ocp.StandardCheckpointer() as ckpt:
         weights = ckpt.restore(path / "weights", jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, record["dtype"]), abstract))
