@@ -49,7 +49,7 @@ OFF = ("0", "off", "false", "no", "none")
 _UNSET = object()
 _JAX_OWN = object()  # specjax leaves the compile to the process's JAX settings
 _chosen = _UNSET  # set_compilation_cache's choice: a folder, or None (off)
-_lock = threading.Lock()
+_lock = threading.RLock()  # one specjax compile at a time (JAX has one cache folder open)
 _warned: set[str] = set()
 
 
