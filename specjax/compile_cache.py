@@ -7,8 +7,9 @@ programs (a prefill, a decode loop, a stream segment) it does so with JAX's pers
 compilation cache pointed at a folder, ``~/.cache/specjax/xla`` by default
 (``$XDG_CACHE_HOME/specjax/xla`` if that is set), and a later process with the same program
 (JAX's cache key: the program's HLO, the devices, the jax version and the XLA flags) loads it
-instead of compiling. Programs compiled in under ``jax_persistent_cache_min_compile_time_secs``
-(JAX's default, 1 s) are not stored.
+instead of compiling. Programs compiled in under ``MIN_COMPILE_SECONDS`` (0.2 s) are not
+stored (in JAX's own folder: under its ``jax_persistent_cache_min_compile_time_secs``, 1 s by
+default).
 
 Only specjax's own programs go there: the folder is set for the compile (in the compiling
 thread's JAX configuration) and JAX's cache is reopened before and after it, so every other
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 
 ENV = "SPECJAX_COMPILATION_CACHE"
 OFF = ("0", "off", "false", "no", "none")
+
+MIN_COMPILE_SECONDS = 0.2
+"""specjax's programs compiled in at least this long are stored (JAX's default is 1 s; loading
+one of the bundled pair's takes tens of milliseconds, so a 0.2 s compile is worth keeping)."""
 
 _UNSET = object()
 _JAX_OWN = object()  # specjax leaves the compile to the process's JAX settings
@@ -92,7 +97,8 @@ def compiling():
     if target is _JAX_OWN:
         yield
         return
-    with _lock, jax_config.compilation_cache_dir(target):
+    with _lock, jax_config.compilation_cache_dir(target), \
+            jax_config.persistent_cache_min_compile_time_secs(MIN_COMPILE_SECONDS):
         jax_cache.reset_cache()  # JAX opens its folder once and keeps it: reopen it now ...
         try:
             yield

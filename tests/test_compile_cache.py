@@ -31,6 +31,7 @@ def no_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(compile_cache, "_chosen", compile_cache._UNSET)
     monkeypatch.setattr(compile_cache, "_warned", set())
+    monkeypatch.setattr(compile_cache, "MIN_COMPILE_SECONDS", 0)
     engine.PROGRAMS.clear()
     jax.clear_caches()
     yield tmp_path / "home" / "specjax" / "xla"
@@ -169,3 +170,21 @@ def test_an_unusable_default_leaves_programs_uncached_and_decoding_on(no_cache, 
     assert out.tokens.shape == (1, 8) and compile_cache.folder() is None
     assert "specjax's programs are not cached on disk" in caplog.text
     assert not no_cache.is_dir() or not files(no_cache)
+
+
+def test_the_folder_and_threshold_are_set_for_the_compiling_thread_alone(no_cache, monkeypatch):
+    import threading
+
+    from jax._src import config as jax_config
+    monkeypatch.setattr(compile_cache, "MIN_COMPILE_SECONDS", 0.2)
+    with compile_cache.compiling():
+        assert jax_config.compilation_cache_dir.value == str(no_cache)
+        assert jax_config.persistent_cache_min_compile_time_secs.value == 0.2
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(
+            (jax_config.compilation_cache_dir.value,
+             jax_config.persistent_cache_min_compile_time_secs.value)))
+        other.start()
+        other.join()
+        assert seen == [(None, 0)]  # the process's own settings (the fixture's threshold: 0)
+    assert jax.config.jax_compilation_cache_dir is None
