@@ -11,9 +11,13 @@ instead of compiling. Programs compiled in under ``MIN_COMPILE_SECONDS`` (0.2 s)
 stored (in JAX's own folder: under its ``jax_persistent_cache_min_compile_time_secs``, 1 s by
 default).
 
-Only specjax's own programs go there: the folder is set for the compile (in the compiling
-thread's JAX configuration) and JAX's cache is reopened before and after it, so every other
-compile of the process follows the process's own JAX settings, as before.
+Only specjax's generation programs go there: the folder is set for their compile (in the
+compiling thread's JAX configuration) and JAX's cache is reopened before and after it, so the
+process's other compiles (specjax's small helpers included) follow its own JAX settings. JAX
+keeps one cache open per process, so while a specjax compile runs, a compile in another thread
+may use the same folder (and a specjax compile may land in the folder another thread's compile
+opened); the reopening also drops what JAX's ``jax_compilation_cache_check_contents`` has
+verified so far.
 
 Which folder, in order:
 
@@ -25,8 +29,10 @@ Which folder, in order:
   yours, not a symbolic link, and not writable by others: JAX runs what it finds in the cache as
   trusted code. Otherwise (or with no home folder) specjax's programs are not cached.
 
-``jax_enable_compilation_cache=False`` turns it off whatever the folder. Nothing bounds the
-folder's size; delete it to empty it.
+A folder given as a URL (``gs://bucket/cache``, for hosts that share one) is passed to JAX as
+it is. ``jax_enable_compilation_cache=False`` turns it off whatever the folder. Only
+``jax_compilation_cache_max_size`` bounds the folder's size (unbounded by default); delete it to
+empty it.
 """
 
 from __future__ import annotations
@@ -67,8 +73,16 @@ def default_dir() -> pathlib.Path:
 def folder() -> str | None:
     """The folder specjax's next program is compiled with (None: not cached). Creates the
     default folder if it is the one."""
+    if not jax.config.jax_enable_compilation_cache:
+        return None
     target = _target()
     return jax.config.jax_compilation_cache_dir if target is _JAX_OWN else target
+
+
+def _remote(path) -> bool:
+    """A folder JAX reaches by URL (``gs://bucket/cache``): used as given, never made or
+    checked here."""
+    return "://" in str(path) and not str(path).startswith("file://")
 
 
 def set_compilation_cache(path: str | os.PathLike | None) -> None:
@@ -81,6 +95,9 @@ def set_compilation_cache(path: str | os.PathLike | None) -> None:
         return
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"set_compilation_cache takes a folder or None, not {path!r}")
+    if _remote(path):
+        _chosen = str(path)
+        return
     where = pathlib.Path(path).expanduser().resolve()
     if where.exists() and not where.is_dir():
         raise NotADirectoryError(f"compilation cache {str(path)!r} is a file, not a folder")
@@ -91,8 +108,9 @@ def set_compilation_cache(path: str | os.PathLike | None) -> None:
 @contextlib.contextmanager
 def compiling():
     """Around each compile of a specjax program: JAX's cache pointed at ``folder()`` for this
-    thread, and reopened before and after, so the compile reads and writes that folder and no
-    other compile of the process does."""
+    thread, and reopened before and after, so the compile reads and writes that folder and the
+    process's compiles before and after it do not (other threads' at the same time may: the
+    module docstring)."""
     target = _target()
     if target is _JAX_OWN:
         yield
@@ -126,15 +144,21 @@ def _usable(path: str | None, chosen: bool) -> str | None:
     """``path`` (None: the default folder) created if missing and resolved, or None (with a
     note in the log) if it cannot serve: it cannot be made, is not a writable folder, or (the
     default only) is not safely ours."""
+    if path is not None and _remote(path):
+        return path
     try:
-        where = (pathlib.Path(path).expanduser() if path else default_dir()).resolve()
+        where = pathlib.Path(path).expanduser() if path else default_dir()
         where.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = where.lstat()
-        problem = (None if stat.S_ISDIR(info.st_mode) and os.access(where, os.W_OK | os.X_OK)
-                   else "not a writable folder")
-        if problem is None and not chosen and hasattr(os, "getuid") and (
+        problem = None
+        if not chosen and stat.S_ISLNK(info.st_mode):
+            problem = "a symbolic link"
+        elif not (where.is_dir() and os.access(where, os.W_OK | os.X_OK)):
+            problem = "not a writable folder"
+        elif not chosen and hasattr(os, "getuid") and (
                 info.st_uid != os.getuid() or info.st_mode & 0o022):
             problem = "owned by another user or writable by others"
+        where = where.resolve()
     except (OSError, RuntimeError, KeyError) as err:  # RuntimeError: no home folder
         where, problem = path or "the default folder", f"unusable ({err})"
     if problem is None:

@@ -803,8 +803,9 @@ class Program:
             self._executables.move_to_end(signature)
             return exe, 0.0
         t0 = time.perf_counter()
+        lowered = _STAGES[stage].lower(self.plan, *args)
         with compile_cache.compiling():  # read from and written to the disk cache
-            exe = _STAGES[stage].lower(self.plan, *args).compile()
+            exe = lowered.compile()
         spent = time.perf_counter() - t0
         self._executables[signature] = exe
         self.compiled += 1

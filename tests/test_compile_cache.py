@@ -1,6 +1,6 @@
 """specjax's compiled programs on disk (specjax/compile_cache.py): which folder, that a program
-compiled once is read back instead of compiled again, and that no other compile of the process
-is touched."""
+compiled once is read back instead of compiled again, and that the process's compiles before
+and after specjax's keep their own settings."""
 
 from __future__ import annotations
 
@@ -129,13 +129,24 @@ def test_off_and_who_decides(no_cache, target, monkeypatch, tmp_path):
     assert files(tmp_path / "env") | files(tmp_path / "users") == before
 
 
-def test_jax_switched_off_writes_nothing(no_cache, target):
+def test_jax_switched_off_writes_nothing(no_cache, target, tmp_path):
     jax.config.update("jax_enable_compilation_cache", False)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "users"))
     try:
         decode(target)
-        assert compile_cache.folder() is None and not files(no_cache)
+        assert compile_cache.folder() is None
+        assert not files(no_cache) and not files(tmp_path / "users")
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
+
+
+def test_a_folder_given_as_a_url_is_passed_on_as_it_is(no_cache, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(compile_cache.ENV, "gs://bucket/specjax")
+    assert compile_cache.folder() == "gs://bucket/specjax"
+    sj.set_compilation_cache("gs://other/cache")
+    assert compile_cache.folder() == "gs://other/cache"
+    assert not (tmp_path / "gs:").exists() and not no_cache.exists()
 
 
 def test_bad_settings_are_refused_by_name(tmp_path):
@@ -149,7 +160,7 @@ def test_bad_settings_are_refused_by_name(tmp_path):
         sj.set_compilation_cache(tmp_path / "file" / "below")
 
 
-@pytest.mark.parametrize("case", ["no-home", "open-to-others", "a-file"])
+@pytest.mark.parametrize("case", ["no-home", "open-to-others", "a-file", "a-link"])
 def test_an_unusable_default_leaves_programs_uncached_and_decoding_on(no_cache, target,
                                                                       monkeypatch, tmp_path,
                                                                       caplog, case):
@@ -162,14 +173,19 @@ def test_an_unusable_default_leaves_programs_uncached_and_decoding_on(no_cache, 
     elif case == "open-to-others":  # JAX runs what it finds there: not if others can write it
         no_cache.mkdir(parents=True)
         no_cache.chmod(0o777)
-    else:
+    elif case == "a-file":
         no_cache.parent.mkdir(parents=True)
         no_cache.write_text("x")
+    else:  # a link to a private folder of ours: still not the folder specjax made
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        no_cache.parent.mkdir(parents=True)
+        no_cache.symlink_to(tmp_path / "elsewhere")
     caplog.set_level("INFO", logger="specjax.compile_cache")
     out = decode(target)
     assert out.tokens.shape == (1, 8) and compile_cache.folder() is None
     assert "specjax's programs are not cached on disk" in caplog.text
     assert not no_cache.is_dir() or not files(no_cache)
+    assert not (tmp_path / "elsewhere").exists() or not files(tmp_path / "elsewhere")
 
 
 def test_the_folder_and_threshold_are_set_for_the_compiling_thread_alone(no_cache, monkeypatch):
