@@ -19,7 +19,8 @@
   row's drafts up to that width cost nothing more and can only add tokens (``Draft.valid`` marks
   them). Drafting stops once no row wants more. The engine verifies only as many positions as
   that width (one program with a branch per width, chosen on the device), so nothing recompiles
-  when the lengths change.
+  when the lengths change, nor for another threshold or budget: their numbers are data of the
+  call (``Tuning``).
 
 Why the output stays the target's: whether a row has draft k verified is decided from what the
 drafter knew before drawing it, in that row and in the others (the drafts before it, its
@@ -215,13 +216,15 @@ def keep(survival: Array, threshold: float | None) -> Array:
 # The batch's verify budget
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Budget:
     """What a round costs on this backend at this batch size, in one-token target steps:
     ``verify_costs[k]``, a target forward over k + 1 tokens (verifying k drafts; [0] is 1, the
     plain decode step), ``draft_cost`` (c), one draft step, and ``round_cost`` (o), what a
     round that drafts costs besides its forwards, beyond what a plain decode step costs besides
-    its forward. Static: part of the program, like γ.
+    its forward. Numbers of a call, not of its program: ``generate`` passes them as data
+    (``Tuning``), so other costs run the same compiled program.
 
     A round verifying k >= 1 drafts costs o + c·k + v_k; one verifying none costs 1 + c (its
     draft still reads the newest token to score draft 1, and nothing else of the round's fixed
@@ -299,6 +302,58 @@ class Budget:
         costs = jnp.asarray([self.cost(w) for w in range(k, self.gamma + 1)], jnp.float32)
         go = jnp.max(tokens * self.cost(k - 1) - expected * costs) > 0
         return go, expected + projected[0]
+
+
+class _PerCall:
+    """The value of a proposer's adaptive setting in a compiled program's plan: the call passes
+    the number itself (``Tuning``). Anything that reads it as a number fails loudly."""
+
+    def __repr__(self) -> str:
+        return "PER_CALL"
+
+
+PER_CALL = _PerCall()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The numbers of a chain's adaptive lengths as data of one call (``engine.Request``): the
+    survival threshold ([] float32) and the verify budget (a ``Budget`` of float32 arrays), each
+    None when off. The program's plan holds ``PER_CALL`` in their place, so a call with another
+    threshold or other costs runs the program compiled for the first: choosing them, by hand or
+    by ``measure_costs`` at each batch size, never recompiles."""
+
+    threshold: Array | None = None
+    budget: Budget | None = None
+
+
+def split_tuning(proposer):
+    """(``proposer`` with its adaptive numbers replaced by ``PER_CALL``, their ``Tuning``), or
+    (``proposer``, None) when it has none: only specjax's adaptive chains
+    (``tunable = True``) are split; any other proposer is its own static plan."""
+    if not getattr(proposer, "tunable", False):
+        return proposer, None
+    threshold, budget = proposer.survival_threshold, proposer.budget
+    if threshold is None and budget is None:
+        return proposer, None
+    tuning = Tuning(None if threshold is None else np.float32(threshold),
+                    None if budget is None else Budget(
+                        np.asarray(budget.verify_costs, np.float32),
+                        np.float32(budget.draft_cost), np.float32(budget.round_cost)))
+    return dataclasses.replace(proposer, survival_threshold=None if threshold is None else PER_CALL,
+                               budget=None if budget is None else PER_CALL), tuning
+
+
+def tuned(proposer, tuning: Tuning | None):
+    """The proposer a program traces with: its ``PER_CALL`` settings given the call's numbers
+    (``split_tuning``'s inverse, with arrays); unchanged without a tuning."""
+    if tuning is None:
+        return proposer
+    return dataclasses.replace(
+        proposer, survival_threshold=(proposer.survival_threshold if tuning.threshold is None
+                                      else tuning.threshold),
+        budget=proposer.budget if tuning.budget is None else tuning.budget)
 
 
 WIDTH_GROUP: int | None = None

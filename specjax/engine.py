@@ -43,7 +43,7 @@ import numpy as np
 from jax import Array
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import attention, compile_cache, sharding, verify
+from . import adaptive, attention, compile_cache, sharding, verify
 from . import cache as kv
 from . import sampling as sampling_lib
 from .cache import KVCache
@@ -189,6 +189,9 @@ class Request:
     # [MAX_STOP_SEQUENCES, MAX_STOP_LENGTH] int32: stop token sequences, right-aligned, -1 before
     # each (an unused row is all -1); None: none
     stop: Array | None = None
+    # an adaptive chain's threshold and budget (adaptive.Tuning), read in place of the plan's
+    # PER_CALL settings: other numbers reuse the program; None: the plan's own
+    tuning: adaptive.Tuning | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -742,9 +745,14 @@ def decode(plan: Plan, target_params, draft_params, request: Request,
 
 
 def _with_blocks(stage):
-    """``stage`` traced with its plan's attention block, for the target and proposers alike."""
+    """``stage`` traced with its plan's attention block, for the target and proposers alike, and
+    with the call's adaptive numbers (``Request.tuning``) in its proposer."""
     @functools.wraps(stage)
     def traced(plan: Plan, *args):
+        request = next(a for a in args if isinstance(a, Request))
+        if request.tuning is not None:
+            plan = dataclasses.replace(plan, proposer=adaptive.tuned(plan.proposer,
+                                                                     request.tuning))
         with attention.blocks_of(plan.attention_block):
             return stage(plan, *args)
     return traced
@@ -1305,9 +1313,11 @@ def _row_keys(root, rows: int):
 
 
 def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: Shapes,
-                 mesh, synthetic: tuple[float, ...] | None = None) -> Inputs:
+                 mesh, synthetic: tuple[float, ...] | None = None,
+                 tuning: adaptive.Tuning | None = None) -> Inputs:
     """The call's arrays, built in numpy and placed on the devices once (split over "data" on a
-    mesh, the same in every process)."""
+    mesh, the same in every process); ``tuning``: an adaptive chain's numbers
+    (``adaptive.split_tuning``)."""
     B, B_pad, P = shapes.batch, shapes.padded_batch, shapes.prompt
     prompts = np.zeros((B_pad, P), np.int32)
     for b, r in enumerate(rows):
@@ -1343,7 +1353,9 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
                       max_new_tokens=put(max_new), eos=everywhere(eos),
                       stop=None if stop is None else everywhere(stop),
                       synthetic=None if synthetic is None else everywhere(
-                          np.asarray(synthetic, np.float32)))
+                          np.asarray(synthetic, np.float32)),
+                      tuning=None if tuning is None else jax.tree.map(
+                          lambda x: everywhere(np.asarray(x)), tuning))
     return Inputs(put(prompts), put(lengths), request)
 
 
@@ -1430,6 +1442,8 @@ def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, token
     if isinstance(draft_config, ModelConfig):  # a draft model's own context limit
         _check_context("draft", draft_config, rows, sampling.max_new_tokens)
     proposer, draft_params = build_proposer(spec, proposer, draft, target.config)
+    # the threshold's and budget's numbers travel with the call, not in the plan
+    proposer, tuning = adaptive.split_tuning(proposer)
     if synthetic is not None and draft_base.is_tree(proposer):
         raise ValueError(f"SpecConfig.synthetic_acceptance is for chains; method "
                          f"{spec.method!r} here verifies a tree (lookahead always does)")
@@ -1437,7 +1451,7 @@ def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, token
     if synthetic is not None:
         plan = dataclasses.replace(plan, synthetic=True)
     target, draft_params = place(target, draft_params, mesh)
-    inputs = build_inputs(rows, sampling, key, shapes, mesh, synthetic)
+    inputs = build_inputs(rows, sampling, key, shapes, mesh, synthetic, tuning)
     return rows, sampling, plan, target, draft_params, inputs
 
 

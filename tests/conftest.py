@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -50,6 +51,23 @@ def pytest_collection_modifyitems(items):
         i, item = indexed
         return -LONGEST_FILES.get(item.path.name, 0), i
     items[:] = [item for _, item in sorted(enumerate(items), key=rank)]
+
+
+@contextlib.contextmanager
+def traces_and_compiles():
+    """A list that collects the traces and compiles JAX reports while the block runs (a jitted
+    function built afresh per call traces again; a program missing from every cache compiles)."""
+    from jax._src import dispatch
+    seen = []
+
+    def listen(event, duration, **_):
+        if event in (dispatch.JAXPR_TRACE_EVENT, dispatch.BACKEND_COMPILE_EVENT):
+            seen.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def tiny_config(vocab_size=16, hidden_size=16, layers=2, heads=2, kv_heads=1, max_pos=64, **kw):

@@ -8,6 +8,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from conftest import traces_and_compiles
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
@@ -293,7 +294,6 @@ def test_a_repeated_call_on_a_mesh_traces_nothing(models, monkeypatch, broken):
     """Everything a call on a mesh compiles (its rows' keys laid out over the mesh included) is
     reused by the next call of the same shapes: nothing is traced again. A jitted function built
     afresh in each call (as the keys' once were) traces every call and fails."""
-    from jax._src import dispatch
     target, _, _ = models
     if broken:
         monkeypatch.setattr(engine, "_wrap_keys", lambda impl, s: jax.jit(
@@ -301,14 +301,6 @@ def test_a_repeated_call_on_a_mesh_traces_nothing(models, monkeypatch, broken):
     mesh = sj.make_mesh(data=2, model=4)
     sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=4)
     sj.generate(target, PROMPTS, sampling=sampling, key=1, mesh=mesh)
-    traced = []
-
-    def listen(event, duration, **_):
-        if event in (dispatch.JAXPR_TRACE_EVENT, dispatch.BACKEND_COMPILE_EVENT):
-            traced.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with traces_and_compiles() as traced:
         sj.generate(target, PROMPTS, sampling=sampling, key=2, mesh=mesh)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert (traced != []) == broken, traced

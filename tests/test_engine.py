@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import tiny_model, traces_and_compiles
 
 import specjax as sj
 from specjax import engine
@@ -556,19 +556,10 @@ def test_a_repeated_call_traces_and_compiles_nothing(target, draft):
     """The second call of the same shapes runs what the first compiled: no jitted function is
     built per call (each would trace, and compile or read the disk cache, at every request).
     The sharded suite checks the same on a mesh, with a broken variant."""
-    from jax._src import dispatch
     kw = dict(draft=draft, spec=sj.SpecConfig(num_speculative_tokens=3),
               sampling=sj.SamplingParams(temperature=0.8, top_k=5, logprobs=2,
                                          stop_token_ids=[[3, 4]], max_new_tokens=10))
     sj.generate(target, [[1, 2, 3], [4, 5, 6, 7]], **kw)
-    seen = []
-
-    def listen(event, duration, **_):
-        if event in (dispatch.JAXPR_TRACE_EVENT, dispatch.BACKEND_COMPILE_EVENT):
-            seen.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with traces_and_compiles() as seen:
         sj.generate(target, [[9, 8], [7, 6, 5, 4, 3]], **kw)  # other prompts, a fresh seed
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert seen == []

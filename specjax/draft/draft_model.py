@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import pathlib
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -400,6 +400,8 @@ class DraftModelProposer:
     budget: Budget | None = None  # the batch's verify budget (adaptive.Budget)
     vocab_size: int = 0  # the target's V, that q's are widened to; 0: the draft's own
     idle_rounds: int = 0  # the longest rest after declined rounds (engine.Idle); 0: none
+    # the threshold's and budget's numbers are passed per call (adaptive.split_tuning)
+    tunable: ClassVar[bool] = True
 
     @property
     def target_vocab(self) -> int:

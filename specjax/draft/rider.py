@@ -53,6 +53,8 @@ class RiderProposer:
     budget: Any = None  # adaptive.Budget: the batch's verify budget
 
     rides_on_target: ClassVar[bool] = True
+    # the threshold's and budget's numbers are passed per call (adaptive.split_tuning)
+    tunable: ClassVar[bool] = True
 
     @property
     def adaptive(self) -> bool:
