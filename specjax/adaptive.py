@@ -256,6 +256,10 @@ class Budget:
     # what a round that drafts costs besides its forwards, beyond a plain decode step's own
     # (sampling the drafts, verification, bookkeeping), in one-token target steps
     round_cost: float = 0.0
+    # cost(0) .. cost(γ), computed on the host in float64 and rounded once to float32: how a
+    # call passes its budget (``Tuning``), so its decisions are those of the same numbers
+    # compiled in (None: computed from the fields)
+    table: Array | None = None
 
     @classmethod
     def of(cls, verify_costs, draft_cost: float = 0.0, gamma: int | None = None,
@@ -282,6 +286,8 @@ class Budget:
         """A round verifying k >= 1 drafts: its fixed part, k draft steps and a (k + 1)-token
         forward; verifying none (k = 0): a decode step and the one draft step that scored
         draft 1."""
+        if self.table is not None:
+            return self.table[k]
         if k == 0:
             return self.verify_costs[0] + self.draft_cost
         return self.round_cost + self.draft_cost * k + self.verify_costs[k]
@@ -311,6 +317,9 @@ class _PerCall:
     def __repr__(self) -> str:
         return "PER_CALL"
 
+    def __reduce__(self) -> str:  # copied or unpickled, it is still the one PER_CALL
+        return "PER_CALL"
+
 
 PER_CALL = _PerCall()
 
@@ -322,7 +331,8 @@ class Tuning:
     survival threshold ([] float32) and the verify budget (a ``Budget`` of float32 arrays), each
     None when off. The program's plan holds ``PER_CALL`` in their place, so a call with another
     threshold or other costs runs the program compiled for the first: choosing them, by hand or
-    by ``measure_costs`` at each batch size, never recompiles."""
+    by ``measure_costs``, compiles no program per value (turning either on or off does, as
+    does another γ or batch bucket)."""
 
     threshold: Array | None = None
     budget: Budget | None = None
@@ -331,16 +341,23 @@ class Tuning:
 def split_tuning(proposer):
     """(``proposer`` with its adaptive numbers replaced by ``PER_CALL``, their ``Tuning``), or
     (``proposer``, None) when it has none: only specjax's adaptive chains
-    (``tunable = True``) are split; any other proposer is its own static plan."""
+    (``tunable = True``, inherited by their subclasses, which must read the two as traced
+    numbers) are split; any other proposer is its own static plan."""
     if not getattr(proposer, "tunable", False):
         return proposer, None
     threshold, budget = proposer.survival_threshold, proposer.budget
     if threshold is None and budget is None:
         return proposer, None
+    if threshold is PER_CALL or budget is PER_CALL:
+        raise ValueError(f"{type(proposer).__name__} is a program's plan, whose adaptive "
+                         f"numbers each call passes (PER_CALL): pass the proposer as built, "
+                         f"with its survival_threshold and budget")
     tuning = Tuning(None if threshold is None else np.float32(threshold),
                     None if budget is None else Budget(
                         np.asarray(budget.verify_costs, np.float32),
-                        np.float32(budget.draft_cost), np.float32(budget.round_cost)))
+                        np.float32(budget.draft_cost), np.float32(budget.round_cost),
+                        np.asarray([budget.cost(k) for k in range(budget.gamma + 1)],
+                                   np.float32)))
     return dataclasses.replace(proposer, survival_threshold=None if threshold is None else PER_CALL,
                                budget=None if budget is None else PER_CALL), tuning
 

@@ -409,6 +409,36 @@ def test_other_thresholds_and_budgets_reuse_the_program_with_their_own_numbers(
             assert (engine.PROGRAMS.compiled == compiled) != broken, spec
 
 
+def test_a_budget_passed_per_call_decides_as_the_same_budget_compiled_in(draft):
+    """The budget a call passes (a float32 table of its costs, rounded once from float64) makes
+    the decisions the same numbers compiled in make, on random inputs at every position; a
+    proposer already split (PER_CALL) is refused by name."""
+    budget = adaptive.Budget.of((1.0, 1.137, 1.291, 1.5537, 1.9), 0.0731, round_cost=0.313)
+    proposer = DraftModelProposer(draft.config, 4, 0.3, budget)
+    static, tuning = adaptive.split_tuning(proposer)
+    assert static.budget is adaptive.PER_CALL and static.survival_threshold is adaptive.PER_CALL
+    # each cost as the float32 constant compiling it in gives (summed in float32 on the
+    # device, cost(1) here would come out one ulp lower: 1.5230999 against 1.5231)
+    np.testing.assert_array_equal(
+        jax.jit(lambda t: [adaptive.tuned(static, t).budget.cost(k) for k in range(5)])(tuning),
+        np.asarray([budget.cost(k) for k in range(5)], np.float32))
+
+    @jax.jit
+    def both(tuning, expected, survival, predicted, alive):
+        per_call = adaptive.tuned(static, tuning).budget
+        return [(budget.widen(expected, survival, predicted, alive, k),
+                 per_call.widen(expected, survival, predicted, alive, k)) for k in range(1, 5)]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        args = (jnp.float32(rng.uniform(1, 6)), jnp.asarray(rng.uniform(0, 1, 6), jnp.float32),
+                jnp.asarray(rng.uniform(0, 1, 6), jnp.float32), jnp.asarray(rng.random(6) < 0.8))
+        for compiled_in, per_call in both(tuning, *args):
+            assert bool(compiled_in[0]) == bool(per_call[0])
+            np.testing.assert_array_equal(compiled_in[1], per_call[1])
+    with pytest.raises(ValueError, match="DraftModelProposer.*PER_CALL"):
+        adaptive.split_tuning(static)
+
+
 def test_bad_settings_are_refused_by_name(target, draft):
     for a, b in ((jnp.asarray([1.0, 1.0]), jnp.zeros((2,))),  # one map, not one per position
                  (-jnp.ones((2, adaptive.POSITIONS)), jnp.zeros((2, adaptive.POSITIONS)))):

@@ -605,6 +605,27 @@ def test_adaptive_lengths_follow_the_target(tiny_drafters, pairs_of_rows, method
     assert adaptive_pvalue(target, drafters[method], method, ADAPTIVE[method]) > 1e-3
 
 
+def test_eagle_thresholds_share_one_program(tiny_drafters):
+    """A riding proposer's threshold is data of the call too (adaptive.Tuning): EAGLE at three
+    thresholds runs one program, each call with its own number (fewer drafts at a higher
+    threshold), greedy-exact."""
+    target, drafters = tiny_drafters
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 0, 1], [2], [3, 1, 4, 1, 5, 7, 2, 6]]  # V = 8
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    ref = sj.generate(target, prompts, sampling=sampling)
+    proposed = []
+    for threshold in (0.05, ADAPTIVE["eagle"], 0.9):
+        out = sj.generate(target, prompts, sampling=sampling, draft=drafters["eagle"],
+                          spec=dict(method="eagle", num_speculative_tokens=3,
+                                    survival_threshold=threshold))
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        if proposed:
+            assert out.stats.compile_seconds == 0 and engine.PROGRAMS.compiled == compiled
+        compiled = engine.PROGRAMS.compiled
+        proposed.append(out.stats.proposed_tokens)
+    assert proposed[0] > proposed[2], proposed
+
+
 def test_budget_lengths_follow_the_target_with_eagle(tiny_drafters, pairs_of_rows):
     """EAGLE under the verify budget (widths priced so that rounds verify 1 or 2 of the 3
     drafts), at T = 0.7 with top-k 5 and top-p 0.9. Lengths that score the drawn draft, or a
