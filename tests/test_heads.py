@@ -161,6 +161,24 @@ def test_a_run_recorded_before_a_config_field_existed_still_resumes(tmp_path):
         _check_run(tmp_path, {**run, "drafter": {"layer": {"hidden_size": 16}}})
 
 
+def test_a_drafter_shape_is_initialised_by_one_program_however_often():
+    """init_heads compiles one init per drafter shape (EAGLE's layer, an MTP module, the block
+    drafter), not one per call (a jit built per call traced and compiled every time); keys still
+    give different weights. A target of a shape no other test gives drafters."""
+    from specjax.draft import dflash
+    target = tiny_model(seed=5, vocab_size=24, hidden_size=24, layers=1, heads=2, kv_heads=1)
+    programs = {"eagle": heads_lib._init_layer, "mtp": heads_lib._init_layer,
+                "dflash": dflash._init_weights}
+    for method, program in programs.items():
+        before = program._cache_size()
+        a, b, c = (sj.init_heads(target, method, jax.random.key(k), num_heads=2, block_size=4)
+                   for k in (0, 1, 0))
+        assert program._cache_size() == before + 1, method
+        leaves = [jax.tree.leaves(h.params) for h in (a, b, c)]
+        assert all(np.array_equal(x, z) for x, z in zip(leaves[0], leaves[2])), method
+        assert not all(np.array_equal(x, y) for x, y in zip(leaves[0], leaves[1])), method
+
+
 def test_draft_vocabulary_is_the_most_frequent_tokens():
     tokens = np.array([5, 5, 5, 2, 2, 7, 1, 1, 1, 1])
     np.testing.assert_array_equal(sj.draft.frequent_tokens(tokens, 10, 3), [1, 2, 5])

@@ -47,6 +47,7 @@ Parameters (``Heads.params["weights"]``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -100,15 +101,20 @@ class DFlashNet(nn.Module):
 
 def init_weights(config: HeadsConfig, key: Array, init_std: float = 0.02):
     """Fresh weights for ``config`` (a dflash HeadsConfig)."""
+    return _init_weights(config, float(init_std), key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_weights(config: HeadsConfig, init_std: float, key: Array):
+    """init_weights: one program per (config, init_std), traced and compiled once per process."""
     layer = config.layer
     dtype = jnp.dtype(layer.dtype)
     cache = KVCache.init(layer, 1, 1)
     positions = jnp.zeros((1, 1), jnp.int32)
     E = layer.hidden_size
-    return jax.jit(lambda key: DFlashNet(config, init_std).init(
+    return DFlashNet(config, init_std).init(
         key, jnp.zeros((1, 1, len(config.taps) * E), dtype), jnp.zeros((1, 1, E), dtype),
-        model_view(cache, positions, None, None), cache.k, cache.v, method="init_all"))(
-        key)["params"]
+        model_view(cache, positions, None, None), cache.k, cache.v, method="init_all")["params"]
 
 
 def inject(config: HeadsConfig, weights, feats: Array, cache: KVCache) -> KVCache:

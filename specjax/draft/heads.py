@@ -42,6 +42,7 @@ different target.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -267,19 +268,27 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
         from .dflash import init_weights
         weights = init_weights(config, key, init_std)
     else:
-        B, T = 1, 1
-        cache = KVCache.init(layer, B, T)
-        positions = jnp.zeros((B, T), jnp.int32)
-        init = jax.jit(EagleNet(layer, init_std, input_norms=method == "mtp",
-                                feature_size=E).init)
-        args = (jnp.zeros((B, T, E), dtype), jnp.zeros((B, T, E), dtype),
-                model_view(cache, positions, None, None), cache.k, cache.v)
-        if method == "mtp":  # one EAGLE-shaped layer with input norms per module
-            weights = {str(i): init(k, *args)["params"]
+        mtp = method == "mtp"
+        if mtp:  # one EAGLE-shaped layer with input norms per module
+            weights = {str(i): _init_layer(layer, float(init_std), True, E, k)
                        for i, k in enumerate(jax.random.split(key, num_heads))}
         else:
-            weights = init(key, *args)["params"]
+            weights = _init_layer(layer, float(init_std), False, E, key)
     return _with_head(config, weights, vocab, target)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init_layer(layer: ModelConfig, init_std: float, input_norms: bool, features: int,
+                key: Array):
+    """Fresh weights of an EAGLE-shaped layer (an MTP module with ``input_norms``) reading
+    ``features``-wide target features: one program per shape, traced and compiled once per
+    process however many drafters of that shape are made."""
+    dtype = jnp.dtype(layer.dtype)
+    cache = KVCache.init(layer, 1, 1)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    return EagleNet(layer, init_std, input_norms=input_norms, feature_size=features).init(
+        key, jnp.zeros((1, 1, features), dtype), jnp.zeros((1, 1, features), dtype),
+        model_view(cache, positions, None, None), cache.k, cache.v)["params"]
 
 
 def fingerprint(target: Model | Heads) -> dict[str, list[float]]:
