@@ -749,8 +749,8 @@ def _with_blocks(stage):
     with the call's adaptive numbers (``Request.tuning``) in its proposer."""
     @functools.wraps(stage)
     def traced(plan: Plan, *args):
-        request = next(a for a in args if isinstance(a, Request))
-        if request.tuning is not None:
+        request = next((a for a in args if isinstance(a, Request)), None)
+        if request is not None and request.tuning is not None:
             plan = dataclasses.replace(plan, proposer=adaptive.tuned(plan.proposer,
                                                                      request.tuning))
         with attention.blocks_of(plan.attention_block):
