@@ -256,9 +256,10 @@ class Budget:
     # what a round that drafts costs besides its forwards, beyond a plain decode step's own
     # (sampling the drafts, verification, bookkeeping), in one-token target steps
     round_cost: float = 0.0
-    # cost(0) .. cost(γ), computed on the host in float64 and rounded once to float32: how a
-    # call passes its budget (``Tuning``), so its decisions are those of the same numbers
-    # compiled in (None: computed from the fields)
+    # cost(0) .. cost(γ), computed on the host in float64 and rounded once to float32: the
+    # budget a program traces with when the call passes it (``Tuning.costs``; the fields above
+    # are then empty), so its decisions are those of the same numbers compiled in (None:
+    # computed from the fields)
     table: Array | None = None
 
     @classmethod
@@ -294,7 +295,7 @@ class Budget:
 
     @property
     def gamma(self) -> int:
-        return len(self.verify_costs) - 1
+        return len(self.verify_costs if self.table is None else self.table) - 1
 
     def widen(self, expected: Array, survival: Array, predicted: Array, alive: Array,
               k: int) -> tuple[Array, Array]:
@@ -328,14 +329,15 @@ PER_CALL = _PerCall()
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """The numbers of a chain's adaptive lengths as data of one call (``engine.Request``): the
-    survival threshold ([] float32) and the verify budget (a ``Budget`` of float32 arrays), each
-    None when off. The program's plan holds ``PER_CALL`` in their place, so a call with another
-    threshold or other costs runs the program compiled for the first: choosing them, by hand or
-    by ``measure_costs``, compiles no program per value (turning either on or off does, as
-    does another γ or batch bucket)."""
+    survival threshold ([] float32) and the verify budget as its cost table (``costs``
+    [γ + 1] float32: ``Budget.cost(0 .. γ)``, all the rule reads), each None when off. The
+    program's plan holds ``PER_CALL`` in their place, so a call with another threshold or other
+    costs runs the program compiled for the first: choosing them, by hand or by
+    ``measure_costs``, compiles no program per value (turning either on or off does, as does
+    another γ or batch bucket)."""
 
     threshold: Array | None = None
-    budget: Budget | None = None
+    costs: Array | None = None
 
 
 def split_tuning(proposer):
@@ -353,11 +355,8 @@ def split_tuning(proposer):
                          f"numbers each call passes (PER_CALL): pass the proposer as built, "
                          f"with its survival_threshold and budget")
     tuning = Tuning(None if threshold is None else np.float32(threshold),
-                    None if budget is None else Budget(
-                        np.asarray(budget.verify_costs, np.float32),
-                        np.float32(budget.draft_cost), np.float32(budget.round_cost),
-                        np.asarray([budget.cost(k) for k in range(budget.gamma + 1)],
-                                   np.float32)))
+                    None if budget is None else np.asarray(
+                        [budget.cost(k) for k in range(budget.gamma + 1)], np.float32))
     return dataclasses.replace(proposer, survival_threshold=None if threshold is None else PER_CALL,
                                budget=None if budget is None else PER_CALL), tuning
 
@@ -370,7 +369,7 @@ def tuned(proposer, tuning: Tuning | None):
     return dataclasses.replace(
         proposer, survival_threshold=(proposer.survival_threshold if tuning.threshold is None
                                       else tuning.threshold),
-        budget=proposer.budget if tuning.budget is None else tuning.budget)
+        budget=proposer.budget if tuning.costs is None else Budget((), table=tuning.costs))
 
 
 WIDTH_GROUP: int | None = None

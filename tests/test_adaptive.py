@@ -417,6 +417,7 @@ def test_a_budget_passed_per_call_decides_as_the_same_budget_compiled_in(draft):
     proposer = DraftModelProposer(draft.config, 4, 0.3, budget)
     static, tuning = adaptive.split_tuning(proposer)
     assert static.budget is adaptive.PER_CALL and static.survival_threshold is adaptive.PER_CALL
+    assert tuning.costs.shape == (5,) and tuning.costs.dtype == np.float32  # the table alone
     # each cost as the float32 constant compiling it in gives (summed in float32 on the
     # device, cost(1) here would come out one ulp lower: 1.5230999 against 1.5231)
     np.testing.assert_array_equal(
