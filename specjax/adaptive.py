@@ -216,6 +216,17 @@ def keep(survival: Array, threshold: float | None) -> Array:
 # The batch's verify budget
 
 
+def loop_widths(gamma: int) -> tuple[int, ...]:
+    """The verify widths the decode loop of a chain with per-row lengths has a loop for: 1 (no
+    drafts: a decode step), 2, 3, 5, 9, ... up to γ + 1 (``engine._rounds``). A round verifies
+    over the narrowest that holds its widest row's drafts."""
+    widths, w = [1], 2
+    while w < gamma + 1:
+        widths.append(w)
+        w = 2 * w - 1
+    return tuple(widths) + (gamma + 1,)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Budget:
@@ -226,9 +237,12 @@ class Budget:
     its forward. Numbers of a call, not of its program: ``generate`` passes them as data
     (``Tuning``), so other costs run the same compiled program.
 
-    A round verifying k >= 1 drafts costs o + c·k + v_k; one verifying none costs 1 + c (its
-    draft still reads the newest token to score draft 1, and nothing else of the round's fixed
-    part runs in it: with ``idle_rounds`` the rounds after such rounds skip the draft too).
+    A round verifying k >= 1 drafts costs o + c·k + v_n, where n + 1 is the narrowest of
+    ``loop_widths(γ)`` (1, 2, 3, 5, 9, ..., γ + 1) holding k + 1 tokens: the decode loop has a
+    forward of each of those widths only, so three drafts at γ = 8 are verified by the forward
+    over five tokens. One verifying none costs 1 + c (its draft still reads the newest token to
+    score draft 1, and nothing else of the round's fixed part runs in it: with ``idle_rounds``
+    the rounds after such rounds skip the draft too).
 
     The batch verifies as many draft positions as pay for themselves. Every row shares the
     forward's width (the verify forward is [B, width]), so the budget is a width. Before draft k
@@ -284,14 +298,16 @@ class Budget:
                    float(round_cost))
 
     def cost(self, k: int) -> float:
-        """A round verifying k >= 1 drafts: its fixed part, k draft steps and a (k + 1)-token
-        forward; verifying none (k = 0): a decode step and the one draft step that scored
-        draft 1."""
+        """A round verifying k >= 1 drafts: its fixed part, k draft steps and the forward of
+        the loop that verifies them, over the narrowest of ``loop_widths(γ)`` holding k + 1
+        tokens (at γ = 8, three to seven drafts cost the forward over five or nine tokens);
+        verifying none (k = 0): a decode step and the one draft step that scored draft 1."""
         if self.table is not None:
             return self.table[k]
         if k == 0:
             return self.verify_costs[0] + self.draft_cost
-        return self.round_cost + self.draft_cost * k + self.verify_costs[k]
+        width = next(w for w in loop_widths(self.gamma) if w > k)
+        return self.round_cost + self.draft_cost * k + self.verify_costs[width - 1]
 
     @property
     def gamma(self) -> int:

@@ -722,15 +722,7 @@ def _rest(plan: Plan, target_params, draft_params, request: Request, state: Loop
     return jax.lax.while_loop(lambda s: (s.idle.rest == 1) & ~jnp.all(s.done), propose, state)
 
 
-def loop_widths(gamma: int) -> tuple[int, ...]:
-    """The verify widths the decode loop of a chain with per-row lengths has a loop for: 1 (no
-    drafts: a decode step), 2, 3, 5, 9, ... up to γ + 1. A round verifies over the narrowest
-    that holds its widest row's drafts."""
-    widths, w = [1], 2
-    while w < gamma + 1:
-        widths.append(w)
-        w = 2 * w - 1
-    return tuple(widths) + (gamma + 1,)
+loop_widths = adaptive.loop_widths
 
 
 def decode(plan: Plan, target_params, draft_params, request: Request,

@@ -648,6 +648,28 @@ def test_a_rounds_fixed_cost_is_paid_by_rounds_that_draft():
     assert 0 < widths[0] < widths[1] and widths[2] == 0, widths
 
 
+
+def test_a_round_is_charged_the_forward_its_loop_runs():
+    """The decode loop has a forward of each of loop_widths(γ) only (1, 2, 3, 5, 9 at γ = 8), so
+    a round verifying k drafts pays the narrowest of them holding k + 1 tokens: three or four
+    drafts the five-token forward, five to eight the nine-token one. Charged the forward over
+    k + 1 tokens instead, the budget would take a fifth draft for a quarter step more where it
+    pays four more tokens' worth of forward, and stop where a sixth to eighth draft come free."""
+    assert engine.loop_widths(8) == adaptive.loop_widths(8) == (1, 2, 3, 5, 9)
+    v = [1.0 + 0.25 * n for n in range(9)]
+    budget = adaptive.Budget.of(v, 0.02, round_cost=0.1)
+    held = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}  # k drafts: the forward over n + 1
+    assert budget.cost(0) == pytest.approx(1.02)
+    for k, n in held.items():
+        assert budget.cost(k) == pytest.approx(0.1 + 0.02 * k + v[n]), k
+    # the rule with it, rows equally confident: a round stops at the end of a loop's width
+    # (charged k + 1 tokens, it took 3, 3, 5 and 7 drafts at these confidences)
+    B, G = 4, 8
+    greedy, active = jnp.ones((B,), bool), jnp.ones((B,), bool)
+    for p, want in ((0.6, 2), (0.74, 2), (0.8, 4), (0.88, 4), (0.92, 8), (0.97, 8)):
+        valid = control_valid(jnp.full((B, G), p, jnp.float32), greedy, active, None, budget)
+        assert int(valid.sum(axis=1).max()) == want, (p, valid.sum(axis=1))
+
 # -- rests: rounds that skip the draft after the budget declines ----------------------------------
 
 def declining_before(step):

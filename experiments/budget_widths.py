@@ -1,0 +1,100 @@
+"""The verify budget charged the forward its loop runs, against the forward over k + 1 tokens.
+
+An adaptive chain's decode loop has a forward of each of ``adaptive.loop_widths(γ)`` only (1, 2,
+3, 5, 9 at γ = 8), so a round verifying k drafts pays the narrowest of them holding k + 1
+tokens. Until 2026-12-06 ``Budget.cost(k)`` charged the forward over k + 1 tokens, so at γ = 8
+a round of five drafts looked like a six-token forward and paid a nine-token one. This runs the
+bundled pair at γ = 8 with a survival threshold and the verify budget (costs measured by
+``measure_costs`` at each batch size) both ways in one process: the cost table is data of the
+call, so the two share one compiled program and differ only in the table. Beside them the
+static chains of 2 and 8 and autoregressive decoding; every variant interleaved per repeat,
+speed-ups against autoregressive decoding in the same repeat (median), tokens a round and
+drafts verified a round.
+
+    .venv/bin/python experiments/budget_widths.py [--batch-size 1,4,16] [--temperatures 0,0.8]
+        [--gamma 8] [--repeats 3] [--max-new-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import statistics
+
+import specjax as sj
+from specjax import adaptive, bench
+
+CKPT = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+@contextlib.contextmanager
+def charged_k_plus_1(on: bool):
+    """Budget.cost as before: a round verifying k drafts charged the forward over k + 1."""
+    cost = adaptive.Budget.cost
+
+    def old(self, k):
+        if self.table is not None or k == 0:
+            return cost(self, k)
+        return self.round_cost + self.draft_cost * k + self.verify_costs[k]
+    if on:
+        adaptive.Budget.cost = old
+    try:
+        yield
+    finally:
+        adaptive.Budget.cost = cost
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-size", default="1,4,16")
+    ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--threshold", type=float, default=0.2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args()
+    target = sj.load_model(CKPT / "code-target")
+    draft = sj.load_draft_model(CKPT / "code-draft")  # with its draft vocabulary and calibration
+    tok = sj.load_tokenizer(CKPT / "code-target")
+    texts = [p["text"] for p in bench.load_prompts()]
+    G = args.gamma
+    print(f"γ {G}, threshold {args.threshold}, loop widths {adaptive.loop_widths(G)}")
+    for B in (int(b) for b in args.batch_size.split(",")):
+        prompts = [texts[i % len(texts)] for i in range(B)]
+        costs = adaptive.measure_costs(target, draft, batch_size=B, gamma=G)
+        print(f"\nbatch {B}: forward costs {[round(c, 3) for c in costs.verify_costs]}, "
+              f"draft step {costs.draft_cost:.3f}, round's fixed part {costs.round_cost:.3f}")
+        budget = dict(survival_threshold=args.threshold, verify_costs=costs.verify_costs,
+                      draft_cost=costs.draft_cost, round_cost=costs.round_cost)
+        variants = {"autoregressive": (None, False),
+                    "static 2": (dict(num_speculative_tokens=2), False),
+                    f"static {G}": (dict(num_speculative_tokens=G), False),
+                    "budget, loop's forward": (dict(num_speculative_tokens=G, **budget), False),
+                    "budget, k + 1 forward": (dict(num_speculative_tokens=G, **budget), True)}
+        for T in (float(t) for t in args.temperatures.split(",")):
+            sampling = sj.SamplingParams(temperature=T, max_new_tokens=args.max_new_tokens)
+            runs = {name: [] for name in variants}
+            for r in range(args.repeats + 1):  # the first: compiling
+                for name, (spec, old) in variants.items():
+                    with charged_k_plus_1(old):
+                        out = sj.generate(target, prompts, sampling=sampling, tokenizer=tok,
+                                          spec=spec, draft=None if spec is None else draft,
+                                          key=r)
+                    if r:
+                        runs[name].append(out)
+            ar = [o.stats.decode_seconds / o.stats.generated_tokens for o in runs["autoregressive"]]
+            print(f"  T {T}:")
+            for name, outs in runs.items():
+                ratios = [a / (o.stats.decode_seconds / o.stats.generated_tokens)
+                          for a, o in zip(ar, outs)]
+                s = outs[-1].stats
+                rounds = max(s.num_rounds, 1)
+                print(f"    {name:24} {statistics.median(ratios):5.2f}x  "
+                      f"(per repeat {', '.join(f'{x:.2f}' for x in ratios)})  "
+                      f"tokens a round {s.generated_tokens / rounds / B:5.2f}  "
+                      f"drafts a round {s.proposed_tokens / rounds / B:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
