@@ -6,7 +6,7 @@ steps), so every round is a decline: without rests each still runs the draft's c
 forward and the proposal; with them the rounds skip the draft. Decode seconds per loop round,
 median of interleaved repeats, in one process:
 
-    python experiments/rest_cost.py --batch 32 --temperature 0.8
+    python experiments/rest_cost.py --batch 32 --temperature 0.8 [--gamma 2]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gamma", type=int, default=2)
     args = ap.parse_args()
     tok = sj.load_tokenizer(CKPT / "code-target")
     target = sj.load_model(CKPT / "code-target", dtype="float32")
@@ -37,7 +38,8 @@ def main() -> None:
     rows = [prompts[i % len(prompts)] for i in range(args.batch)]
     sampling = sj.SamplingParams(temperature=args.temperature,
                                  max_new_tokens=args.max_new_tokens)
-    never = dict(num_speculative_tokens=2, verify_costs=(1.0, 9.0, 9.0), draft_cost=0.09)
+    never = dict(num_speculative_tokens=args.gamma, verify_costs=(1.0,) + (9.0,) * args.gamma,
+                 draft_cost=0.09)
     variants = {
         "autoregressive": {},
         "rests (idle_rounds 16, default)": dict(spec=sj.SpecConfig(**never), draft=draft),
@@ -55,8 +57,8 @@ def main() -> None:
     seconds = timing.interleaved({name: functools.partial(per_round, v)
                                   for name, v in variants.items()}, args.repeats)
     ar = np.median(seconds["autoregressive"])
-    print(f"batch {args.batch}, T = {args.temperature}, {args.max_new_tokens} new tokens, "
-          f"median of {args.repeats} interleaved repeats")
+    print(f"batch {args.batch}, T = {args.temperature}, γ {args.gamma}, {args.max_new_tokens} "
+          f"new tokens, median of {args.repeats} interleaved repeats")
     print(f"{'variant':<34}{'rounds':>7}{'rested':>7}{'draft fwd':>10}{'ms/round':>10}"
           f"{'AR/variant':>11}   per repeat (ms/round)")
     for name, s in stats.items():

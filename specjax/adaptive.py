@@ -314,17 +314,18 @@ class Budget:
         return len(self.verify_costs if self.table is None else self.table) - 1
 
     def widen(self, expected: Array, survival: Array, predicted: Array, alive: Array,
-              k: int) -> tuple[Array, Array]:
-        """Whether the batch verifies draft k (static k >= 1), and the expected tokens with it.
-        expected: E_{k-1}; survival, predicted, alive [B]: each row's s_k, p_k and whether it
-        still drafts (see the class docstring)."""
+              k: int, group: int | None = None) -> tuple[Array, Array]:
+        """Whether each group of rows verifies draft k (static k >= 1) [G], and the expected
+        tokens with it [G]. expected: E_{k-1} [G]; survival, predicted, alive [B]: each row's
+        s_k, p_k and whether it still drafts (see the class docstring); ``group``: rows per
+        group (``WIDTH_GROUP``; None: the whole batch, G = 1)."""
         s = jnp.where(alive, survival, 0.0)
         later = jnp.arange(self.gamma - k + 1, dtype=jnp.float32)  # drafts k .. γ
-        projected = jnp.sum(s[:, None] * predicted[:, None] ** later[None, :], axis=0)
-        tokens = expected + jnp.cumsum(projected)  # E_w, w = k .. γ
+        projected = _group_sums(s[:, None] * predicted[:, None] ** later[None, :], group)
+        tokens = expected[:, None] + jnp.cumsum(projected, axis=1)  # E_w, w = k .. γ
         costs = jnp.asarray([self.cost(w) for w in range(k, self.gamma + 1)], jnp.float32)
-        go = jnp.max(tokens * self.cost(k - 1) - expected * costs) > 0
-        return go, expected + projected[0]
+        go = jnp.max(tokens * self.cost(k - 1) - expected[:, None] * costs, axis=1) > 0
+        return go, expected + projected[:, 0]
 
 
 class _PerCall:
@@ -392,17 +393,29 @@ WIDTH_GROUP: int | None = None
 """How many neighbouring rows share one verified width: None, the whole batch (the verify forward
 is [B, width] whatever each row wants, so a row verifies every draft up to the batch's width).
 Tests set 1 (each row its own length) or 2 to see, inside one big batch, the lengths a batch of
-one or two rows gets; the rule is the same code at every scope."""
+one or two rows gets, the verify budget's decisions included (it weighs each group's rows); the
+rule is the same code at every scope."""
+
+
+def _group_sums(x: Array, group: int | None) -> Array:
+    """x [B, ...] summed over each group of ``group`` neighbouring rows: [G, ...] (None: the
+    whole batch, G = 1)."""
+    if group is None:
+        return jnp.sum(x, axis=0, keepdims=True)
+    B = x.shape[0]
+    x = jnp.pad(x, [(0, -B % group)] + [(0, 0)] * (x.ndim - 1))
+    return jnp.sum(x.reshape(-1, group, *x.shape[1:]), axis=1)
+
+
+def _per_row(x: Array, group: int | None, B: int) -> Array:
+    """A value per group [G] given to each of its rows [B] (``_group_sums``' groups)."""
+    return jnp.broadcast_to(x, (B,)) if group is None else jnp.repeat(x, group)[:B]
 
 
 def _shared(wants: Array, group: int | None) -> Array:
     """Per row [B]: whether any row of its group (``group`` neighbouring rows; None: the whole
     batch) wants the position."""
-    if group is None:
-        return jnp.broadcast_to(jnp.any(wants), wants.shape)
-    B = wants.shape[0]
-    padded = jnp.pad(wants, (0, -B % group)).reshape(-1, group)
-    return jnp.repeat(jnp.any(padded, axis=1), group)[:B]
+    return _per_row(_group_sums(wants.astype(jnp.int32), group) > 0, group, wants.shape[0])
 
 
 class ChainControl:
@@ -415,7 +428,8 @@ class ChainControl:
     verifies draft k in every row still generating when some row wants it (and the budget, if
     any, pays for it): the verify forward is [B, width] for the widest row anyway, and every draft
     is drawn while some row drafts, so verifying a row's drafts up to that width costs nothing
-    and can only add accepted tokens (``WIDTH_GROUP`` narrows the scope for tests)."""
+    and can only add accepted tokens (``WIDTH_GROUP`` narrows the scope, the budget's with it,
+    for tests)."""
 
     def __init__(self, calibration: Calibration | None, threshold: float | None,
                  budget: Budget | None, greedy_rows: Array, active: Array | None):
@@ -426,7 +440,10 @@ class ChainControl:
         self.survival = jnp.ones(greedy_rows.shape, jnp.float32)
         self.wants = self.active  # rows whose own survival keeps them drafting
         self.alive = self.active  # rows whose drafts are verified so far
-        self.expected = jnp.maximum(jnp.sum(self.active, dtype=jnp.float32), 1.0)
+        # E_{k-1} per group of rows sharing a width [G]: each row still generating counts its
+        # own token
+        self.expected = jnp.maximum(_group_sums(self.active.astype(jnp.float32), self.group),
+                                    1.0)
         self.valid, self.predicted = [], []
         self.forwards = jnp.ones((), jnp.int32)  # the first draft step always runs
 
@@ -439,8 +456,8 @@ class ChainControl:
         alive = self.alive & _shared(self.wants, self.group)
         if self.budget is not None:
             go, self.expected = self.budget.widen(self.expected, self.survival, predicted, alive,
-                                                  k)
-            alive = alive & go
+                                                  k, self.group)
+            alive = alive & _per_row(go, self.group, alive.shape[0])
         self.alive = alive
         self.valid.append(alive)
         self.predicted.append(predicted)

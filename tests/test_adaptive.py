@@ -302,9 +302,10 @@ def test_greedy_equals_autoregressive(target, draft, threshold):
 
 def test_one_row_skips_the_draft_steps_it_does_not_need(target):
     """A single row drafting with the target itself (accepted, and confident to varying
-    degrees): whenever it stops after k <= γ - 2 drafts, the remaining draft steps take the
-    skipped branch (nothing written that a later round reads); greedy output is still the
-    autoregressive one over many such rounds."""
+    degrees): rounds stop after k <= γ - 2 drafts, the draft forwards counted are fewer than γ a
+    round, and greedy output is still the autoregressive one over many such rounds. Each later
+    draft step is a conditional in the program itself (a step run on every round, with only its
+    count conditional, fails that)."""
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     spec = sj.SpecConfig(num_speculative_tokens=4, survival_threshold=0.3)
     for prompt in PROMPTS:
@@ -319,6 +320,18 @@ def test_one_row_skips_the_draft_steps_it_does_not_need(target):
         s = out.stats
         assert 1 + s.proposed_tokens <= s.draft_calls
         assert s.draft_calls < 1 + 4 * s.num_rounds, s
+    # the count above follows the same predicate as the branch; the program must branch on it
+    B, G = 2, 4
+    proposer = DraftModelProposer(target.config, G, survival_threshold=0.3)
+    d = DraftModel(target, None, None)
+    prompts, lengths = jnp.zeros((B, 16), jnp.int32), jnp.full((B,), 4, jnp.int32)
+    cache = proposer.init(d, prompts, lengths, 16)
+    sampling_arrays = SamplingArrays(temperature=jnp.zeros((B,)), top_k=jnp.zeros((B,), jnp.int32),
+                                     top_p=jnp.ones((B,)))
+    text = jax.jit(proposer.propose, static_argnums=6).lower(
+        d, cache, prompts, lengths, jax.random.split(jax.random.key(0), B), sampling_arrays,
+        Filters(greedy=True), None).as_text()
+    assert text.count("stablehlo.case") >= G - 1, text.count("stablehlo.case")
 
 
 # -- shapes and programs ------------------------------------------------------------------------
@@ -431,7 +444,8 @@ def test_a_budget_passed_per_call_decides_as_the_same_budget_compiled_in(draft):
                  per_call.widen(expected, survival, predicted, alive, k)) for k in range(1, 5)]
     rng = np.random.default_rng(0)
     for _ in range(20):
-        args = (jnp.float32(rng.uniform(1, 6)), jnp.asarray(rng.uniform(0, 1, 6), jnp.float32),
+        args = (jnp.asarray([rng.uniform(1, 6)], jnp.float32),
+                jnp.asarray(rng.uniform(0, 1, 6), jnp.float32),
                 jnp.asarray(rng.uniform(0, 1, 6), jnp.float32), jnp.asarray(rng.random(6) < 0.8))
         for compiled_in, per_call in both(tuning, *args):
             assert bool(compiled_in[0]) == bool(per_call[0])
@@ -534,10 +548,11 @@ def test_whether_draft_k_is_verified_never_depends_on_what_follows(rule, causal)
     assert (broke == 0) if causal else (broke > 0), broke
 
 
-def test_the_proposer_follows_the_budget_rule_row_by_row(draft):
+def test_the_proposer_follows_the_budget_rule_row_by_row(draft, monkeypatch):
     """One round on 64 rows at mixed temperatures: the verified positions are exactly those the
     reference rule picks from the proposer's own predictions, and the width falls as verifying
-    gets dearer, down to none."""
+    gets dearer, down to none. With rows sharing widths in pairs (WIDTH_GROUP 2, as the
+    distribution tests run), each pair gets what the rule gives a batch of those two rows."""
     B, G, P = 64, 4, 6
     rng = np.random.default_rng(5)
     prompts = jnp.asarray(rng.integers(0, 32, (B, 32)), jnp.int32)
@@ -559,15 +574,44 @@ def test_the_proposer_follows_the_budget_rule_row_by_row(draft):
             valid, budget_reference(predicted, np.asarray(active), 0.1, budget))
         widths.append(int(valid.sum(axis=1).max()))
     assert widths[0] == G and widths[-1] == 0 and widths == sorted(widths, reverse=True), widths
+    monkeypatch.setattr(adaptive, "WIDTH_GROUP", 2)  # read when tracing: a new trace
+    budget = adaptive.Budget.of([1 + 0.3 * k for k in range(G + 1)], 0.05)
+    proposer = DraftModelProposer(draft.config, G, survival_threshold=0.1, budget=budget)
+    out, _ = jax.jit(proposer.propose, static_argnums=6)(
+        d, cache, prompts, lengths, jax.random.split(jax.random.key(0), B), sampling,
+        Filters(greedy=False), active)
+    valid, predicted = np.asarray(out.valid), np.asarray(out.predicted)
+    pairs = np.concatenate([budget_reference(predicted[i:i + 2], np.asarray(active[i:i + 2]),
+                                             0.1, budget) for i in range(0, B, 2)])
+    np.testing.assert_array_equal(valid, pairs)
+    assert len(set(valid.sum(axis=1).tolist())) > 2  # pairs of other widths in one round
 
 
-def test_budget_lengths_follow_the_target(models):
+# priced so that pairs of rows verify 1, 2 or 3 drafts (about 0.34, 0.13, 0.53 of the rounds)
+BUDGET = dict(num_speculative_tokens=3, verify_costs=(1.0, 1.5, 2.0, 2.5), draft_cost=0.1)
+
+
+def test_budget_lengths_follow_the_target(models, pairs_of_rows):
+    """The verify budget alone (no threshold), each pair of rows its own budget (as in a batch
+    of two), the verified lengths varying from pair to pair."""
     target, drafts = models
     t, k, p = SETTINGS[1]
-    # cheap enough that rounds verify 1 or 2 of the 3 drafts, the width set by the batch
-    spec = sj.SpecConfig(num_speculative_tokens=3, verify_costs=(1.0, 1.2, 1.5, 2.2),
-                         draft_cost=0.05)
-    assert first_three_pvalue(target, drafts["close"], spec, t, k, p) > 1e-3
+    pvalue, stats = first_three_pvalue(target, drafts["close"], sj.SpecConfig(**BUDGET), t, k, p,
+                                       with_stats=True)
+    assert pvalue > 1e-3
+    lengths = stats.proposed_length_distribution
+    assert lengths[1:3].sum() > 0.1 and lengths[3] > 0.02 and lengths[3] < 0.9, lengths
+
+
+def test_a_budget_that_weighs_the_drawn_draft_fails_the_same_test(models, monkeypatch,
+                                                                    pairs_of_rows):
+    """The same, with each draft's confidence taken from the token drawn (q(token)), which the
+    budget's predictions then read: which drafts are verified depends on what they are."""
+    target, drafts = models
+    monkeypatch.setattr(draft_model, "draw_scored", scoring_the_drawn_token(
+        draft_model.draw_scored))
+    t, k, p = SETTINGS[1]
+    assert first_three_pvalue(target, drafts["close"], sj.SpecConfig(**BUDGET), t, k, p) < 1e-6
 
 
 @pytest.mark.parametrize("costs", [(1.0, 1.02, 1.05, 1.1, 1.2), (1.0, 1.4, 1.9, 2.5, 3.0),

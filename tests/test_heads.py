@@ -1,5 +1,6 @@
 """Medusa heads and EAGLE: training, saving and loading, greedy equality, losslessness, caches."""
 
+import dataclasses
 import json
 import re
 
@@ -26,6 +27,7 @@ from specjax import attention, engine, verify
 from specjax.draft import eagle
 from specjax.draft import heads as heads_lib
 from specjax.draft.eagle import EagleProposer
+from specjax.draft.medusa import MedusaProposer
 from specjax.sampling import Filters, SamplingArrays
 from specjax.train import TrainConfig
 from specjax.train.data import sample_batch
@@ -406,20 +408,32 @@ def accept_all(draft_tokens, target_tokens, valid=None):
     return verify.Verdict(tokens, jnp.full(draft_tokens.shape[:1], G, jnp.int32))
 
 
+def accept_all_tree(tree, draft_tokens, target_tokens, valid=None):
+    """Broken on purpose: a greedy tree verdict that accepts the first child of every node."""
+    rows = jnp.arange(draft_tokens.shape[0])
+    node, _, path, out = verify._walk(tree, draft_tokens, valid,
+                                      lambda d, node, kid_tokens, kid_ok: kid_ok)
+    return verify._tree_verdict(path, out, target_tokens[rows, node])
+
+
 def differs_when_verification_accepts_everything(target, drafter, spec, monkeypatch) -> bool:
     """Whether greedy output with ``spec`` parts from autoregressive decoding once the greedy
-    verdict is broken to accept every draft (the greedy-equality tests' control)."""
+    verdict (a chain's or a tree's) is broken to accept every draft (the greedy-equality tests'
+    control)."""
     monkeypatch.setattr(verify, "greedy_verdict", accept_all)
+    monkeypatch.setattr(verify, "greedy_tree_verdict", accept_all_tree)
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
     out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=drafter)
     return not np.array_equal(out.tokens, ref.tokens)
 
 
+@pytest.mark.parametrize("spec", [dict(num_speculative_tokens=3), dict(tree=TREE)],
+                         ids=["chain", "tree"])
 def test_greedy_check_fails_when_verification_accepts_everything(target, trained, monkeypatch,
-                                                                 fresh_programs):
+                                                                 fresh_programs, spec):
     assert differs_when_verification_accepts_everything(
-        target, trained["eagle"], dict(method="eagle", num_speculative_tokens=3), monkeypatch)
+        target, trained["eagle"], dict(method="eagle", **spec), monkeypatch)
 
 
 # -- EAGLE's own cache --------------------------------------------------------------------------
@@ -663,27 +677,31 @@ def test_eagle_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_draf
                            lengths_vary=False) < 1e-6
 
 
-def reporting_uniform_q(propose):
+def reporting_uniform_q(propose, vocab_size: int | None = None):
     """Broken on purpose: ``propose`` whose drafts report a uniform q instead of the
-    distribution they were drawn from."""
-    def wrong_q(self, params, state, history, length, keys, sampling_params, filters):
-        draft, state = propose(self, params, state, history, length, keys, sampling_params,
-                               filters)
-        uniform = jnp.full(draft.probs.shape, 1.0 / draft.probs.shape[-1])
-        return sj.draft.Draft(draft.tokens, uniform, draft.valid), state
+    distribution they were drawn from (``vocab_size`` given: also drafts that are point
+    masses, Medusa's argmax, reported as drawn from a uniform q)."""
+    def wrong_q(self, *args, **kwargs):
+        draft, state = propose(self, *args, **kwargs)
+        V = draft.probs.shape[-1] if draft.probs is not None else vocab_size
+        uniform = jnp.full((*draft.tokens.shape, V), 1.0 / V, jnp.float32)
+        return dataclasses.replace(draft, probs=uniform), state
     return wrong_q
 
 
-def test_eagle_reporting_the_wrong_q_fails_the_same_test(tiny_drafters, monkeypatch,
-                                                          fresh_programs):
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_reporting_the_wrong_q_fails_the_same_test(tiny_drafters, monkeypatch, fresh_programs,
+                                                   method):
     """A drafter that samples from q but reports another distribution to the verifier (here a
-    uniform one) breaks losslessness; the distribution test must see it."""
+    uniform one) breaks losslessness; so does one whose argmax drafts (point masses, Medusa's)
+    are said to come from a soft q. The distribution test must see both."""
     target, drafters = tiny_drafters
-    monkeypatch.setattr(EagleProposer, "propose", reporting_uniform_q(EagleProposer.propose))
+    proposer = {"eagle": EagleProposer, "medusa": MedusaProposer}[method]
+    monkeypatch.setattr(proposer, "propose", reporting_uniform_q(proposer.propose, 8))
     t, k = 0.8, 5
     sampling = sj.SamplingParams(temperature=t, top_k=k, max_new_tokens=3)
-    samples = generate_samples(target, drafters["eagle"], sampling,
-                               sj.SpecConfig(method="eagle", num_speculative_tokens=2))
+    samples = generate_samples(target, drafters[method], sampling,
+                               sj.SpecConfig(method=method, num_speculative_tokens=2))
     assert g_test(samples, exact_joint(target, t, k, 1.0)) < 1e-6
 
 

@@ -50,18 +50,29 @@ def exact_joint(target, t, k, p, prompt=PROMPT):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def g_test(samples, joint):
-    """p-value of a G-test of samples [N, 3] against joint; cells expected < 5 are pooled."""
-    counts = np.zeros(V ** 3)
-    np.add.at(counts, samples[:, 0] * V * V + samples[:, 1] * V + samples[:, 2], 1)
-    expected = joint.ravel() * len(samples)
+def pooled_pvalue(counts, probs):
+    """p-value of a G-test of cell counts against cell probabilities (both flat), after
+    asserting that no cell of probability 0 was drawn at all (filtered by top-k or top-p: one
+    such draw is a broken rule, however few, so it is not left to the pooled statistic); the
+    other cells expected fewer than 5 times are pooled into one."""
+    zero = probs == 0
+    assert counts[zero].sum() == 0, (
+        f"{int(counts[zero].sum())} draws of token sequences with probability 0 (cells "
+        f"{np.flatnonzero(zero & (counts > 0))[:8].tolist()})")
+    counts, expected = counts[~zero], probs[~zero] * counts.sum()
     small = expected < 5
     obs = np.append(counts[~small], counts[small].sum())
     exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        assert obs[-1] == 0, "a token sequence with probability 0 was generated"
+    if not small.any():
         obs, exp = obs[:-1], exp[:-1]
     return scipy_stats.power_divergence(obs, exp, lambda_="log-likelihood").pvalue
+
+
+def g_test(samples, joint):
+    """p-value of a G-test of samples [N, 3] against joint (``pooled_pvalue``)."""
+    counts = np.zeros(V ** 3)
+    np.add.at(counts, samples[:, 0] * V * V + samples[:, 1] * V + samples[:, 2], 1)
+    return pooled_pvalue(counts, joint.ravel())
 
 
 def tight_capacity(longest, max_new, spec):
@@ -306,11 +317,7 @@ def tail_pvalues(samples, joints):
         rows = samples[i::2]
         counts = np.zeros(V * V)
         np.add.at(counts, rows[:, 4] * V + rows[:, 5], 1)
-        expected = joint.ravel() * len(rows)
-        small = expected < 5
-        obs = np.append(counts[~small], counts[small].sum())
-        exp = np.append(expected[~small], expected[small].sum())
-        pvalues.append(scipy_stats.power_divergence(obs, exp, lambda_="log-likelihood").pvalue)
+        pvalues.append(pooled_pvalue(counts, joint.ravel()))
     return pvalues
 
 
