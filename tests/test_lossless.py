@@ -125,6 +125,26 @@ def ngram_prompt(target):
     return PROMPT + [int(x) for x in greedy.tokens[0]] + PROMPT
 
 
+def test_the_g_test_refuses_any_draw_of_probability_zero():
+    """A few draws of sequences the filters give probability 0, among many drawn right, fail
+    the test by themselves; pooled with the rare cells (as before), a G-test passed them."""
+    rng = np.random.default_rng(0)
+    joint = rng.random(V ** 3) ** 4 * (rng.random(V ** 3) < 0.3)  # most cells filtered out
+    joint /= joint.sum()
+    n = 24_576
+    counts = rng.multinomial(n, joint).astype(float)
+    assert pooled_pvalue(counts, joint) > 1e-3
+    zero = np.flatnonzero(joint == 0)
+    counts[rng.choice(zero, 20, replace=False)] += 1
+    with pytest.raises(AssertionError, match="20 draws of token sequences with probability 0"):
+        pooled_pvalue(counts, joint)
+    expected = joint * counts.sum()
+    small = expected < 5  # the pooling before: the 20 draws hide among the rare cells
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    assert scipy_stats.power_divergence(obs, exp, lambda_="log-likelihood").pvalue > 1e-3
+
+
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])
 @pytest.mark.parametrize("gamma,which", [(None, None), (2, "close"), (3, "close"), (3, "small"),
                                          (2, "ngram"), (3, "ngram-factor")],
