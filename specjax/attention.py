@@ -123,10 +123,10 @@ class View:
 
 
 def _scores(q: Array, k: Array, scale: float | None, softcap: float | None) -> Array:
-    """q [B, T, K, G, D] against k [B, n, K, D]: [B, K, G, T, n] float32 scores, times ``scale``
+    """q [B, T, K, G, D] against k [B, K, n, D]: [B, K, G, T, n] float32 scores, times ``scale``
     (None: D ** -0.5), then soft-capped to (-softcap, softcap) by softcap * tanh(s / softcap)
     when given (Gemma 2). Masking comes after."""
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * (
         q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
@@ -135,19 +135,19 @@ def _scores(q: Array, k: Array, scale: float | None, softcap: float | None) -> A
 
 def dense(q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
           softcap: float | None = None) -> Array:
-    """q [B, T, K, G, D] (G query heads per kv head), k, v [B, S, K, D], mask [B, T, S] ->
+    """q [B, T, K, G, D] (G query heads per kv head), k, v [B, K, S, D], mask [B, T, S] ->
     [B, T, K, G, D] in q's dtype. Softmax in float32; scores as ``_scores``."""
     scores = jnp.where(mask[:, None, None], _scores(q, k, scale, softcap), _NEG)
     # exp(NEG - max) is exactly 0 (every query sees at least its own slot, so max is a real score)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->bkgtd", weights, v)
+    out = jnp.einsum("bkgts,bksd->bkgtd", weights, v)
     return jnp.moveaxis(out, 3, 1)  # [B, T, K, G, D]
 
 
 def _fold(carry, q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,
           softcap: float | None = None):
     """One online-softmax step: (running peak, total, weighted values) with the keys k and
-    values v [B, n, K, D] folded in, of which each query sees those mask [B, T, n] allows."""
+    values v [B, K, n, D] folded in, of which each query sees those mask [B, T, n] allows."""
     peak, total, acc = carry
     scores = _scores(q, k, scale, softcap)
     visible = mask[:, None, None]
@@ -157,26 +157,26 @@ def _fold(carry, q: Array, k: Array, v: Array, mask: Array, scale: float | None 
     carried = jnp.exp(peak - new_peak)
     total = total * carried + jnp.sum(weights, axis=-1)
     acc = acc * carried[..., None] + jnp.einsum(
-        "bkgts,bskd->bkgtd", weights.astype(q.dtype), v, preferred_element_type=jnp.float32)
+        "bkgts,bksd->bkgtd", weights.astype(q.dtype), v, preferred_element_type=jnp.float32)
     return new_peak, total, acc
 
 
 def blocked(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
             block: int, chunk: tuple[Array, Array] | None = None, scale: float | None = None,
             softcap: float | None = None) -> Array:
-    """Attention of q [B, T, K, G, D] over layer ``layer`` of k_all, v_all [L, B, S, K, D],
-    block by block up to ``view.live``, then over ``chunk``'s keys and values [B, T, K, D] when
+    """Attention of q [B, T, K, G, D] over layer ``layer`` of k_all, v_all [L, B, K, S, D],
+    block by block up to ``view.live``, then over ``chunk``'s keys and values [B, K, T, D] when
     they are not in the cache. The last block is read ending at slot S when S is not a multiple
     of ``block``; the slots it shares with the block before are masked out."""
     B, T, K, G, D = q.shape
-    S = k_all.shape[2]
+    S = k_all.shape[3]
     ring = is_ring(S, view)
 
     def body(i, carry):
         first = i * block
         start = jnp.minimum(first, S - block)
-        k = jax.lax.dynamic_slice(k_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
-        v = jax.lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, B, block, K, D))[0]
+        k = jax.lax.dynamic_slice(k_all, (layer, 0, 0, start, 0), (1, B, K, block, D))[0]
+        v = jax.lax.dynamic_slice(v_all, (layer, 0, 0, start, 0), (1, B, K, block, D))[0]
         slots = start + jnp.arange(block, dtype=jnp.int32)
         mask = view.ring_mask(slots, S) if ring else view.mask(slots)
         mask &= (slots >= first)[None, None, :]  # [B, T, n]
@@ -219,16 +219,18 @@ def is_ring(slots: int, view: View) -> bool:
 def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
            block: int, chunk: tuple[Array, Array] | None = None, *, scale: float | None = None,
            softcap: float | None = None) -> Array:
-    """q [B, T, K, G, D] over layer ``layer`` of the cache k_all, v_all [L, B, S, K, D] (the
+    """q [B, T, K, G, D] over layer ``layer`` of the cache k_all, v_all [L, B, K, S, D] (the
     chunk already written, or passed as ``chunk`` = its keys and values [B, T, K, D] when
     ``view.chunk_in_cache`` is False), by ``view``; dense when ``uses_dense`` (a ring: when
     ``ring_is_dense``). Scores are scaled by ``scale`` (None: D ** -0.5) and soft-capped by
     ``softcap`` (None: not). A buffer of fewer slots than ``view.capacity`` is a ring
     (``View.ring_mask``)."""
-    S, T = k_all.shape[2], q.shape[1]
+    S, T = k_all.shape[3], q.shape[1]
     if (chunk is None) != view.chunk_in_cache:
         raise ValueError("pass the chunk's keys and values exactly when the view says they are "
                          "not in the cache")
+    if chunk is not None:  # [B, K, T, D], as the cache holds them
+        chunk = tuple(jnp.swapaxes(x, 1, 2) for x in chunk)
     ring = is_ring(S, view)
     if uses_dense(S, T, block) or (ring and ring_is_dense(S, block)):
         k = jax.lax.dynamic_index_in_dim(k_all, layer, axis=0, keepdims=False)
@@ -239,7 +241,7 @@ def attend(q: Array, k_all: Array, v_all: Array, layer: Array, view: View,
         elif mask is None:
             mask = view.mask(jnp.arange(S, dtype=jnp.int32))
         if chunk is not None:
-            k, v = (jnp.concatenate([x, c.astype(x.dtype)], axis=1) for x, c in zip((k, v), chunk))
+            k, v = (jnp.concatenate([x, c.astype(x.dtype)], axis=2) for x, c in zip((k, v), chunk))
             mask = jnp.concatenate([mask, view.chunk_visible()], axis=2)
         return dense(q, k, v, mask, scale, softcap)
     return blocked(q, k_all, v_all, layer, view, block, chunk, scale, softcap)

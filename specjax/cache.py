@@ -33,12 +33,14 @@ from .config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    # [L, B, S, K, D]: every layer's keys and values; with rings, the full-attention layers' only
-    # (L may be 0: the array still carries the capacity S in its shape)
+    # [L, B, K, S, D]: every layer's keys and values, each kv head's slots together, the layout
+    # attention reads them in (slots before heads, XLA transposed every layer's whole cache on
+    # every step: 29% of a batch-16 decode step on a 2-core CPU); with rings, the full-attention
+    # layers' only (L may be 0: the array still carries the capacity S in its shape)
     k: Array
     v: Array
     length: Array  # [B] int32: valid entries per row
-    ring_k: Array | None = None  # [L_sliding, B, R, K, D]: the sliding layers' rings, or None
+    ring_k: Array | None = None  # [L_sliding, B, K, R, D]: the sliding layers' rings, or None
     ring_v: Array | None = None
     # which layers keep a ring (static), or None: none does
     rings: tuple[bool, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -54,20 +56,20 @@ class KVCache:
         K, D = config.num_key_value_heads, config.head_dim
         rings = None if R is None else tuple(config.layer_window(i) is not None
                                              for i in range(config.num_hidden_layers))
-        full = jnp.zeros((config.num_hidden_layers - sum(rings or ()), batch, capacity, K, D),
+        full = jnp.zeros((config.num_hidden_layers - sum(rings or ()), batch, K, capacity, D),
                          dtype)
-        ring = None if R is None else jnp.zeros((sum(rings), batch, R, K, D), dtype)
+        ring = None if R is None else jnp.zeros((sum(rings), batch, K, R, D), dtype)
         return cls(k=full, v=full, length=jnp.zeros((batch,), jnp.int32), ring_k=ring,
                    ring_v=ring, rings=rings)
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[SLOTS]
 
     @property
     def ring(self) -> int | None:
         """R, the slots of each sliding layer's ring, or None (every layer keeps S)."""
-        return None if self.ring_k is None else self.ring_k.shape[2]
+        return None if self.ring_k is None else self.ring_k.shape[SLOTS]
 
     def layout(self, num_layers: int) -> tuple[tuple[bool, int], ...]:
         """``layer_layout`` of this cache's ``rings``."""
@@ -76,6 +78,16 @@ class KVCache:
     def rollback(self, length: Array) -> KVCache:
         """Keep the first ``length[b]`` entries of each row. Also used to advance after a write."""
         return dataclasses.replace(self, length=jnp.asarray(length, jnp.int32))
+
+
+SLOTS = 3
+"""The slot axis of a cache buffer [L, B, K, S, D]."""
+
+
+def by_slot(buffer: Array) -> Array:
+    """A cache buffer [L, B, K, S, D] as [L, B, S, K, D] (each slot's heads together), for
+    reading entries slot by slot."""
+    return jnp.swapaxes(buffer, 2, 3)
 
 
 def ring_size(config: ModelConfig, capacity: int, span: int | None) -> int | None:
@@ -119,9 +131,9 @@ def write(buffer: Array, new: Array, start: Array) -> Array:
 
 def write_layer(buffer: Array, layer: Array, new: Array, start: Array,
                 capacity: int | None = None) -> Array:
-    """``write`` into layer ``layer`` of buffer [L, B, S, ...]. A buffer of fewer slots than
-    ``capacity`` is a ring: virtual slot s goes to s mod its size, those past the capacity are
-    dropped."""
+    """Write new [B, T, K, D] into layer ``layer`` of a cache buffer [L, B, K, S, D] at per-row
+    offsets start [B] (as ``write``). A buffer of fewer slots than ``capacity`` is a ring:
+    virtual slot s goes to s mod its size, those past the capacity are dropped."""
     return _write_rows(buffer, new, start, layer, capacity)
 
 
@@ -166,11 +178,11 @@ def write_chunk(cache: KVCache, k: Array, v: Array) -> KVCache:
 
 def _write_rows(buffer: Array, new: Array, start: Array, layer: Array | None,
                 capacity: int | None = None, layers: bool = False) -> Array:
-    """buffer [(L,) B, S, ...] with row b's slots start[b] .. start[b] + T - 1 (of layer
-    ``layer`` when given) set to new [B, T, ...]; slots past S dropped. ``layers``: new is
-    [L, B, T, ...], written into every layer of buffer [L, B, S, ...] at once. A buffer of
-    fewer slots than ``capacity`` is a ring (``KVCache.ring_k``): slot s is written at s mod
-    its size, and slots past the capacity are dropped.
+    """buffer [B, S, ...] with row b's slots start[b] .. start[b] + T - 1 set to new [B, T, ...];
+    slots past S dropped. With ``layer``: a cache buffer [L, B, K, S, D], whose layer ``layer``
+    gets new [B, T, K, D]; ``layers``: new is [L, B, T, K, D], written into every layer at once.
+    A cache buffer of fewer slots than ``capacity`` is a ring (``KVCache.ring_k``): slot s is
+    written at s mod its size, and slots past the capacity are dropped.
 
     One scatter whose batch dimension is the row: XLA updates the buffer in place, whatever the
     batch, and a mesh that splits the rows moves nothing between devices. (A vmapped
@@ -180,18 +192,19 @@ def _write_rows(buffer: Array, new: Array, start: Array, layer: Array | None,
     B, T = new.shape[1:3] if layers else new.shape[:2]
     step = jnp.arange(T, dtype=jnp.int32)[None, :]
     slots = (start[:, None] + step).astype(jnp.int32)
-    size = buffer.shape[1] if layer is None and not layers else buffer.shape[2]
+    cached = layer is not None or layers  # a cache buffer [L, B, K, S, D]
+    size = buffer.shape[SLOTS if cached else 1]
     ring = capacity is not None and size < capacity
     if ring:  # each past the capacity to its own slot past the ring, dropped
         slots = jnp.where(slots < capacity, slots % size, size + step)
-    window = tuple(range(2, new.ndim))  # the dimensions written whole: K, D
-    if layers:  # [L, B, T, K, D]: L is written whole too
-        index, row, indexed, window = slots[..., None], 1, (2,), (0,) + tuple(range(3, new.ndim))
+    window = tuple(range(2, new.ndim))  # the dimensions written whole: K, D (and L)
+    if layers:  # [L, B, T, K, D] into [L, B, K, S, D]
+        index, row, indexed, window = slots[..., None], 1, (SLOTS,), (0, 3, 4)
     elif layer is None:
         index, row, indexed = slots[..., None], 0, (1,)
-    else:
+    else:  # [B, T, K, D] into layer ``layer`` of [L, B, K, S, D]
         layer_ids = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B, T))
-        index, row, indexed = jnp.stack([layer_ids, slots], axis=-1), 1, (0, 2)
+        index, row, indexed = jnp.stack([layer_ids, slots], axis=-1), 1, (0, SLOTS)
     dims = jax.lax.ScatterDimensionNumbers(
         update_window_dims=window, inserted_window_dims=indexed,
         scatter_dims_to_operand_dims=indexed, operand_batching_dims=(row,),
@@ -272,13 +285,14 @@ def compact(cache: KVCache, start: Array, path: Array, num_accepted: Array) -> K
     src = jnp.where(depth <= num_accepted[:, None], start[:, None] + path, dst)
     rows = jnp.arange(B)[:, None]
 
-    def move(buf, ring=False):  # [L, B, S or R, K, D]
+    def move(buf, ring=False):  # [L, B, K, S or R, D]
         to, fro = dst, src
         if ring:  # virtual slots to ring slots; those past the capacity dropped
-            R = buf.shape[2]
+            R = buf.shape[SLOTS]
             to = jnp.where(dst < cache.capacity, dst % R, R + depth)
             fro = src % R
-        return buf.at[:, rows, to].set(buf[:, rows, fro], mode="drop")
+        # (the row and slot indices, apart, lead both sides alike)
+        return buf.at[:, rows, :, to].set(buf[:, rows, :, fro], mode="drop")
     out = dataclasses.replace(cache, k=move(cache.k), v=move(cache.v))
     if cache.ring_k is None:
         return out

@@ -143,7 +143,7 @@ class Attention(nn.Module):
         k, v = kv.storable(k, v)  # no non-finite value is ever stored or attended over
         chunk = None
         if view.chunk_in_cache:
-            # Written in place into the whole cache [L, B, S, K, D]: carried through the layers,
+            # Written in place into the whole cache [L, B, K, S, D]: carried through the layers,
             # the cache is never copied, so a step costs nothing per unused slot.
             k_all = kv.write_layer(k_all, layer, k, view.length, view.capacity)
             v_all = kv.write_layer(v_all, layer, v, view.length, view.capacity)
@@ -174,7 +174,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One layer: carry (x [B, T, E], k_all, v_all [L, B, S, K, D]), ``layer`` its index.
+    """One layer: carry (x [B, T, E], k_all, v_all [L, B, K, S, D]), ``layer`` its index.
     Also returns the chunk's keys and values [B, T, K, D] when the view leaves them out of the
     cache (else None)."""
 
@@ -239,7 +239,7 @@ def _float32_dot(*args, **kwargs):
 
 
 class Decoder(nn.Module):
-    """tokens [B, T] -> logits [B, T, V] (float32), hidden [B, T, E], updated k, v [L, B, S, K,
+    """tokens [B, T] -> logits [B, T, V] (float32), hidden [B, T, E], updated k, v [L, B, K, S,
     D] (a view with ``chunk_in_cache=False``: the chunk's own k, v [L, B, T, K, D]), and the
     updated rings (ring_k, ring_v) when a ``rings`` layout is given (else None).
     ``stacked``: the layers as one ``nn.scan`` over weights stacked on a leading [L] axis, used

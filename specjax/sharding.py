@@ -24,7 +24,7 @@ as in specjax/model.py, <i> the layer)::
     norm/weight                          [E]            replicated
     lm_head/kernel                       [E, V]         (-, model)      vocabulary columns split
 
-    KV cache k, v                        [L, B, S, K, D] (-, data, -, model, -)  as k_proj
+    KV cache k, v                        [L, B, K, S, D] (-, data, model, -, -)  as k_proj
     per-row arrays (tokens, lengths, keys, ...)   [B, ...]   (data, ...)
 
 Embedding and LM head are split over the vocabulary rather than replicated: they are the largest
@@ -63,7 +63,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"layers/\d+/mlp/down_proj/kernel$", ("mlp", "embed")),
     (r"lm_head/kernel$", ("embed", "vocab")),
 )
-CACHE_AXES = ("layers", "batch", "cache", "kv_heads", "head_dim")  # KV cache k, v
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache", "head_dim")  # KV cache k, v
 ROW_AXES = ("batch",)  # per-row arrays [B, ...]: the rest replicated
 
 RULES: dict[str, str] = {"batch": DATA, "vocab": MODEL, "q_heads": MODEL, "kv_heads": MODEL,
@@ -167,7 +167,7 @@ def placed_on(model: Model, mesh: Mesh) -> bool:
 
 
 def cache_spec(config: ModelConfig, mesh: Mesh, rules: dict | None = None) -> P:
-    """KV cache [L, B, S, K, D]: rows over "data", kv heads over "model" (when they divide)."""
+    """KV cache [L, B, K, S, D]: rows over "data", kv heads over "model" (when they divide)."""
     spec = logical_spec(CACHE_AXES, config, dict(mesh.shape), rules)
     return spec if len(spec) else P(*([None] * len(CACHE_AXES)))
 

@@ -792,7 +792,7 @@ def test_the_rejoin_leaves_the_cache_a_prefill_of_the_same_tokens_leaves(draft, 
     params = draft_model.as_draft_model(draft)
     cache = proposer.init(params, history, read + 1, S)
     # a prefill computes the whole padded chunk: what lies past each row's read is noise here
-    past = (jnp.arange(S)[None, :] > read[:, None])[None, :, :, None, None]
+    past = (jnp.arange(S)[None, :] > read[:, None])[None, :, None, :, None]  # [L, B, K, S, D]
     noise = jnp.asarray(rng.normal(size=cache.k.shape), cache.k.dtype)
     cache = dataclasses.replace(cache, k=jnp.where(past, noise, cache.k),
                                 v=jnp.where(past, -noise, cache.v))
@@ -801,8 +801,8 @@ def test_the_rejoin_leaves_the_cache_a_prefill_of_the_same_tokens_leaves(draft, 
                        else proposer.rejoin(params, cache, history, read, length))
     assert np.all(np.asarray(read) >= np.asarray(length) - 2)
     whole = proposer.init(params, history, length - 1, S)
-    near = [np.allclose(cache.k[:, b, :n], whole.k[:, b, :n], atol=1e-5)
-            and np.allclose(cache.v[:, b, :n], whole.v[:, b, :n], atol=1e-5)
+    near = [np.allclose(cache.k[:, b, :, :n], whole.k[:, b, :, :n], atol=1e-5)
+            and np.allclose(cache.v[:, b, :, :n], whole.v[:, b, :, :n], atol=1e-5)
             for b, n in enumerate(np.asarray(length) - 1)]
     assert near == ([False, False, True] if broken else [True] * B), near
 

@@ -52,6 +52,7 @@ def test_blocked_equals_dense_and_numpy(S, block, kind):
     layer = jnp.int32(1)
     mask = view.mask(jnp.arange(S))
     want = numpy_attention(q, k_all[1], v_all[1], mask)
+    k_all, v_all = kv.by_slot(k_all), kv.by_slot(v_all)  # as the cache stores them
     dense = attention.dense(q, k_all[1], v_all[1], mask)
     blocked = attention.blocked(q, k_all, v_all, layer, view, block)
     np.testing.assert_allclose(np.asarray(dense), want, atol=2e-5)
@@ -91,7 +92,7 @@ def test_attention_reads_the_live_blocks_not_the_capacity(monkeypatch, broken):
     q = jnp.asarray(rng.normal(size=(B, 1, K, G, D)), jnp.float32)
     view = attention.View(jnp.array([5, 64]), jnp.ones((B, 1, 1), bool),
                           jnp.array([[5], [64]]))
-    out = attention.attend(q, k_all, v_all, jnp.int32(0), view, 256)
+    out = attention.attend(q, kv.by_slot(k_all), kv.by_slot(v_all), jnp.int32(0), view, 256)
     want = numpy_attention(q, k_all[0], v_all[0], view.mask(jnp.arange(S)))
     np.testing.assert_allclose(np.asarray(out), want, atol=2e-5)  # right either way
     assert (trips != [1]) if broken else (trips == [1]), trips
@@ -107,6 +108,7 @@ def test_a_row_does_not_depend_on_how_long_the_others_are():
     causal = jnp.ones((2, 1, 1), bool)
     short = attention.View(jnp.array([5, 6]), causal, jnp.array([[5], [6]]))
     long = attention.View(jnp.array([5, 38]), causal, jnp.array([[5], [38]]))
+    k_all, v_all = kv.by_slot(k_all), kv.by_slot(v_all)
     a = attention.blocked(q, k_all, v_all, jnp.int32(0), short, 8)
     b = attention.blocked(q, k_all, v_all, jnp.int32(0), long, 8)
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
@@ -116,10 +118,10 @@ def _poison(cache, live, value):
     """Every slot at or past live[b] written with value, keys and values, as a write stores a
     broken position (``cache.write_chunk``), and the keys there overwritten with value too (a
     key is never weighted, only its score selected away, so any key may lie in a dead slot)."""
-    L, B, S, K, D = cache.k.shape
-    junk = jnp.full((L, B, S, K, D), value, cache.k.dtype)
+    L, B, K, S, D = cache.k.shape
+    junk = jnp.full((L, B, S, K, D), value, cache.k.dtype)  # a chunk of S slots
     written = kv.write_chunk(cache.rollback(jnp.asarray(live)), junk, junk)
-    slot = jnp.arange(S)[None, None, :, None, None]
+    slot = jnp.arange(S)[None, None, None, :, None]
     dead = slot >= jnp.asarray(live)[None, :, None, None, None]
     return sj.KVCache(jnp.where(dead, jnp.asarray(value, cache.k.dtype), written.k), written.v,
                       cache.length)
@@ -203,7 +205,8 @@ def _attend_over_a_broken_value(storable):
     v = jnp.asarray(rng.standard_normal((1, 4, 1, 8)), jnp.float32).at[0, 2, 0, 3].set(jnp.inf)
     k, v = storable(k, v)
     mask = jnp.tril(jnp.ones((4, 4), bool))[None]
-    return np.asarray(attention.dense(q, k, v, mask))[0, :, 0, 0]
+    return np.asarray(attention.dense(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2),
+                                      mask))[0, :, 0, 0]  # [B, K, S, D] as in the cache
 
 
 def test_a_query_that_sees_a_non_finite_value_gets_nan():
@@ -278,8 +281,8 @@ def _chunk_apart_mismatch(window, block) -> float:
     for b in range(B):
         end = int(lengths[b]) + T
         for x, y in ((after.k, written.k), (after.v, written.v)):
-            worst = max(worst, float(np.max(np.abs(np.asarray(x[:, b, :end]) -
-                                                   np.asarray(y[:, b, :end])))))
+            worst = max(worst, float(np.max(np.abs(np.asarray(x[:, b, :, :end]) -
+                                                   np.asarray(y[:, b, :, :end])))))
     return worst
 
 

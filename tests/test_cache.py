@@ -50,10 +50,11 @@ def ref_key_positions(length, positions, b, s):
 
 
 def random_cache(rng, L=2, B=4, S=12, K=2, D=3, dtype=jnp.float32):
+    """A cache of random entries (drawn slot by slot, [L, B, S, K, D], stored [L, B, K, S, D])."""
     k = rng.normal(size=(L, B, S, K, D)).astype(np.float32)
     v = rng.normal(size=(L, B, S, K, D)).astype(np.float32)
     length = rng.integers(0, S, size=B).astype(np.int32)
-    return kv.KVCache(k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype),
+    return kv.KVCache(k=kv.by_slot(jnp.asarray(k, dtype)), v=kv.by_slot(jnp.asarray(v, dtype)),
                       length=jnp.asarray(length))
 
 
@@ -63,7 +64,7 @@ def random_cache(rng, L=2, B=4, S=12, K=2, D=3, dtype=jnp.float32):
 def test_init_shapes_dtypes_and_zero_lengths(dtype):
     config = tiny_config(layers=3, heads=4, kv_heads=2, hidden_size=16, dtype=dtype)
     cache = kv.KVCache.init(config, batch=3, capacity=7)
-    shape = (3, 3, 7, 2, config.head_dim)
+    shape = (3, 3, 2, 7, config.head_dim)  # [L, B, K, S, D]
     assert cache.k.shape == shape and cache.v.shape == shape
     assert cache.k.dtype == jnp.dtype(dtype) and cache.v.dtype == jnp.dtype(dtype)
     assert cache.length.shape == (3,) and cache.length.dtype == jnp.int32
@@ -89,14 +90,16 @@ def test_rollback_changes_only_the_length():
 
 # -- write ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("trailing,dtype", [((2, 3), jnp.float32), ((2, 3), jnp.bfloat16),
-                                            ((), jnp.int32)])
-@pytest.mark.parametrize("layered", [False, True], ids=["write", "write_layer"])
+@pytest.mark.parametrize("trailing,dtype,layered", [
+    ((2, 3), jnp.float32, False), ((2, 3), jnp.bfloat16, False), ((), jnp.int32, False),
+    ((2, 3), jnp.float32, True), ((2, 3), jnp.bfloat16, True)],
+    ids=["write-f32", "write-bf16", "write-int32", "write_layer-f32", "write_layer-bf16"])
 @pytest.mark.parametrize("rows", [1, 6, "1-past"])
 def test_write_at_per_row_offsets(trailing, dtype, layered, rows):
-    """[B, S, K, D] cache buffers and the [B, S] token history (``write``), and layer 1 of
-    [L, B, S, K, D] (``write_layer``); new values are cast to the buffer's dtype (integer-valued
-    data, so bfloat16 is exact). Slots at S or beyond are dropped, never clamped onto others."""
+    """[B, S, K, D] buffers and the [B, S] token history (``write``), and layer 1 of a cache
+    buffer [L, B, K, S, D] (``write_layer``); new values are cast to the buffer's dtype
+    (integer-valued data, so bfloat16 is exact). Slots at S or beyond are dropped, never clamped
+    onto others."""
     rng = np.random.default_rng(1)
     L, S, T = 3, 10, 3
     # rows: from slot 0; in the middle; ending exactly at capacity; one slot left (two dropped);
@@ -105,7 +108,7 @@ def test_write_at_per_row_offsets(trailing, dtype, layered, rows):
     start = {1: np.array([4], np.int32), "1-past": np.array([S - 1], np.int32),
              6: np.array([4, 0, S - T, S - 1, S + 2, 2], np.int32)}[rows]
     rows = len(start)
-    shape = (L, rows, S) + trailing if layered else (rows, S) + trailing
+    shape = (L, rows, trailing[0], S, trailing[1]) if layered else (rows, S) + trailing
     buffer = rng.integers(-50, 50, size=shape).astype(np.float32)
     new = rng.integers(100, 200, size=(rows, T) + trailing).astype(np.float32)
     if layered:
@@ -115,7 +118,7 @@ def test_write_at_per_row_offsets(trailing, dtype, layered, rows):
         out = kv.write(jnp.asarray(buffer, dtype), jnp.asarray(new), jnp.asarray(start))
     assert out.shape == buffer.shape and out.dtype == jnp.dtype(dtype)
     expected = buffer.copy()
-    row_view = expected[1] if layered else expected
+    row_view = np.swapaxes(expected[1], 1, 2) if layered else expected  # [B, S, ...] views
     for b in range(rows):
         for s in range(S):
             if start[b] <= s < start[b] + T:
@@ -137,10 +140,11 @@ def test_write_chunk_writes_every_layer_at_each_row_length(rings):
     ring = rng.integers(-50, 50, (sum(layout), 2, B, R, K, D)).astype(np.float32)
     length = np.array([0, 5, S - 1, S + 1], np.int32)  # from 0; middle; one slot left; past
     new = rng.integers(100, 200, (2, L, B, T, K, D)).astype(np.float32)
-    cache = kv.KVCache(k=jnp.asarray(full[:, 0]), v=jnp.asarray(full[:, 1]),
+    stored = lambda x: kv.by_slot(jnp.asarray(x))  # noqa: E731 ([L, B, S, K, D] drawn)
+    cache = kv.KVCache(k=stored(full[:, 0]), v=stored(full[:, 1]),
                        length=jnp.asarray(length),
-                       ring_k=jnp.asarray(ring[:, 0]) if rings else None,
-                       ring_v=jnp.asarray(ring[:, 1]) if rings else None, rings=rings)
+                       ring_k=stored(ring[:, 0]) if rings else None,
+                       ring_v=stored(ring[:, 1]) if rings else None, rings=rings)
     out = kv.write_chunk(cache, jnp.asarray(new[0]), jnp.asarray(new[1]))
     want_full, want_ring = full.copy(), ring.copy()
     counts = [0, 0]
@@ -156,11 +160,11 @@ def test_write_chunk_writes_every_layer_at_each_row_length(rings):
                     want_ring[index, :, b, s % R] = new[:, layer, b, t]
                 else:
                     want_full[index, :, b, s] = new[:, layer, b, t]
-    np.testing.assert_array_equal(np.asarray(out.k), want_full[:, 0])
-    np.testing.assert_array_equal(np.asarray(out.v), want_full[:, 1])
+    np.testing.assert_array_equal(np.asarray(kv.by_slot(out.k)), want_full[:, 0])
+    np.testing.assert_array_equal(np.asarray(kv.by_slot(out.v)), want_full[:, 1])
     if rings:
-        np.testing.assert_array_equal(np.asarray(out.ring_k), want_ring[:, 0])
-        np.testing.assert_array_equal(np.asarray(out.ring_v), want_ring[:, 1])
+        np.testing.assert_array_equal(np.asarray(kv.by_slot(out.ring_k)), want_ring[:, 0])
+        np.testing.assert_array_equal(np.asarray(kv.by_slot(out.ring_v)), want_ring[:, 1])
     np.testing.assert_array_equal(np.asarray(out.length), length + T)
     assert (want_full != full).any() and (not rings or (want_ring != ring).any())
 
@@ -300,13 +304,14 @@ def compact_inputs(seed=8):
 
 def compact_mismatches(compact_fn, cache, start, path, num_accepted):
     """Run compact_fn and compare to the reference; returns the (what, b, slot) that differ."""
-    k0, v0 = np.asarray(cache.k).copy(), np.asarray(cache.v).copy()
+    k0, v0 = (np.asarray(kv.by_slot(x)).copy() for x in (cache.k, cache.v))  # [L, B, S, K, D]
     length0 = np.asarray(cache.length).copy()
     out = compact_fn(cache, jnp.asarray(start), jnp.asarray(path), jnp.asarray(num_accepted))
     bad = []
     if not np.array_equal(np.asarray(out.length), length0):
         bad.append(("length", None, None))
-    for name, before, after in (("k", k0, np.asarray(out.k)), ("v", v0, np.asarray(out.v))):
+    for name, before, after in (("k", k0, np.asarray(kv.by_slot(out.k))),
+                                ("v", v0, np.asarray(kv.by_slot(out.v)))):
         if after.shape != before.shape:
             bad.append((name + " shape", None, None))
             continue

@@ -103,7 +103,7 @@ def test_eagle_prefill_in_chunks_equals_one_forward(long_pair):
     assert list(np.asarray(state.cache.length)) == [P - 1, 6]
     for b, n in enumerate([P - 1, 6]):
         for got, want in [(state.cache.k, whole.k), (state.cache.v, whole.v)]:
-            np.testing.assert_allclose(np.asarray(got[:, b, :n]), np.asarray(want[:, b, :n]),
+            np.testing.assert_allclose(np.asarray(got[:, b, :, :n]), np.asarray(want[:, b, :, :n]),
                                        atol=2e-5)
 
 
@@ -199,12 +199,17 @@ def test_the_decode_loop_copies_no_cache_buffer(long_pair, monkeypatch, fresh_pr
     target, draft = long_pair
     assert _cache_copies(target, draft) == []
 
-    def vmapped(buffer, new, start, layer, capacity=None):
+    write_rows = sj.cache._write_rows
+
+    def vmapped(buffer, new, start, layer, capacity=None, layers=False):
         T = new.shape[1]
+        if layers:  # (all layers at once: left as it is)
+            return write_rows(buffer, new, start, layer, capacity, layers)
         if layer is None:
             return jax.vmap(lambda b, x, s: b.at[s + jnp.arange(T)].set(x, mode="drop"))(
                 buffer, new, start)
-        return jax.vmap(lambda b, x, s: b.at[layer, s + jnp.arange(T)].set(x, mode="drop"),
+        # a row's [L, K, S, D]: layer ``layer``'s slots s .. s + T - 1 get x [T, K, D]
+        return jax.vmap(lambda b, x, s: b.at[layer, :, s + jnp.arange(T)].set(x, mode="drop"),
                         in_axes=(1, 0, 0), out_axes=1)(buffer, new, start)
     monkeypatch.setattr(sj.cache, "_write_rows", vmapped)
     jax.clear_caches()

@@ -182,7 +182,7 @@ def check_cache(target, d):
             upto = old[b]  # the round injected the features up to slot old - 1
             cache = state.draft_state.cache
             for got, want in ((cache.k, ref.k), (cache.v, ref.v)):
-                np.testing.assert_allclose(got[:, b, :upto], want[:, 0, :upto], rtol=1e-5,
+                np.testing.assert_allclose(got[:, b, :, :upto], want[:, 0, :, :upto], rtol=1e-5,
                                            atol=1e-4)
             f = state.draft_state.features
             got = np.asarray(f.feats[b, :length[b] - f.start[b]])

@@ -494,8 +494,8 @@ def check_eagle_cache(target, d, tree):
                 sj.KVCache.init(d.config.layer, 1, n - 1))
             upto = old[b]  # the round's catch-up rewrote pairs up to slot old - 1
             cache = state.draft_state.cache
-            np.testing.assert_allclose(cache.k[:, b, :upto], ref.k[:, 0, :upto], atol=2e-5)
-            np.testing.assert_allclose(cache.v[:, b, :upto], ref.v[:, 0, :upto], atol=2e-5)
+            np.testing.assert_allclose(cache.k[:, b, :, :upto], ref.k[:, 0, :, :upto], atol=2e-5)
+            np.testing.assert_allclose(cache.v[:, b, :, :upto], ref.v[:, 0, :, :upto], atol=2e-5)
             # and the features kept for the next catch-up are the target's along the path
             f = state.draft_state.features
             got = np.asarray(f.feats[b, :length[b] - f.start[b]])
@@ -683,8 +683,9 @@ def reporting_uniform_q(propose, vocab_size: int | None = None):
     masses, Medusa's argmax, reported as drawn from a uniform q)."""
     def wrong_q(self, *args, **kwargs):
         draft, state = propose(self, *args, **kwargs)
-        V = draft.probs.shape[-1] if draft.probs is not None else vocab_size
-        uniform = jnp.full((*draft.tokens.shape, V), 1.0 / V, jnp.float32)
+        shape = ((*draft.tokens.shape, vocab_size) if draft.probs is None
+                 else draft.probs.shape)  # (a tree's probs: a row per node, the root's too)
+        uniform = jnp.full(shape, 1.0 / shape[-1], jnp.float32)
         return dataclasses.replace(draft, probs=uniform), state
     return wrong_q
 

@@ -91,7 +91,7 @@ def test_stale_entries_past_length_are_invisible():
     want = sj.logits(model, jnp.array([[3, 1, 4, 9]]))[:, -1]
     np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want), atol=1e-5)
     # Fill the garbage slots with huge values: still invisible.
-    poisoned = sj.KVCache(cache.k.at[:, :, 3:].set(1e4), cache.v.at[:, :, 3:].set(1e4),
+    poisoned = sj.KVCache(cache.k.at[:, :, :, 3:].set(1e4), cache.v.at[:, :, :, 3:].set(1e4),
                           cache.length)
     got2, _, _ = sj.forward(model, jnp.array([[9]]), jnp.array([[3]]), poisoned)
     np.testing.assert_allclose(np.asarray(got2), np.asarray(got), atol=1e-6)

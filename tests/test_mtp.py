@@ -185,7 +185,7 @@ def check_caches(target, d, gamma=3, check_saved=True):
                 upto = max(old[b] - k + 1, 0)  # final entries j <= old - k
                 got, want = s.caches[k - 1], caches[k - 1]
                 for g, w in ((got.k, want.k), (got.v, want.v)):
-                    np.testing.assert_allclose(g[:, b, :upto], w[:, 0, :upto], rtol=1e-4,
+                    np.testing.assert_allclose(g[:, b, :, :upto], w[:, 0, :, :upto], rtol=1e-4,
                                                atol=2e-4)
                 if check_saved and k < gamma and old[b] - k >= 0:  # module k's output at old - k
                     np.testing.assert_allclose(s.saved[b, k - 1], outs[k - 1][old[b] - k],

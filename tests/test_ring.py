@@ -121,7 +121,7 @@ def test_the_comparison_catches_broken_rings(model, monkeypatch, fresh_programs,
 
 def test_only_sliding_layers_keep_rings_of_window_plus_span(model):
     cache = sj.KVCache.init(model.config, 3, 192, span=16)
-    assert cache.k.shape == (1, 3, 192, 2, 8) and cache.ring_k.shape == (2, 3, 20, 2, 8)
+    assert cache.k.shape == (1, 3, 2, 192, 8) and cache.ring_k.shape == (2, 3, 2, 20, 8)
     assert cache.rings == (True, False, True) and cache.capacity == 192
     assert cache.layout(3) == ((True, 0), (False, 0), (True, 1))
     # no rings without a span, without sliding layers, or when a ring would not be smaller

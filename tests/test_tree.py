@@ -533,8 +533,10 @@ def test_committed_cache_equals_plain_decoding(greedy_setup):
                                                                               seq.shape[1]))
                 # the draft holds nodes up to depth D - 1 = 2 after the root (slot old[b]), the
                 # path's moved ones (compacted) included
-                np.testing.assert_allclose(cache.k[:, b, :upto], ref.k[:, 0, :upto], atol=2e-5)
-                np.testing.assert_allclose(cache.v[:, b, :upto], ref.v[:, 0, :upto], atol=2e-5)
+                np.testing.assert_allclose(cache.k[:, b, :, :upto], ref.k[:, 0, :, :upto],
+                                           atol=2e-5)
+                np.testing.assert_allclose(cache.v[:, b, :, :upto], ref.v[:, 0, :, :upto],
+                                           atol=2e-5)
     assert deep > 0  # paths of depth >= 2 were accepted and compacted
 
 
