@@ -17,10 +17,10 @@
   threshold (``SpecConfig.survival_threshold``). The batch verifies draft k while some row wants
   it, in every row still generating: the verify forward is [B, width] for the widest row, so a
   row's drafts up to that width cost nothing more and can only add tokens (``Draft.valid`` marks
-  them). Drafting stops once no row wants more. The engine verifies only as many positions as
-  that width (one program with a branch per width, chosen on the device), so nothing recompiles
-  when the lengths change, nor for another threshold or budget: their numbers are data of the
-  call (``Tuning``).
+  them). Drafting stops once no row wants more. The engine verifies over the narrowest of
+  ``loop_widths(γ)`` that holds that width (one while loop per width in one program,
+  ``engine._rounds``, chosen on the device), so nothing recompiles when the lengths change, nor
+  for another threshold or budget: their numbers are data of the call (``Tuning``).
 
 Why the output stays the target's: whether a row has draft k verified is decided from what the
 drafter knew before drawing it, in that row and in the others (the drafts before it, its

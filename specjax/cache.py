@@ -86,7 +86,8 @@ SLOTS = 3
 
 def by_slot(buffer: Array) -> Array:
     """A cache buffer [L, B, K, S, D] as [L, B, S, K, D] (each slot's heads together), for
-    reading entries slot by slot."""
+    reading entries slot by slot; its own inverse, so it also stores entries laid out slot by
+    slot."""
     return jnp.swapaxes(buffer, 2, 3)
 
 

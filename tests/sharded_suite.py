@@ -102,6 +102,11 @@ def test_heads_that_do_not_divide_are_replicated():
     assert placed["layers/0/self_attn/q_proj/kernel"].sharding.spec == P(None, "model")
 
 
+def test_the_cache_is_split_by_rows_and_kv_heads():
+    """The KV cache [L, B, K, S, D]: rows over "data", kv heads over "model", slots whole."""
+    assert sharding.cache_spec(TARGET, sj.make_mesh(2, 4)) == P(None, "data", "model", None, None)
+
+
 SPECS = {"autoregressive": None, "chain": sj.SpecConfig(num_speculative_tokens=3),
          "tree": sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 1), (1, 0))),
          "ngram": sj.SpecConfig(method="ngram", num_speculative_tokens=3),

@@ -707,12 +707,30 @@ def test_a_round_is_charged_the_forward_its_loop_runs():
     for k, n in held.items():
         assert budget.cost(k) == pytest.approx(0.1 + 0.02 * k + v[n]), k
     # the rule with it, rows equally confident: a round stops at the end of a loop's width
-    # (charged k + 1 tokens, it took 3, 3, 5 and 7 drafts at these confidences)
+    # (charged k + 1 tokens, confidences 0.74, 0.8, 0.88 and 0.92 took 3, 3, 5 and 7 drafts)
     B, G = 4, 8
     greedy, active = jnp.ones((B,), bool), jnp.ones((B,), bool)
     for p, want in ((0.6, 2), (0.74, 2), (0.8, 4), (0.88, 4), (0.92, 8), (0.97, 8)):
         valid = control_valid(jnp.full((B, G), p, jnp.float32), greedy, active, None, budget)
         assert int(valid.sum(axis=1).max()) == want, (p, valid.sum(axis=1))
+
+
+def test_a_partial_last_group_gets_the_rule_of_its_own_rows(monkeypatch):
+    """With rows sharing widths in pairs, five rows make two pairs and a row alone: each group
+    gets what the reference rule gives a batch of its own rows (the last one padded, never
+    counted as a row)."""
+    monkeypatch.setattr(adaptive, "WIDTH_GROUP", 2)
+    B, G = 5, 4
+    rng = np.random.default_rng(4)
+    budget = adaptive.Budget.of([1.0, 1.5, 2.0, 2.5, 3.0], 0.1)
+    greedy, active = jnp.ones((B,), bool), jnp.asarray([True, True, True, False, True])
+    for _ in range(5):
+        scores = jnp.asarray(rng.uniform(0.3, 1.0, (B, G)), jnp.float32)
+        valid = control_valid(scores, greedy, active, 0.05, budget)
+        predicted = np.asarray(Calibration.identity().predict(scores, greedy))
+        want = np.concatenate([budget_reference(predicted[i:i + 2], np.asarray(active[i:i + 2]),
+                                                0.05, budget) for i in (0, 2, 4)])
+        np.testing.assert_array_equal(valid, want)
 
 # -- rests: rounds that skip the draft after the budget declines ----------------------------------
 
