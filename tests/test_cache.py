@@ -127,6 +127,26 @@ def test_write_at_per_row_offsets(trailing, dtype, layered, rows):
     assert (np.asarray(out, np.float32) != buffer).any()  # something was written
 
 
+def test_write_layer_into_a_ring():
+    """Layer 1 of a sliding layers' ring buffer [L, B, K, R, D] (R < the capacity S): virtual slot
+    s lands at ring slot s mod R, and slots at S or beyond are dropped, never wrapped onto
+    others."""
+    rng = np.random.default_rng(2)
+    L, B, K, R, D, S, T = 2, 4, 2, 5, 3, 12, 3
+    start = np.array([0, 4, S - 2, S + 1], np.int32)  # in place; wrapping; one dropped; all
+    buffer = rng.integers(-50, 50, (L, B, K, R, D)).astype(np.float32)
+    new = rng.integers(100, 200, (B, T, K, D)).astype(np.float32)
+    out = kv.write_layer(jnp.asarray(buffer), jnp.int32(1), jnp.asarray(new), jnp.asarray(start),
+                         capacity=S)
+    expected = buffer.copy()
+    for b in range(B):
+        for t in range(T):
+            if start[b] + t < S:
+                expected[1, b, :, (start[b] + t) % R] = new[b, t]
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    assert (expected[1, 1] != buffer[1, 1]).any() and (expected[:, 3] == buffer[:, 3]).all()
+
+
 @pytest.mark.parametrize("rings", [None, (True, False, True, True)], ids=["full", "rings"])
 def test_write_chunk_writes_every_layer_at_each_row_length(rings):
     """``write_chunk`` (all layers of a buffer in one scatter) against a slot-by-slot reference:
