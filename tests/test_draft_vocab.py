@@ -59,15 +59,21 @@ def test_restricted_draft_is_greedy_exact(target, noisy, reference, spec):
     assert not np.isin(emitted, vocab).all()  # the target did emit tokens the draft cannot
 
 
-@pytest.mark.parametrize("t,k,p,broken", [(0.0, 0, 1.0, False), (0.8, 0, 1.0, False),
-                                         (0.8, 3, 0.8, False), (0.8, 3, 0.8, True)],
-                         ids=["greedy", "T0.8", "T0.8-topk3-topp0.8", "broken"])
-def test_proposals_come_from_the_draft_vocabulary(target, noisy, t, k, p, broken, monkeypatch):
+@pytest.mark.parametrize("t,k,p,broken,whole", [(0.0, 0, 1.0, False, False),
+                                               (0.8, 0, 1.0, False, False),
+                                               (0.8, 3, 0.8, False, False),
+                                               (0.8, 3, 0.8, True, False),
+                                               (0.8, 3, 0.8, False, True)],
+                         ids=["greedy", "T0.8", "T0.8-topk3-topp0.8", "broken", "whole-vocab"])
+def test_proposals_come_from_the_draft_vocabulary(target, noisy, t, k, p, broken, whole,
+                                                  monkeypatch):
     """Tokens in the subset; q over V sums to one, is zero outside the subset and equals the
     processed draft logits over the subset alone (temperature, top-k, top-p, against conftest's
-    numpy reference), at every draft position given the drafts before it. Deliberately broken, a
-    q taken before top-k and top-p while the token was drawn after them (the q a Hugging Face
-    candidate generator once returned) fails."""
+    numpy reference), at every draft position given the drafts before it (the first from the
+    catch-up forward, which computes the logits of its last position only). Deliberately broken,
+    a q taken before top-k and top-p while the token was drawn after them (the q a Hugging Face
+    candidate generator once returned) fails. ``whole``: the draft unrestricted (its LM head in
+    the model's forward)."""
     if broken:
         real = draft_model.draw
 
@@ -75,8 +81,8 @@ def test_proposals_come_from_the_draft_vocabulary(target, noisy, t, k, p, broken
             token, _ = real(logits, key, params, filters, vocab)
             return token, sampling.process_logits(logits, params, sampling.Filters())
         monkeypatch.setattr(draft_model, "draw", unfiltered_q)
-    vocab = np.array([0, 3, 4, 7, 11, 12, 20, 21, 25, 31])
-    draft = restrict_vocab(noisy, vocab)
+    vocab = np.arange(32) if whole else np.array([0, 3, 4, 7, 11, 12, 20, 21, 25, 31])
+    draft = sj.DraftModel(noisy) if whole else restrict_vocab(noisy, vocab)
     proposer = draft_model.DraftModelProposer(draft.config, 3)
     B, P = 2, 5
     prompts = jnp.asarray([[1, 5, 9, 2, 6], [3, 1, 4, 0, 0]], jnp.int32)

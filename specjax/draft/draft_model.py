@@ -72,16 +72,20 @@ class DraftModel:
         return self.config.vocab_size if self.vocab is None else self.vocab.size
 
     def logits(self, tokens: Array, positions: Array, cache: KVCache,
-               chunk_mask: Array | None = None, *, write: bool = True
-               ) -> tuple[Array, KVCache]:
+               chunk_mask: Array | None = None, *, write: bool = True,
+               at: tuple[int, ...] | None = None) -> tuple[Array, KVCache]:
         """A draft forward: logits over its draft vocabulary [B, T, M] and the extended cache
         (``write=False``: the chunk's keys and values instead, as ``model.forward``). With a
         restricted vocabulary the full-vocabulary logits are never used, and the compiler
-        drops them."""
+        drops them. ``at`` (chunk indices, static): the logits at those positions only, [B,
+        len(at), M] (the LM head is the draft's widest product; XLA does not narrow it to the
+        positions a caller reads)."""
         logits, hidden, cache = forward(self.model, self.inputs(tokens), positions, cache,
-                                        chunk_mask, write=write)
+                                        chunk_mask, write=write,
+                                        logits_at=at if self.vocab is None else ())
         if self.vocab is not None:
-            logits = self.vocab.logits(hidden)
+            logits = self.vocab.logits(hidden if at is None
+                                       else hidden[:, np.asarray(at, np.int32)])
         return logits, cache
 
     def token_ids(self, index: Array) -> Array:
@@ -367,12 +371,12 @@ ceil((r - 2) / 8) such forwards."""
 
 def _catch_up(draft: DraftModel, cache: KVCache, history: Array, length: Array
               ) -> tuple[Array, KVCache]:
-    """The two-token forward at slots length - 1, length (see the module docstring): logits
-    [B, 2, M] and the cache."""
+    """The two-token forward at slots length - 1, length (see the module docstring): the
+    logits at the last [B, 1, M] (the first position's are never read) and the cache."""
     rows = jnp.arange(history.shape[0])
     prev, last = history[rows, length - 1], history[rows, length]
     return draft.logits(jnp.stack([prev, last], 1), jnp.stack([length - 1, length], 1),
-                        cache.rollback(length - 1))
+                        cache.rollback(length - 1), at=(1,))
 
 
 def _prefilled(draft: DraftModel, prompts: Array, prompt_lengths: Array, capacity: int,
