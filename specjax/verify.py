@@ -96,6 +96,27 @@ def recovery_probs(draft_tokens: Array, draft_probs: Array | None, target_probs:
     return jnp.concatenate([residual, target_probs[:, G:]], axis=1)
 
 
+def _recovery_at(k: Array, draft_tokens: Array, draft_probs: Array | None,
+                 target_probs: Array, valid: Array | None) -> Array:
+    """Row b of ``recovery_probs`` at index k[b] alone: [B, V]. Only the stopping point drawn
+    from is computed (the residuals at the other G positions and their normalisation were a
+    tenth of a sampled round on a CPU), by ``recovery_probs`` itself on that one position: its
+    draft, q and p, and the bonus index G as a draft not proposed (drawn from p itself, as
+    ``recovery_probs`` draws index G)."""
+    B, G = draft_tokens.shape
+    if G == 0:  # nothing drafted: the bonus distribution
+        return target_probs[:, 0]
+    rows = jnp.arange(B)
+    at = jnp.minimum(k, G - 1)
+    proposed = k < G
+    if valid is not None:
+        proposed &= valid[rows, at]
+    p = target_probs[rows, k][:, None]  # [B, 1, V]
+    q = None if draft_probs is None else draft_probs[rows, at][:, None]
+    return recovery_probs(draft_tokens[rows, at][:, None], q, jnp.concatenate([p, p], axis=1),
+                          proposed[:, None])[:, 0]
+
+
 def rejection_sample(keys: Array, draft_tokens: Array, draft_probs: Array | None,
                      target_probs: Array, valid: Array | None = None) -> Verdict:
     """One verification round for a batch of chains.
@@ -106,13 +127,12 @@ def rejection_sample(keys: Array, draft_tokens: Array, draft_probs: Array | None
     """
     B, G = draft_tokens.shape
     accept_p = acceptance_probs(draft_tokens, draft_probs, target_probs, valid)  # [B, G]
-    recover_p = recovery_probs(draft_tokens, draft_probs, target_probs, valid)  # [B, G+1, V]
     split = jax.vmap(jax.random.split)(keys)  # [B, 2]
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(split[:, 0])  # [B, G] in [0, 1)
     accepted = u < accept_p
     num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)  # [B]
-    last_p = jnp.take_along_axis(recover_p, num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
-    last = sampling.sample(split[:, 1], last_p)  # recovered or bonus token
+    last = sampling.sample(split[:, 1], _recovery_at(num_accepted, draft_tokens, draft_probs,
+                                                     target_probs, valid))  # recovered or bonus
     index = jnp.arange(G + 1)[None, :]
     padded = jnp.concatenate([draft_tokens, jnp.zeros((B, 1), draft_tokens.dtype)], axis=1)
     tokens = jnp.where(index < num_accepted[:, None], padded, -1)
