@@ -181,12 +181,18 @@ def ref_process(logits, temperature=1.0, top_k=0, top_p=1.0):
 
 def verification_paths(draft) -> dict:
     """{name: (SpecConfig or None, draft)}: one setting for each way a round is verified
-    (autoregressive, a chain, n-gram's per-row lengths, a tree), for tests that must hold on
-    every path."""
+    (autoregressive, a chain, n-gram's per-row lengths, a tree; lookahead's tree beside its
+    window in one forward, suffix's tree of varied fill), for tests that must hold on every
+    path."""
     return {"autoregressive": (None, None),
             "chain": (sj.SpecConfig(num_speculative_tokens=3), draft),
             # every match verified (no acceptance gate): the path, not the gate, is under test
             "ngram": (sj.SpecConfig(method="ngram", num_speculative_tokens=3,
                                     prompt_lookup_min=1, acceptance_floor=0), None),
-            "tree": (sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 0, 0))), draft)}
+            "tree": (sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 0, 0))), draft),
+            "lookahead": (sj.SpecConfig(method="lookahead", num_speculative_tokens=3,
+                                        lookahead_window=3, lookahead_candidates=2), None),
+            "suffix": (sj.SpecConfig(method="suffix", tree=((0,), (1,), (0, 0), (0, 0, 0)),
+                                     suffix_decoding_min_token_prob=0.0,
+                                     acceptance_floor=0), None)}
 

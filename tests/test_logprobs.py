@@ -44,7 +44,8 @@ def check(target, out, mode="raw", t=1.0, k=0, p=1.0):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("method", ["autoregressive", "chain", "ngram", "tree"])
+@pytest.mark.parametrize("method", ["autoregressive", "chain", "ngram", "tree",
+                                    "lookahead", "suffix"])
 def test_raw_logprobs_equal_a_teacher_forced_forward(target, draft, method, temperature):
     spec, d = verification_paths(draft)[method]
     out = sj.generate(target, PROMPTS, spec=spec, draft=d, key=2, sampling=sj.SamplingParams(

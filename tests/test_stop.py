@@ -26,7 +26,8 @@ def reference_cut(row, sequences):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("method", ["autoregressive", "chain", "ngram", "tree"])
+@pytest.mark.parametrize("method", ["autoregressive", "chain", "ngram", "tree",
+                                    "lookahead", "suffix"])
 def test_stop_sequences_cut_where_the_reference_says(target, draft, method, temperature):
     spec, d = verification_paths(draft)[method]
     sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=NEW)
