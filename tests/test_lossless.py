@@ -408,3 +408,51 @@ def test_ngram_with_broken_partial_draft_handling_fails(models, monkeypatch, fre
     samples = generate_samples(target, None, sampling,
                                sj.SpecConfig(num_speculative_tokens=2, **NGRAM), prompt=prompt)
     assert g_test(samples, exact_joint(target, 1.0, 0, 1.0, prompt)) < 1e-6
+
+
+def eos_joint(joint, eos):
+    """The joint of the first three tokens when ``eos`` ends a row: [V + 1] ** 3, index V for a
+    position after the row ended (the tokens -1 there)."""
+    out = np.zeros((V + 1,) * 3)
+    for seq in itertools.product(range(V), repeat=3):
+        cut = seq.index(eos) + 1 if eos in seq else 3
+        out[seq[:cut] + (V,) * (3 - cut)] += joint[seq]
+    return out
+
+
+def _eos_checked_last_only(real):
+    def emit(state, tokens, num_accepted, request):  # accepted drafts are not checked for EOS
+        history = real(state, tokens, num_accepted, request)[2]
+        drafts = jnp.arange(tokens.shape[1])[None, :] < num_accepted[:, None]
+        n_emit, hit_eos, _ = real(state, jnp.where(drafts, V + 7, tokens), num_accepted, request)
+        return n_emit, hit_eos, history
+    return emit
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["eos", "eos-checked-last-only"])
+def test_rows_that_end_at_eos_follow_the_target(models, monkeypatch, fresh_programs, broken):
+    """Rows that stop at an EOS token, which the drafts propose and the rounds accept among
+    their tokens: the first three positions (empty after the EOS) follow the target's joint
+    with every row ended at its first EOS. Deliberately broken, a round that checks only its
+    last token for EOS (an accepted draft's EOS let through, the row going on) fails."""
+    target, drafts = models
+    if broken:
+        monkeypatch.setattr(engine, "_emit", _eos_checked_last_only(engine._emit))
+    joint = exact_joint(target, 1.0, 0, 1.0)
+    # the id whose ending at position 2 (after an accepted draft, or recovered) is likeliest
+    eos = max(range(V), key=lambda e: eos_joint(joint, e)[:V, e, V].sum())
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=3, eos_token_id=eos)
+    out = sj.generate(target, [PROMPT] * N, sampling=sampling, spec=spec, draft=drafts["close"],
+                      key=5, max_cache_len=tight_capacity(len(PROMPT), 3, spec))
+    tokens = np.where(out.tokens < 0, V, out.tokens)
+    assert 0.1 < (out.lengths < 3).mean() < 0.9 and (out.lengths == 2).mean() > 0.05
+    assert out.stats.accepted_tokens > N // 4
+    counts = np.zeros((V + 1) ** 3)
+    np.add.at(counts, (tokens[:, 0] * (V + 1) + tokens[:, 1]) * (V + 1) + tokens[:, 2], 1)
+    expected = eos_joint(joint, eos).ravel()
+    if broken:
+        with pytest.raises(AssertionError, match="probability 0"):
+            pooled_pvalue(counts, expected)
+    else:
+        assert pooled_pvalue(counts, expected) > 1e-3

@@ -18,6 +18,8 @@ def test_refused_unless_asked_for(target, draft):
         sj.generate(target, [[1, 2, 3]], spec=spec, draft=draft)
     with pytest.raises(ValueError, match="allow_synthetic"):
         sj.warmup(target, spec=spec, draft=draft)
+    with pytest.raises(ValueError, match="allow_synthetic"):  # before the first chunk
+        next(sj.stream(target, [[1, 2, 3]], spec=spec, draft=draft))
 
 
 @pytest.mark.parametrize("bad", [1.5, -0.1, (0.5, 0.5), "0.5", True, (0.5, 0.5, float("nan"))])
