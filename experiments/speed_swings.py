@@ -20,7 +20,8 @@ the one-core bandwidth, not the two-core figure the roofline divides by.
     .venv/bin/python experiments/speed_swings.py [--processes 8] [--repeats 15]
 
 ``--watch SECONDS`` instead keeps one process measuring, window after window (about one second
-each): the decode step, ``compute`` (a chain of products of one 128 x 128 matrix held in the
+each): the decode step, a γ = 4 verify forward (5 tokens; its ratio to the step is what a
+speculative speed-up rests on), ``compute`` (a chain of products of one 128 x 128 matrix held in the
 first-level caches: arithmetic, no memory traffic) and ``bw`` over 64 MiB, with the CPU time the
 hypervisor took from this machine in that window (the ``steal`` column of ``/proc/stat``,
 in percent of both cores). If the step swings together with ``compute`` and ``steal``, the
@@ -94,6 +95,7 @@ def watch(seconds: float, json_path: str | None) -> None:
 
     target = sj.load_model(sj.bundled("code-target"), "float32")
     step = timing.forward_timer(target, 1, 256, 64)
+    verify = timing.forward_timer(target, 5, 256, 64)  # a γ = 4 verify forward
     a = jax.random.normal(jax.random.key(0), (128, 128), jnp.float32) / 16
 
     @jax.jit
@@ -106,14 +108,17 @@ def watch(seconds: float, json_path: str | None) -> None:
     while time.time() - start < seconds:
         before, t0 = _cpu_times(), time.time()
         s = statistics.median(step() for _ in range(9))
+        v = statistics.median(verify() for _ in range(9))
         c = statistics.median(timing.timed(compute, x)[1] for _ in range(9))
         bw = timing.memory_bandwidth(64, 9)
         after = _cpu_times()
         delta = [b - a for a, b in zip(before, after)]
-        row = {"t": round(t0 - start, 1), "step_ms": s * 1e3, "compute_ms": c * 1e3,
+        row = {"t": round(t0 - start, 1), "step_ms": s * 1e3, "verify_ms": v * 1e3,
+               "compute_ms": c * 1e3,
                "bw": bw, "steal": delta[7] / max(sum(delta), 1)}
         rows.append(row)
-        print(f"{row['t']:6.1f} s  step {row['step_ms']:5.2f} ms  compute {row['compute_ms']:5.2f} "
+        print(f"{row['t']:6.1f} s  step {row['step_ms']:5.2f} ms  verify/step {v / s:4.2f}  "
+              f"compute {row['compute_ms']:5.2f} "
               f"ms  bw {bw / 1e9:5.1f} GB/s  steal {row['steal']:5.1%}", flush=True)
     steps = [r["step_ms"] for r in rows]
     print(f"\n{len(rows)} windows: step {min(steps):.2f}-{max(steps):.2f} ms "
@@ -121,6 +126,10 @@ def watch(seconds: float, json_path: str | None) -> None:
           f"{pearson(steps, [r['compute_ms'] for r in rows]):.2f}; corr(step, 1/bw) = "
           f"{pearson(steps, [1 / r['bw'] for r in rows]):.2f}; corr(step, steal) = "
           f"{pearson(steps, [r['steal'] for r in rows]):.2f}")
+    ratio = [r["verify_ms"] / r["step_ms"] for r in rows]
+    print(f"verify (5 tokens) / step: {min(ratio):.2f}-{max(ratio):.2f} (median "
+          f"{statistics.median(ratio):.2f}); corr(verify/step, step) = {pearson(ratio, steps):.2f};"
+          f" corr(verify/step, 1/bw) = {pearson(ratio, [1 / r['bw'] for r in rows]):.2f}")
     if json_path:
         pathlib.Path(json_path).write_text(json.dumps(rows, indent=1))
 

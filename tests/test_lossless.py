@@ -198,17 +198,18 @@ def half_models(models):
 # every filter on (their float32 twins run at both; each case here is 625 calls).
 @pytest.mark.parametrize("t,k,p,gamma,which", [
     (*SETTINGS[0], 3, "close"), (*SETTINGS[1], 3, "close"), (*SETTINGS[1], None, None),
-    (*SETTINGS[1], 2, "ngram")],
+    (*SETTINGS[1], 2, "ngram"), (*SETTINGS[1], "tree", "close")],
     ids=["T1-gamma3-close", "T0.7-topk5-topp0.9-gamma3-close", "T0.7-topk5-topp0.9-autoregressive",
-         "T0.7-topk5-topp0.9-ngram"])
+         "T0.7-topk5-topp0.9-ngram", "T0.7-topk5-topp0.9-tree-close"])
 def test_bfloat16_models_follow_the_target(half_models, t, k, p, gamma, which):
     """bfloat16 models: the sample follows the bfloat16 target's own distribution (its logits
     from a full forward; a verify forward rounds a little differently, far below what the test
-    can see)."""
+    can see). The tree: sampled candidates verified under the tree's attention mask."""
     target, drafts = half_models
     sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
-    spec = None if gamma is None else sj.SpecConfig(num_speculative_tokens=gamma,
-                                                    **(NGRAM if which == "ngram" else {}))
+    spec = None if gamma is None else sj.SpecConfig(
+        **({"tree": ((0,), (1,), (0, 0), (0, 0, 0))} if gamma == "tree"
+           else {"num_speculative_tokens": gamma}), **(NGRAM if which == "ngram" else {}))
     prompt = ngram_prompt(target) if which == "ngram" else PROMPT
     samples = small_batch_samples(target, drafts.get(which), sampling, spec, prompt)
     assert g_test(samples, exact_joint(target, t, k, p, prompt)) > 1e-3
