@@ -130,21 +130,57 @@ def process_logits(logits: Array, params: SamplingArrays,
     return jnp.where(greedy, one_hot, probs)
 
 
+CDF_BLOCK = 128
+"""Tokens per block of ``inverse_cdf``'s two-level search."""
+
+
+def inverse_cdf(probs: Array, u: Array) -> Array:
+    """The first token whose cumulative probability exceeds u times the total: probs [..., V]
+    (unnormalised is fine), u [...] in [0, 1) -> [...] int32.
+
+    In two levels: the cumulative mass of blocks of ``CDF_BLOCK`` tokens finds the block, then
+    the cumulative sum inside that block (starting from the mass before it) the token. A
+    cumulative sum over all V tokens is what XLA's CPU backend does slowly (a reduce-window: 41
+    µs for one row of 8,192, 425 µs for 16 rows, against 4 and 64 µs this way). A
+    zero-probability token is never drawn: its running sum equals its predecessor's, and a
+    block without mass is never chosen (its cumulative mass equals the block before's). Where
+    the two levels' sums round apart and the search runs off the chosen block's end, and where
+    u times the total rounds up to the total (both of probability ~1e-8), the last token with
+    probability in the block (the last block with mass) is drawn."""
+    *lead, V = probs.shape
+    C = CDF_BLOCK
+    if V <= C:
+        cdf = jnp.cumsum(probs, axis=-1)
+        index = jnp.sum(cdf <= (u * cdf[..., -1])[..., None], axis=-1)
+        return jnp.where(index < V, index, argmax(probs)).astype(jnp.int32)
+    if V % C:
+        probs = jnp.pad(probs, [(0, 0)] * len(lead) + [(0, -V % C)])
+    blocks = probs.reshape(*lead, -1, C)
+    mass = jnp.sum(blocks, axis=-1)  # [..., NB]
+    block_cdf = jnp.cumsum(mass, axis=-1)
+    target = u * block_cdf[..., -1]
+    below = jnp.sum(block_cdf <= target[..., None], axis=-1)  # blocks wholly below the target
+    ids = jax.lax.broadcasted_iota(jnp.int32, mass.shape, mass.ndim - 1)
+    b = jnp.where(below < mass.shape[-1], below, jnp.max(jnp.where(mass > 0, ids, 0), axis=-1))
+    before = jnp.take_along_axis(block_cdf, jnp.maximum(b - 1, 0)[..., None], axis=-1)[..., 0]
+    before = jnp.where(b > 0, before, 0.0)
+    inner = jnp.take_along_axis(blocks, b[..., None, None], axis=-2)[..., 0, :]  # [..., C]
+    index = jnp.sum(before[..., None] + jnp.cumsum(inner, axis=-1) <= target[..., None], axis=-1)
+    slot = jax.lax.broadcasted_iota(jnp.int32, inner.shape, inner.ndim - 1)
+    last = jnp.max(jnp.where(inner > 0, slot, 0), axis=-1)
+    return (b * C + jnp.where(index < C, index, last)).astype(jnp.int32)
+
+
 def sample(keys: Array, probs: Array) -> Array:
     """Draw one token per row: keys [B], probs [B, V] -> tokens [B] int32.
 
-    Inverse-CDF sampling: one uniform per row, then the first token whose cumulative probability
-    exceeds it. That costs one random number per draw instead of V Gumbel variates (50x faster on
-    a CPU at V = 4096). Each row uses its own key, so a row's draw never depends on its
-    neighbours. A zero-probability token is never drawn (its cumulative sum equals its
-    predecessor's), which also keeps one-hot (greedy) rows exact.
+    Inverse-CDF sampling (``inverse_cdf``): one uniform per row, then the first token whose
+    cumulative probability exceeds it. That costs one random number per draw instead of V Gumbel
+    variates (50x faster on a CPU at V = 4096). Each row uses its own key, so a row's draw never
+    depends on its neighbours. A zero-probability token is never drawn, which also keeps one-hot
+    (greedy) rows exact.
     """
-    V = probs.shape[-1]
-    u = jax.vmap(jax.random.uniform)(keys)  # [B] in [0, 1)
-    cdf = jnp.cumsum(probs, axis=-1)
-    index = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
-    # u * total can round up to total in float32 (probability ~1e-8): take the likeliest token.
-    return jnp.where(index < V, index, argmax(probs)).astype(jnp.int32)
+    return inverse_cdf(probs, jax.vmap(jax.random.uniform)(keys))  # u [B] in [0, 1)
 
 
 def sample_without_replacement(keys: Array, probs: Array, count: int) -> Array:
@@ -159,9 +195,7 @@ def sample_without_replacement(keys: Array, probs: Array, count: int) -> Array:
     u = jax.vmap(lambda k: jax.random.uniform(k, (count, n)))(keys)  # [B, count, n]
     left, draws = probs, []
     for c in range(count):
-        cdf = jnp.cumsum(left, axis=-1)
-        index = jnp.sum(cdf <= (u[:, c, :, None] * cdf[..., -1:]), axis=-1)  # [B, n]
-        index = jnp.where(index < V, index, argmax(left)).astype(jnp.int32)
+        index = inverse_cdf(left, u[:, c])  # [B, n]
         draws.append(index)
         left = jnp.where(jax.nn.one_hot(index, V, dtype=bool), 0.0, left)
     return jnp.stack(draws, axis=-1)

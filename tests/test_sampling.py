@@ -184,3 +184,67 @@ def test_sample_without_replacement_keeps_the_far_tail():
     # 100,000 draws x 2.05e-4 = 20.5 expected (Gumbel top-k: 0); a correct sampler lands
     # outside [6, 40] with probability 1e-4 (Poisson)
     assert 6 <= tail <= 40, tail
+
+
+def _inverse_cdf_cases():
+    """Distributions over V = 1000 (not a whole number of blocks) and 8192 tokens with zeros
+    where the two-level search could slip: whole blocks without mass, zeros at a block's start
+    and end, a block whose only mass is its last token, one-hot rows, mass in the last
+    (padded) block only; with uniforms spread over [0, 1), the extremes included."""
+    rng = np.random.default_rng(3)
+    C = sampling.CDF_BLOCK
+    rows = []
+    for V in (1000, 8192):
+        p = rng.exponential(size=(6, V)) ** 3
+        p[0, : 3 * C] = 0  # the first blocks empty
+        p[1, C - 2: C + 2] = 0  # zeros around a block boundary
+        p[2, :] = 0
+        p[2, 2 * C - 1] = 1.0  # a block's last token alone
+        p[3, :] = 0
+        p[3, V - 1] = 1.0  # one-hot on the very last token
+        p[4, np.arange(V) % 3 == 0] = 0
+        p[5, : V - 40] = 0  # mass only at the end
+        rows.append(p / p.sum(-1, keepdims=True))
+    u = np.concatenate([np.linspace(0, 1, 4001, endpoint=False),
+                        [1 - 2.0 ** -24, 2.0 ** -24, 0.5 - 2.0 ** -25]]).astype(np.float32)
+    return rows, u
+
+
+def _inverse_cdf_failures(fn):
+    """(draws of a zero-probability token, draws unlike a float64 inverse CDF of the same
+    uniforms) for ``fn(probs [..., V], u [...])``."""
+    rows, u = _inverse_cdf_cases()
+    zero, unlike = 0, 0
+    for p in rows:
+        probs = np.broadcast_to(p[:, None, :], (p.shape[0], u.size, p.shape[1]))
+        got = np.asarray(fn(jnp.asarray(probs, jnp.float32), jnp.broadcast_to(u, probs.shape[:2])))
+        p32 = p.astype(np.float32).astype(np.float64)
+        cdf = np.cumsum(p32, axis=-1)
+        want = (cdf[:, None, :] <= (u[None, :, None] * cdf[:, None, -1:])).sum(-1)
+        want = np.minimum(want, p.shape[1] - 1)
+        zero += int((np.take_along_axis(p32, got, axis=1) == 0).sum())
+        unlike += int((got != want).sum())
+    return zero, unlike
+
+
+def test_inverse_cdf_draws_what_a_float64_inverse_cdf_draws():
+    """The two-level search (blocks, then tokens in the block) draws, for each uniform, the
+    token a float64 cumulative sum over all V gives (two uniforms in 24,000 may fall between
+    the two's roundings), and never a token of probability zero. A search that reads the mass
+    before a block one block too far fails it."""
+    zero, unlike = _inverse_cdf_failures(sampling.inverse_cdf)
+    assert zero == 0 and unlike <= 2, (zero, unlike)
+
+    def shifted(probs, u):  # the mass before block b taken as that through block b
+        C = sampling.CDF_BLOCK
+        V = probs.shape[-1]
+        blocks = jnp.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, -V % C)]).reshape(
+            *probs.shape[:-1], -1, C)
+        block_cdf = jnp.cumsum(blocks.sum(-1), -1)
+        target = u * block_cdf[..., -1]
+        b = jnp.minimum(jnp.sum(block_cdf <= target[..., None], -1), block_cdf.shape[-1] - 1)
+        before = jnp.take_along_axis(block_cdf, b[..., None], -1)[..., 0]
+        inner = jnp.take_along_axis(blocks, b[..., None, None], -2)[..., 0, :]
+        index = jnp.sum(before[..., None] + jnp.cumsum(inner, -1) <= target[..., None], -1)
+        return b * C + jnp.minimum(index, C - 1)
+    assert _inverse_cdf_failures(shifted)[1] > 1000
