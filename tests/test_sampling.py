@@ -248,3 +248,53 @@ def test_inverse_cdf_draws_what_a_float64_inverse_cdf_draws():
         index = jnp.sum(before[..., None] + jnp.cumsum(inner, -1) <= target[..., None], -1)
         return b * C + jnp.minimum(index, C - 1)
     assert _inverse_cdf_failures(shifted)[1] > 1000
+
+
+def _wide_rows():
+    """Logits over 1,000 tokens, per row: peaked (top-p's threshold among the likeliest
+    ``TOP_P_CANDIDATES``), flat (beyond them: the whole vocabulary searched), flat with a
+    planted tie at the threshold's level and a run of equal logits, and one row of equal
+    logits only."""
+    rng = np.random.default_rng(5)
+    rows = [rng.normal(size=1000) * 6, rng.normal(size=1000) * 0.5,
+            np.round(rng.normal(size=1000) * 2) / 2, np.zeros(1000)]
+    return jnp.asarray(np.stack(rows)[:, None, :], jnp.float32)  # [4, 1, 1000]
+
+
+@pytest.mark.parametrize("p", [0.9, 0.5, 0.999, 0.02])
+def test_top_p_over_a_wide_vocabulary_matches_the_reference(p):
+    """Top-p alone over 1,000 tokens: rows whose threshold lies among the likeliest 64 (found
+    from ``lax.top_k``) and rows where it does not (found by bisection over the whole
+    vocabulary), with ties at the threshold, against the numpy reference (sorted, float64);
+    mixed rows in one call and each row alone agree."""
+    logits = _wide_rows()
+    assert sampling.TOP_P_CANDIDATES < logits.shape[-1]
+    want = ref_process(logits, 0.8, 0, p)
+    got = sampling.process_logits(logits, _arrays(4, 0.8, 0, p), _filters(0, p))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
+    assert ((np.asarray(got) > 0) == (want > 0)).all()  # the same tokens kept
+    for b in range(4):
+        alone = sampling.process_logits(logits[b:b + 1], _arrays(1, 0.8, 0, p), _filters(0, p))
+        np.testing.assert_array_equal(np.asarray(alone)[0] > 0, want[b] > 0)
+
+
+def test_a_bisection_that_counts_the_candidate_as_above_fails_the_reference(monkeypatch):
+    """The control: the whole-vocabulary search counting the tokens equal to the candidate
+    threshold among the more likely ones (>= for >) keeps too few: the threshold's own tokens
+    go, which the reference keeps."""
+    def counted_as_above(probs, top_p):
+        def halve(_, bounds):
+            lo, hi = bounds
+            mid = lo + (hi - lo) // 2
+            t = jax.lax.bitcast_convert_type(mid, jnp.float32)[..., None]
+            below = jnp.sum(jnp.where(probs >= t, probs, 0.0), axis=-1) < top_p[..., 0]
+            return jnp.where(below, lo, mid + 1), jnp.where(below, mid, hi)
+        hi = jax.lax.bitcast_convert_type(jnp.max(probs, axis=-1), jnp.int32) + 1
+        _, hi = jax.lax.fori_loop(0, 31, halve, (jnp.zeros_like(hi), hi))
+        return jax.lax.bitcast_convert_type(hi, jnp.float32)[..., None]
+
+    logits, p = _wide_rows(), 0.5
+    want = ref_process(logits, 0.8, 0, p) > 0
+    monkeypatch.setattr(sampling, "_top_p_bisected", counted_as_above)
+    got = sampling.process_logits(logits, _arrays(4, 0.8, 0, p), _filters(0, p))
+    assert ((np.asarray(got) > 0) != want).any()
