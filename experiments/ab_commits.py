@@ -54,14 +54,14 @@ def setup(sj, num_prompts: int, ckpt: pathlib.Path = CKPT, prompt_set: str = "sh
 
 
 def runner(sj, target, drafts, prompts, method: str, gamma: int, max_new_tokens: int,
-           temperature: float, tree, batch: int = 1, top_p: float = 1.0):
+           temperature: float, tree, batch: int = 1, top_p: float = 1.0, top_k: int = 0):
     method, _, threshold = method.partition("~")
     draft = drafts.get(method)
     method = "draft_model" if method == "bpe4k" else method
     spec = None if method == "ar" else sj.SpecConfig(
         method=method, **(dict(tree=tree) if tree else dict(num_speculative_tokens=gamma)),
         **(dict(survival_threshold=float(threshold)) if threshold else {}))
-    sampling = sj.SamplingParams(temperature=temperature, top_p=top_p,
+    sampling = sj.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                  max_new_tokens=max_new_tokens)
     cycled = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // batch) * batch)]
     groups = [cycled[i:i + batch] for i in range(0, len(cycled), batch)]
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="rows per generate call")
     ap.add_argument("--with-checkpoints", action="store_true",
                     help="the old commit runs its own checkpoints/ too (default: both run the "
@@ -117,7 +118,7 @@ def main() -> None:
             for name, (sj, target, drafts, prompts) in setups.items():
                 runs[(name, m)] = runner(sj, target, drafts, prompts, m, args.gamma,
                                          args.max_new_tokens, args.temperature, tree,
-                                         args.batch, args.top_p)
+                                         args.batch, args.top_p, args.top_k)
                 runs[(name, m)]()  # compile
         times = {k: [] for k in runs}
         tokens, accepted = {}, {}
@@ -129,7 +130,8 @@ def main() -> None:
     print(f"{args.prompts} {args.prompt_set} bench prompts (batch {args.batch}) x "
           f"{args.max_new_tokens} tokens "
           f"at T = "
-          f"{args.temperature}{f', top-p {args.top_p}' if args.top_p < 1 else ''}, "
+          f"{args.temperature}{f', top-p {args.top_p}' if args.top_p < 1 else ''}"
+          f"{f', top-k {args.top_k}' if args.top_k else ''}, "
           f"{f'tree {args.tree}' if tree else f'gamma {args.gamma}'}, "
           f"median of {args.repeats} interleaved repeats; old = {args.old}"
           f"{' with its checkpoints' if args.with_checkpoints else ''}")

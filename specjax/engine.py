@@ -1173,8 +1173,12 @@ CACHE_TIERS = (256, 1024, 4096, 16384, 65536, 262144)
 """The capacities a request picks from (the smallest that holds it), so a model compiles once per
 tier, not once per request size. A model's last tier is what its context can use at most."""
 
-TOP_K_BOUND = 256
-"""The static bound on top_k compiled in when top-k is on; a larger top_k compiles a full sort."""
+TOP_K_BOUNDS = (64, 256)
+"""The static top-k sizes a program compiles for when top-k is on: a request's top_k picks the
+smallest that holds it (``lax.top_k`` over 8,192 logits costs about 15 µs a position at 64
+and 52 µs at 256 on a 2-core CPU, so the common top_k of 20-50 should not pay for 256); a
+larger top_k compiles the whole vocabulary (a full sort)."""
+TOP_K_BOUND = TOP_K_BOUNDS[-1]
 
 
 def slots_needed(longest: int, max_new_tokens: int, gamma: int) -> int:
@@ -1210,7 +1214,7 @@ def plan_program(target: ModelConfig, proposer, rows: list[np.ndarray], sampling
                  mesh, max_cache_len: int | None = None) -> tuple[Plan, Shapes]:
     """The program's static plan (capacity tier, batch bucket, filters, mesh) and the call's
     padded sizes. Neither the prompt lengths nor max_new_tokens pick the program beyond the
-    tier; top_k only by being on, off or above TOP_K_BOUND."""
+    tier; top_k only by which of TOP_K_BOUNDS holds it, if any (or by being off)."""
     longest = max(len(r) for r in rows)
     # the slots a round writes past the length: the drafts, and a lookahead window's guesses
     gamma = 0 if proposer is None else proposer.gamma + draft_base.lookahead_width(proposer)
@@ -1223,7 +1227,7 @@ def plan_program(target: ModelConfig, proposer, rows: list[np.ndarray], sampling
         B_pad = -(-B_pad // data) * data  # every "data" shard gets the same number of rows
     V = target.vocab_size
     top_k_on = 0 < sampling.top_k < V
-    filters = Filters(top_k=(min(TOP_K_BOUND, V) if sampling.top_k <= TOP_K_BOUND else V)
+    filters = Filters(top_k=next((min(b, V) for b in TOP_K_BOUNDS if sampling.top_k <= b), V)
                       if top_k_on else 0,
                       top_p=sampling.top_p < 1.0, greedy=sampling.temperature == 0)
     chunk = min(PREFILL_CHUNK, capacity)

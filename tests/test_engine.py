@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model, traces_and_compiles
+from conftest import tiny_config, tiny_model, traces_and_compiles
 
 import specjax as sj
 from specjax import engine
@@ -563,3 +563,19 @@ def test_a_repeated_call_traces_and_compiles_nothing(target, draft):
     with traces_and_compiles() as seen:
         sj.generate(target, [[9, 8], [7, 6, 5, 4, 3]], **kw)  # other prompts, a fresh seed
     assert seen == []
+
+
+@pytest.mark.parametrize("top_k,compiled", [(1, 64), (50, 64), (64, 64), (65, 256), (256, 256),
+                                            (257, 1000), (999, 1000), (0, 0), (1000, 0)])
+def test_top_k_compiles_the_smallest_bound_that_holds_it(top_k, compiled):
+    """A program's static top-k size is the smallest of TOP_K_BOUNDS holding the request's
+    top_k (a top_k of 50 must not pay for ranking 256), the whole vocabulary above them, and
+    off at 0 or V; values within one bound share the program's plan."""
+    config = tiny_config(vocab_size=1000)
+    plan, _ = engine.plan_program(config, None, [np.arange(3)],
+                                  sj.SamplingParams(temperature=0.8, top_k=top_k), None)
+    assert plan.filters.top_k == compiled
+    if compiled == 64:
+        other, _ = engine.plan_program(config, None, [np.arange(3)],
+                                       sj.SamplingParams(temperature=0.8, top_k=17), None)
+        assert other == plan
