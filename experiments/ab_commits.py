@@ -10,6 +10,7 @@ the machine hits both alike.
         --batch 16 --temperature 0.8 --max-new-tokens 96
     python experiments/ab_commits.py HEAD --with-checkpoints --methods ar,draft_model \
         --prompt-set long --prompts 10          # the models shipped at HEAD against the tree's
+    python experiments/ab_commits.py HEAD --temperature 0.8 --top-p 0.9   # or --top-k 50
 
 ``bpe4k`` is the draft model ``code-draft-bpe4k`` (a tokenizer of its own, read spelled).
 A method written ``name~X`` runs adaptive lengths with ``survival_threshold=X``. ``--batch B``

@@ -99,8 +99,9 @@ def recovery_probs(draft_tokens: Array, draft_probs: Array | None, target_probs:
 def _recovery_at(k: Array, draft_tokens: Array, draft_probs: Array | None,
                  target_probs: Array, valid: Array | None) -> Array:
     """Row b of ``recovery_probs`` at index k[b] alone: [B, V]. Only the stopping point drawn
-    from is computed (the residuals at the other G positions and their normalisation were a
-    tenth of a sampled round on a CPU), by ``recovery_probs`` itself on that one position: its
+    from is computed (the residuals at the other G positions, their normalisation and the join
+    cost about 1% of a sampled batch-1 round on a CPU), by ``recovery_probs`` itself on that one
+    position: its
     draft, q and p, and the bonus index G as a draft not proposed (drawn from p itself, as
     ``recovery_probs`` draws index G)."""
     B, G = draft_tokens.shape
