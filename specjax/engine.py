@@ -1178,7 +1178,6 @@ TOP_K_BOUNDS = (64, 256)
 smallest that holds it (``lax.top_k`` over 8,192 logits costs about 15 µs a position at 64
 and 52 µs at 256 on a 2-core CPU, so the common top_k of 20-50 should not pay for 256); a
 larger top_k compiles the whole vocabulary (a full sort)."""
-TOP_K_BOUND = TOP_K_BOUNDS[-1]
 
 
 def slots_needed(longest: int, max_new_tokens: int, gamma: int) -> int:
