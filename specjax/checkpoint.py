@@ -665,8 +665,11 @@ def compute_dtype(dtype: str | None, platform: str) -> str | None:
         except TypeError:
             pass  # refused below, by its own repr
     if dtype is not None and dtype not in DTYPES:
+        shown = repr(dtype)
+        if len(shown) > 80:  # a model or an array passed where the dtype goes: name its type
+            shown = f"a {type(dtype).__module__}.{type(dtype).__qualname__}"
         raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} or None, "
-                         f"got {dtype!r}")
+                         f"got {shown}")
     if dtype in (None, "auto"):
         return "float32" if platform == "cpu" else None
     return None if dtype == "stored" else dtype

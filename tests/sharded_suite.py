@@ -146,6 +146,36 @@ def test_sharded_output_equals_single_device(models, mesh_shape, name):
             assert many.stats.accepted_tokens == one.stats.accepted_tokens
 
 
+# The other proposers on the mixed mesh, each at the temperature where these tiny random models
+# accept some of its drafts: a proposer that went wrong only on a mesh (its own arrays laid out
+# or gathered differently) changes what is accepted, not the tokens, so the counts are compared
+# too and must be nonzero.
+PROPOSERS = {
+    "medusa": (sj.SpecConfig(method="medusa", num_speculative_tokens=3), 0.0),
+    "dflash": (sj.SpecConfig(method="dflash", num_speculative_tokens=3), 1.0),
+    "mtp": (sj.SpecConfig(method="mtp", num_speculative_tokens=3), 1.0),
+    "suffix": (sj.SpecConfig(method="suffix", num_speculative_tokens=3), 0.0),
+    "lookahead": (sj.SpecConfig(method="lookahead", num_speculative_tokens=2), 0.0),
+    "adaptive": (sj.SpecConfig(num_speculative_tokens=3, survival_threshold=0.3), 1.0),
+}
+
+
+@pytest.mark.parametrize("name", PROPOSERS)
+def test_every_proposer_sharded_equals_single_device(models, name):
+    target, draft, _ = models
+    spec, temperature = PROPOSERS[name]
+    d = (sj.init_heads(target, name, jax.random.key(3), init_std=0.3) if spec.needs_heads
+         else draft if spec.needs_draft_model else None)
+    sampling = sj.SamplingParams(temperature=temperature, max_new_tokens=16)
+    one = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7)
+    many = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7,
+                       mesh=sj.make_mesh(data=2, model=4))
+    np.testing.assert_array_equal(many.tokens, one.tokens)
+    assert one.stats.accepted_tokens > 0, name  # else the counts below compare nothing
+    assert many.stats.accepted_tokens == one.stats.accepted_tokens
+    assert many.stats.proposed_tokens == one.stats.proposed_tokens
+
+
 @pytest.mark.parametrize("mesh_shape,name", [((2, 4), "chain"), ((8, 1), "tree"),
                                              ((2, 4), "eagle")])
 def test_attention_in_blocks_sharded_equals_single_device(models, monkeypatch, mesh_shape,

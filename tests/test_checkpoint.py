@@ -421,6 +421,10 @@ def test_one_dtype_rule(tmp_path):
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="dtype must be one of .* got 'int8'"):
         sj.load_model(tmp_path, dtype="int8")
+    # a model passed where the dtype goes (load_draft_model(path, target)): named by its type,
+    # not a dump of its weights
+    with pytest.raises(ValueError, match=r"dtype must be one of .* got a specjax\.model\.Model$"):
+        sj.load_draft_model(tmp_path, tiny_model())
     with pytest.raises(ValueError, match="format"):
         sj.save_model(tiny_model(), tmp_path, format="gguf")
 
