@@ -18,6 +18,7 @@ from test_lossless import (  # noqa: F401
     later_samples,
     models,
     sample_rows,
+    small_batch_samples,
     tail_joints,
     tail_pvalues,
 )
@@ -589,6 +590,25 @@ def test_first_three_tokens_follow_the_target(tiny_drafters, monkeypatch, method
     samples = generate_samples(target, drafters[method], sampling,
                                sj.SpecConfig(method=method, **spec))
     assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+
+
+def test_bfloat16_eagle_follows_the_target(tiny_drafters, tmp_path):
+    """EAGLE as accelerators run it by default: the target and the head in bfloat16 (the head
+    loaded for the bfloat16 target takes its dtype; probabilities in float32), sampled at the
+    setting with every filter on. The sample follows the bfloat16 target's own distribution, in
+    calls of 64 rows as test_lossless's bfloat16 cases (bfloat16 products round differently
+    over more rows)."""
+    target, drafters = tiny_drafters
+    half = sj.checkpoint.cast(target, "bfloat16")
+    heads_lib.save_heads(drafters["eagle"], tmp_path / "eagle", target)
+    head = sj.load_heads(tmp_path / "eagle", half)
+    assert head.config.layer.dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(head.params["weights"])} == {jnp.dtype("bfloat16")}
+    t, k, p = 0.7, 5, 0.9
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    samples = small_batch_samples(half, head, sampling,
+                                  sj.SpecConfig(method="eagle", num_speculative_tokens=2))
+    assert g_test(samples, exact_joint(half, t, k, p)) > 1e-3
 
 
 # per method, a threshold at which the V = 8 drafters' rows propose different numbers of drafts
