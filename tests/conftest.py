@@ -33,15 +33,15 @@ from specjax import engine
 # the longest-first order leaves short files for the end, so the two workers finish about
 # together. xdist's own order (most tests first; .ci/run turns it off) put the two longest
 # single tests, the notebook and the sharded suite, last. Only the order changes.
-LONGEST_FILES = {"test_adaptive.py": 254, "test_docs_and_cli.py": 160, "test_heads.py": 175,
-                 "test_lossless.py": 171, "test_sharding.py": 127, "test_mtp.py": 118,
-                 "test_dflash.py": 109, "test_string_drafts.py": 97, "test_notebook.py": 95,
-                 "test_bundled.py": 91, "test_tree.py": 87, "test_capacity.py": 81,
-                 "test_draft_vocab.py": 75, "test_crash_safety.py": 75, "test_engine.py": 90,
-                 "test_ring.py": 69, "test_fuzz.py": 57, "test_train.py": 53,
-                 "test_suffix.py": 48, "test_gate.py": 48, "test_families.py": 44,
-                 "test_synthetic.py": 42, "test_spelled_draft.py": 42, "test_attention.py": 38,
-                 "test_stop.py": 36, "test_lookahead.py": 36, "test_checkpoint.py": 34}
+LONGEST_FILES = {"test_adaptive.py": 244, "test_lossless.py": 185, "test_sharding.py": 178,
+                 "test_docs_and_cli.py": 172, "test_heads.py": 170, "test_dflash.py": 119,
+                 "test_mtp.py": 102, "test_bundled.py": 99, "test_string_drafts.py": 92,
+                 "test_engine.py": 92, "test_capacity.py": 83, "test_notebook.py": 74,
+                 "test_tree.py": 72, "test_draft_vocab.py": 69, "test_ring.py": 59,
+                 "test_train.py": 52, "test_fuzz.py": 52, "test_crash_safety.py": 49,
+                 "test_suffix.py": 47, "test_stop.py": 46, "test_synthetic.py": 41,
+                 "test_families.py": 41, "test_spelled_draft.py": 40, "test_gate.py": 40,
+                 "test_attention.py": 35, "test_lookahead.py": 31, "test_checkpoint.py": 34}
 
 
 def pytest_collection_modifyitems(items):
