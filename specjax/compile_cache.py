@@ -29,6 +29,13 @@ Which folder, in order:
   yours, not a symbolic link, and not writable by others: JAX runs what it finds in the cache as
   trusted code. Otherwise (or with no home folder) specjax's programs are not cached.
 
+A program over more than one CPU device (a mesh of fake host devices, as in tests and the
+multi-process demo) is never read from or written to any folder, JAX's own included: with jax
+0.10.2 such a program loaded from the cache sometimes deadlocks, its devices waiting in
+different collectives until XLA aborts the process (the 8-device MTP case of the sharded suite:
+4 of 16 runs from a filled cache aborted, none of 16 compiled afresh; 2026-12-06). Compiling
+them costs seconds; GPU and TPU programs are cached as before.
+
 A folder given as a URL (``gs://bucket/cache``, for hosts that share one) is passed to JAX as
 it is. ``jax_enable_compilation_cache=False`` turns it off whatever the folder. Only
 ``jax_compilation_cache_max_size`` bounds the folder's size (unbounded by default); delete it to
@@ -105,12 +112,28 @@ def set_compilation_cache(path: str | os.PathLike | None) -> None:
     _chosen = str(where)
 
 
+def disk_cached(devices) -> bool:
+    """Whether a program over ``devices`` may go through a disk cache: not when they are more
+    than one CPU device (the module docstring)."""
+    devices = list(devices)
+    return not (len(devices) > 1 and all(d.platform == "cpu" for d in devices))
+
+
 @contextlib.contextmanager
-def compiling():
-    """Around each compile of a specjax program: JAX's cache pointed at ``folder()`` for this
-    thread, and reopened before and after, so the compile reads and writes that folder and the
-    process's compiles before and after it do not (other threads' at the same time may: the
-    module docstring)."""
+def compiling(devices=()):
+    """Around each compile of a specjax program over ``devices`` (none named: one device):
+    JAX's cache pointed at ``folder()`` for this thread, and reopened before and after, so the
+    compile reads and writes that folder and the process's compiles before and after it do not
+    (other threads' at the same time may: the module docstring). A program over several CPU
+    devices is compiled with the cache off (``disk_cached``)."""
+    if not disk_cached(devices):
+        with _lock, jax_config.enable_compilation_cache(False):
+            jax_cache.reset_cache()
+            try:
+                yield
+            finally:
+                jax_cache.reset_cache()
+        return
     target = _target()
     if target is _JAX_OWN:
         yield

@@ -804,7 +804,8 @@ class Program:
             return exe, 0.0
         t0 = time.perf_counter()
         lowered = _STAGES[stage].lower(self.plan, *args)
-        with compile_cache.compiling():  # read from and written to the disk cache
+        mesh = self.plan.mesh
+        with compile_cache.compiling(() if mesh is None else mesh.devices.flat):  # the disk cache
             exe = lowered.compile()
         spent = time.perf_counter() - t0
         self._executables[signature] = exe

@@ -13,7 +13,7 @@ from conftest import traces_and_compiles
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import attention, checkpoint, engine, sharding
+from specjax import attention, checkpoint, compile_cache, engine, sharding
 
 assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
@@ -354,3 +354,28 @@ def test_a_repeated_call_on_a_mesh_traces_nothing(models, monkeypatch, broken):
     with traces_and_compiles() as traced:
         sj.generate(target, PROMPTS, sampling=sampling, key=2, mesh=mesh)
     assert (traced != []) == broken, traced
+
+
+def test_programs_over_several_cpu_devices_skip_the_disk_cache(models, monkeypatch, tmp_path):
+    """A program over several CPU devices loaded from a disk cache sometimes deadlocked (its
+    devices in different collectives until XLA aborted: the MTP case above, 4 of 16 runs from a
+    filled cache), so specjax compiles those afresh: nothing of the mesh run is written to its
+    folder, while the same call on one device is."""
+    target, _, _ = models
+    folder = tmp_path / "xla"
+    folder.mkdir()
+    monkeypatch.setattr(compile_cache, "_chosen", str(folder))
+    monkeypatch.setattr(compile_cache, "MIN_COMPILE_SECONDS", 0)
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=4)
+    mesh = sj.make_mesh(data=2, model=4)
+    assert not compile_cache.disk_cached(mesh.devices.flat)
+    assert compile_cache.disk_cached(jax.devices()[:1])
+    engine.PROGRAMS.clear()
+    sharded = sj.generate(target, PROMPTS, sampling=sampling, mesh=mesh,
+                          spec=sj.SpecConfig(method="ngram", num_speculative_tokens=2))
+    assert engine.PROGRAMS and not list(folder.iterdir())
+    one = sj.generate(target, PROMPTS, sampling=sampling,
+                      spec=sj.SpecConfig(method="ngram", num_speculative_tokens=2))
+    assert list(folder.iterdir())  # one device: stored
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    engine.PROGRAMS.clear()
