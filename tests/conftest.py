@@ -106,6 +106,14 @@ def _release_compiled_programs():
     whole generate call is one prefill and one decode program on the device, so none of their
     instructions may call back into Python or move data to or from the host."""
     yield
+    release_programs()
+
+
+def release_programs():
+    """Check every compiled program engine.PROGRAMS holds for a host round trip (as the module
+    fixture above does), then drop them all and JAX's caches. Tests that drop programs midway
+    (to compile again) call this instead of ``engine.PROGRAMS.clear()``, so no program leaves
+    unchecked."""
     held = host_round_trips()
     engine.PROGRAMS.clear()
     jax.clear_caches()
@@ -131,12 +139,11 @@ def host_round_trips() -> list[str]:
 
 @pytest.fixture
 def fresh_programs():
-    """Forget every compiled program before and after a test that patches traced code."""
-    engine.PROGRAMS.clear()
-    jax.clear_caches()
+    """Forget every compiled program before and after a test that patches traced code (each
+    checked for host round trips first: ``release_programs``)."""
+    release_programs()
     yield
-    engine.PROGRAMS.clear()
-    jax.clear_caches()
+    release_programs()
 
 
 def ref_process(logits, temperature=1.0, top_k=0, top_p=1.0):

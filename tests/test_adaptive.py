@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import release_programs
 from test_lossless import (  # noqa: F401
     SETTINGS,
     first_three_pvalue,
@@ -412,7 +413,7 @@ def test_other_thresholds_and_budgets_reuse_the_program_with_their_own_numbers(
         m.setattr(adaptive, "split_tuning", lambda proposer: (proposer, None))
         assert all(plan(a) != plan(b) for a, b in families)  # a program per value
         own = [seen(b) for _, b in families]  # the second value's own program
-    engine.PROGRAMS.clear()
+    release_programs()
     for (first, second), want in zip(families, own):
         assert plan(first) == plan(second)
         before = seen(first)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import release_programs, tiny_model
 
 import specjax as sj
 from specjax import attention, engine
@@ -182,7 +182,7 @@ def test_stats_report_capacity_and_cache_bytes(long_pair):
 
 def _cache_copies(target, draft, method="draft_model", **spec):
     """Instructions of a batch-2 decode loop (512 slots) that copy a whole KV cache buffer."""
-    engine.PROGRAMS.clear()
+    release_programs()
     sj.generate(target, prompts_of([5, 9]), sampling=GREEDY, max_cache_len=512,
                 draft=draft if method == "draft_model" else None,
                 spec=sj.SpecConfig(method=method, num_speculative_tokens=3, **spec))

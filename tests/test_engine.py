@@ -88,6 +88,61 @@ def test_a_draft_that_is_the_target_is_always_accepted_when_sampling(target, sha
         out.stats.per_position_acceptance
 
 
+class _Traced(Exception):
+    """Raised once the decode program is traced: what the test reads is known by then."""
+
+
+# every proposer that draws its drafts from a distribution of its own, at T > 0, and what the
+# verifier must be given: q (None: point masses, Medusa's top-ranked tokens by design)
+SAMPLED_DRAFTERS = {
+    "draft model": (dict(num_speculative_tokens=3), "draft", True),
+    "draft vocabulary": (dict(num_speculative_tokens=3), "vocab", True),
+    "draft-model tree": (dict(tree=((0,), (1,), (0, 0))), "draft", True),
+    "adaptive lengths": (dict(num_speculative_tokens=3, survival_threshold=0.3), "draft", True),
+    "eagle": (dict(method="eagle", num_speculative_tokens=3), "eagle", True),
+    "eagle tree": (dict(method="eagle", tree=((0,), (1,), (0, 0))), "eagle", True),
+    "mtp": (dict(method="mtp", num_speculative_tokens=3), "mtp", True),
+    "dflash": (dict(method="dflash", num_speculative_tokens=3), "dflash", True),
+    "medusa": (dict(method="medusa", num_speculative_tokens=3), "medusa", False),
+}
+
+
+@pytest.mark.parametrize("name", SAMPLED_DRAFTERS)
+def test_every_sampled_drafter_hands_its_q_to_the_verifier(target, draft, name, monkeypatch,
+                                                           fresh_programs):
+    """A drafter that samples its drafts must give the verifier the q it drew them from:
+    without it the point-mass rule still keeps the output exactly the target's (every
+    distribution test passes) but accepts a sampled draft with p(d) instead of min(1, p/q).
+    The draft = target test above shows the loss for the draft model; heads cannot be the
+    target, so here the decode program is traced (not compiled) at T = 0.8 and what reaches
+    ``verify.rejection_sample`` / ``verify.tree_sample`` is read. (A proposer that dropped its
+    q, one-off: the draft model's chain with ``base.stack_chain`` returning no q fails.)"""
+    from specjax import verify
+    from specjax.draft import restrict_vocab
+    spec, kind, with_q = SAMPLED_DRAFTERS[name]
+    drafter = {"draft": draft, "vocab": None if kind != "vocab" else restrict_vocab(
+        sj.DraftModel(draft), np.arange(0, 32, 2))}.get(kind)
+    if drafter is None:
+        drafter = sj.init_heads(target, kind, jax.random.key(3))
+    given = []
+    chain, tree = verify.rejection_sample, verify.tree_sample
+    monkeypatch.setattr(verify, "rejection_sample", lambda keys, tokens, q, *a: (
+        given.append(q), chain(keys, tokens, q, *a))[1])
+    monkeypatch.setattr(verify, "tree_sample", lambda *a: (given.append(a[5]), tree(*a))[1])
+    compile_stage = engine.Program.executable
+
+    def traced_only(self, stage, *args):
+        if stage == "decode":
+            engine._STAGES[stage].lower(self.plan, *args)
+            raise _Traced
+        return compile_stage(self, stage, *args)
+    monkeypatch.setattr(engine.Program, "executable", traced_only)
+    with pytest.raises(_Traced):
+        sj.generate(target, PROMPTS, spec=sj.SpecConfig(**spec), draft=drafter, key=1,
+                    sampling=sj.SamplingParams(temperature=0.8, max_new_tokens=8))
+    assert given and all((q is not None) == with_q for q in given), (name, given)
+
+
 def test_a_proposer_that_calls_the_host_is_caught(target, monkeypatch, fresh_programs):
     """Every test module ends by checking the programs it compiled for calls to the host
     (conftest's host_round_trips): a proposer that looks its drafts up on the host each round,
@@ -107,6 +162,7 @@ def test_a_proposer_that_calls_the_host_is_caught(target, monkeypatch, fresh_pro
     found = host_round_trips()
     assert found and all(x.startswith("NgramProposer") for x in found), found
     assert any(x.startswith("NgramProposer decode: ") for x in found), found
+    engine.PROGRAMS.clear()  # caught: not left for fresh_programs' own check
 
 
 def test_rows_do_not_depend_on_their_neighbours(target, draft):

@@ -12,6 +12,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import release_programs
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -140,8 +141,7 @@ def test_the_api_either_refuses_clearly_or_decodes_right(pool, case):
     # (see conftest._release_compiled_programs): a thousand cases in one test must let go of
     # them now and then (the on-disk compilation cache reads them back).
     if engine.PROGRAMS.compiled - _released[0] >= 40:
-        engine.PROGRAMS.clear()
-        jax.clear_caches()
+        release_programs()
         _released[0] = engine.PROGRAMS.compiled
     req, target = _request(case, pool)
     V_ = target.config.vocab_size

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import release_programs, tiny_model
 
 import specjax as sj
 from specjax import attention, engine
@@ -147,8 +147,7 @@ def test_a_chunk_wider_than_the_rings_allow_is_refused(model):
 
 
 def _generate(model, draft, spec, monkeypatch, rings: bool, sampling=GREEDY):
-    engine.PROGRAMS.clear()  # the ring is not part of the plan: compile again
-    jax.clear_caches()
+    release_programs()  # the ring is not part of the plan: compile again
     with monkeypatch.context() as patch:
         if not rings:
             patch.setattr(kv, "ring_size", lambda *a: None)

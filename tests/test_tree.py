@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import release_programs, tiny_model
 from test_lossless import (
     exact_joint,
     g_test,
@@ -610,8 +610,7 @@ def sampled_tree_runs(generate, monkeypatch):
     for name, rule in (("trimmed", Tree.expanded), ("every node", every_node),
                        ("one short", one_parent_short)):
         monkeypatch.setattr(Tree, "expanded", rule)
-        engine.PROGRAMS.clear()
-        jax.clear_caches()
+        release_programs()
         out = generate()
         runs[name] = (out.tokens, out.stats.accepted_tokens,
                       tuple(out.stats.per_position_acceptance))
@@ -638,7 +637,7 @@ def test_trailing_leaves_need_no_draft_forward(greedy_setup, monkeypatch, fresh_
 
 def _sorts(target, draft, tree):
     """Sort instructions in the greedy decode program of ``tree``."""
-    engine.PROGRAMS.clear()
+    release_programs()
     sj.generate(target, [[1, 2, 3]], sampling=sj.SamplingParams(temperature=0, max_new_tokens=8),
                 draft=draft, spec=sj.SpecConfig(tree=tree))
     (decode,) = engine.PROGRAMS.programs()[-1].executables("decode")
