@@ -65,6 +65,19 @@ def test_each_model_was_trained_for_the_context_it_declares(name):
     assert pair.long_row(long).rstrip(" |\n") in card
 
 
+@pytest.mark.parametrize("name", sorted(p.parent.name for p in CKPT.glob("*/drafter.json")))
+def test_each_drafter_last_trained_over_its_targets_window(name):
+    """A shipped head reads the target's states at every position the target declares: its
+    last training (a continuation records the stage before it under continued_from) ran on
+    sequences that long, as the card's command says."""
+    record = json.loads((CKPT / name / "drafter.json").read_text())
+    window = json.loads((CKPT / "code-target" / "config.json").read_text())[
+        "max_position_embeddings"]
+    last = record["training"]["train"]["seq_len"]
+    assert last >= window, f"{name}: last trained on {last} positions, the target has {window}"
+    assert f"--seq-len {last}" in (CKPT / name / "README.md").read_text()
+
+
 @pytest.mark.parametrize("name", ["code-target", "code-draft"])
 def test_model_cards_carry_the_recorded_figures(name):
     info = json.loads((CKPT / name / "training.json").read_text())
