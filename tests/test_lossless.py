@@ -342,12 +342,14 @@ def tail_pvalues(samples, joints):
     return pvalues
 
 
-def later_samples(target, draft, gamma, seed=1, **spec):
+def later_samples(target, draft, gamma, seed=1, slack=0, **spec):
+    """N rows alternating between PROMPTS, 6 new tokens each, at the fewest cache slots the
+    request needs (plus ``slack``, for proposers that keep slots of their own)."""
     sampling = sj.SamplingParams(max_new_tokens=6, **LATER)
     spec = sj.SpecConfig(num_speculative_tokens=gamma, **spec)
     out = sj.generate(target, [list(PROMPTS[i % 2]) for i in range(N)], sampling=sampling,
                       spec=spec, draft=draft, key=seed,
-                      max_cache_len=tight_capacity(max(map(len, PROMPTS)), 6, spec))
+                      max_cache_len=tight_capacity(max(map(len, PROMPTS)), 6, spec) + slack)
     assert (out.lengths == 6).all() and out.stats.num_rounds >= 3
     return out
 

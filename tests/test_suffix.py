@@ -10,7 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model
-from test_lossless import PROMPT, N, exact_joint, g_test, models  # noqa: F401
+from test_lossless import (  # noqa: F401
+    PROMPT,
+    N,
+    exact_joint,
+    g_test,
+    later_samples,
+    models,
+    tail_joints,
+    tail_pvalues,
+)
 
 import specjax as sj
 from specjax import engine, verify
@@ -190,6 +199,23 @@ def target():
                       max_pos=256)
 
 
+def test_a_history_or_corpus_shorter_than_the_deepest_match_decodes(target):
+    """The matcher looks back up to suffix_decoding_max_tree_depth (24) tokens: with a tight
+    max_cache_len or a small corpus its source is shorter than that, and it used to compare
+    copies shifted past the source's start (failing to trace: shapes [B, 16] against [B, 32]).
+    Greedy output equals autoregressive decoding in both."""
+    prompts = [[1, 2, 3, 1, 2], [4, 5]]
+    greedy = sj.SamplingParams(temperature=0, max_new_tokens=8)
+    ar = sj.generate(target, prompts, sampling=greedy)
+    spec = sj.SpecConfig(method="suffix", num_speculative_tokens=3)
+    out = sj.generate(target, prompts, sampling=greedy, spec=spec, max_cache_len=5 + 8 + 3)
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    small = sj.draft.SuffixCache(16)  # the smallest corpus allowed
+    small.add([[1, 2, 3, 4]])
+    out = sj.generate(target, prompts, sampling=greedy, spec=spec, draft=small)
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+
+
 def test_greedy_suffix_equals_autoregressive_and_never_recompiles(target):
     prompts = [[1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8], [4, 4, 4, 4, 9]]
     greedy = sj.SamplingParams(temperature=0, max_new_tokens=40)
@@ -310,3 +336,22 @@ def test_the_corpus_survives_a_save_and_load(tmp_path):
         sj.draft.SuffixCache.load(tmp_path / "corpus")
     with pytest.raises(ValueError, match="is not a saved SuffixCache"):
         sj.draft.SuffixCache.load(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["honest", "reused-round-keys"])
+def test_later_tokens_follow_the_target_with_suffix_drafts(models, tail_joints,  # noqa: F811
+                                                           monkeypatch, broken, fresh_programs):
+    """Tokens 5 and 6 of rows alternating between two prompt lengths, method="suffix" with its
+    defaults (the row's own text its corpus, pruned trees, the gate): several rounds, so the
+    suffix state carried from round to round is in play. With the same random numbers in every
+    round the same test fails."""
+    target, _ = models
+    if broken:
+        monkeypatch.setattr(engine, "round_keys", lambda keys, step: _honest_round_keys(keys, 0))
+    out = later_samples(target, None, 3, method="suffix")
+    assert out.stats.accepted_tokens > 0
+    pvalue = min(tail_pvalues(out.tokens, tail_joints))
+    assert (pvalue < 1e-6) if broken else (pvalue > 1e-3), pvalue
+
+
+_honest_round_keys = engine.round_keys

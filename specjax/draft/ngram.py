@@ -77,12 +77,14 @@ def match_runs(source: Array, want: Array, n_max: int) -> Array:
     """For every position e of source [B, L] (or [L], shared by the rows): how many of the
     row's last tokens want [B, n_max] (newest first) match backwards from e, capped at n_max:
     [B, L]. A comparison of the source shifted right by i (a static slice) with the row's i-th
-    last token, for i < n_max, so one pass scores every n at once."""
+    last token, for i < n_max, so one pass scores every n at once. No match runs past the
+    source's start, so a source shorter than n_max (a small cache, a short corpus) stops the
+    comparisons at its length."""
     src = source if source.ndim == 2 else source[None, :]
     L = src.shape[1]
     run = jnp.zeros((want.shape[0], L), jnp.int32)
     matching = jnp.ones((want.shape[0], L), bool)
-    for i in range(n_max):
+    for i in range(min(n_max, L)):
         shifted = jnp.pad(src[:, :L - i], ((0, 0), (i, 0)), constant_values=-1)
         matching &= (shifted == want[:, i:i + 1]) & (want[:, i:i + 1] >= 0)
         run += matching.astype(jnp.int32)
