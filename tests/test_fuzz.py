@@ -127,7 +127,7 @@ def _request(case, pool):
 def _sampling(case, kwargs):
     bad = {"negative_temperature": ("temperature", -0.5),
            "nan_temperature": ("temperature", float("nan")), "top_p_zero": ("top_p", 0.0),
-           "top_k_negative": ("top_k", -1), "zero_new_tokens": ("max_new_tokens", 0)}
+           "top_k_negative": ("top_k", -2), "zero_new_tokens": ("max_new_tokens", 0)}
     name, value = bad.get(case["wrong"], (None, None))
     return {**kwargs, **({name: value} if name else {})}
 
