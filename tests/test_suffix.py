@@ -353,4 +353,3 @@ def test_later_tokens_follow_the_target_with_suffix_drafts(models, tail_joints, 
     assert out.stats.accepted_tokens > 0
     pvalue = min(tail_pvalues(out.tokens, tail_joints))
     assert (pvalue < 1e-6) if broken else (pvalue > 1e-3), pvalue
-
