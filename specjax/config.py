@@ -279,6 +279,9 @@ class SamplingParams:
                       lambda x: x >= 0 and math.isfinite(x), "a finite number >= 0")
         if _is_int(_plain(self.top_k)) and _plain(self.top_k) == -1:  # vLLM's spelling of off
             object.__setattr__(self, "top_k", 0)
+        if _is_int(_plain(self.top_k)) and _plain(self.top_k) < 0:
+            raise ValueError(f"SamplingParams.top_k must be an int >= 0, or -1 (as 0: no top-k "
+                             f"filter), got {self.top_k!r}")
         _require_int(self, "top_k", self.top_k, 0, 2 ** 31 - 1,
                      bound="token ids are int32")
         _require_real(self, "top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")

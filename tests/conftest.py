@@ -20,13 +20,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The suite compiles hundreds of small programs: tests/fast_compile.py says how they compile
 # faster. Set before jax is imported.
 os.environ["XLA_FLAGS"] = fast_compile.xla_flags(os.environ.get("XLA_FLAGS", ""))
+# Each pytest-xdist worker on its own cores (tests/fast_compile.py says why), before jax starts
+# its threads.
+fast_compile.pin_xdist_worker()
 
 import jax  # noqa: E402
-import numpy as np
-import pytest
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
-import specjax as sj
-from specjax import engine
+import specjax as sj  # noqa: E402
+from specjax import engine  # noqa: E402
 
 # The files that take longest on CI's two workers, run first (seconds of a fresh-clone CI run,
 # 2026-12-06; every file over half a minute): with each file on one worker (--dist loadfile),

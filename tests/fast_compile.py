@@ -15,6 +15,11 @@ semantics, and every program a test compares is compiled the same way. Benchmark
 keep the defaults. A setting the caller's XLA_FLAGS already names is kept. XLA aborts on
 unknown flags, so a jaxlib that no longer knows one of these (probed once, in a subprocess)
 gets none of them.
+
+Under pytest-xdist each worker is also pinned to its own share of the CPUs
+(``pin_xdist_worker``; the programs and processes it starts inherit that), so its XLA thread
+pool does not run kernels on the core the other worker compiles on. test_lossless.py and
+test_engine.py run side by side (fresh caches, two rounds) took 4% and 15% less user CPU pinned.
 """
 
 import os
@@ -37,3 +42,16 @@ def xla_flags(flags: str) -> str:
                            env=dict(os.environ, XLA_FLAGS=wanted, JAX_PLATFORMS="cpu"),
                            capture_output=True)
     return wanted if probe.returncode == 0 else flags
+
+
+def pin_xdist_worker() -> None:
+    """Pin this pytest-xdist worker (``gw<i>`` of ``PYTEST_XDIST_WORKER_COUNT``) to every n-th
+    CPU it may run on, starting at the i-th, when there are at least as many CPUs as workers;
+    anything else (no xdist, one worker, fewer CPUs, no sched_setaffinity) is left as it is."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= count:
+        os.sched_setaffinity(0, cpus[int(worker[2:]) % count::count])

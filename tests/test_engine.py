@@ -431,7 +431,8 @@ def test_draft_with_another_vocabulary_is_refused(target):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(top_k=-2), r"top_k must be an int >= 0, or -1 .*got -2"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(eos_token_id=[1, -2]), "eos_token_id"), (dict(eos_token_id=list(range(9))), "at most 8"),
     (dict(temperature="hot"), "temperature"), (dict(top_k=2.5), "top_k"),
 ])
