@@ -266,6 +266,37 @@ def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, 
     assert record["training"]["continued_from"]["folder"] == str(tmp_path / "old")
 
 
+def test_long_acceptance_is_recorded_in_the_folder(target, trained, tmp_path, monkeypatch):
+    """``record_long_acceptance`` (what `train heads --out` and
+    experiments/drafter_long_acceptance.py run) writes the figures into drafter.json and as one
+    line of README.md before its load line, replacing the line an earlier run wrote; γ is at most
+    the drafter's deepest draft (3 Medusa heads here)."""
+    from specjax.train import heads as train_heads
+    from specjax.train import pair
+    folder = tmp_path / "d"
+    sj.save_heads(trained["medusa"], folder, target)
+    (folder / "README.md").write_text("# d\n\n* Held-out loss: 1.0.\n* Load with `x`.\n\nEnd.\n")
+    asked = []
+
+    def measured(target_, drafter, tokenizer, gamma, method="draft_model", **_):
+        asked.append((gamma, method))
+        return {"gamma": gamma, "max_new_tokens": 16, "mean_accepted_length": 1.0 + len(asked),
+                "by_position": {"256-512": 1.25, "512-1024": 1.5}}
+    monkeypatch.setattr(pair, "measure_long", measured)
+    for run in (1, 2):
+        long = train_heads.record_long_acceptance(folder, target, tokenizer=None)
+        assert long["mean_accepted_length"] == 1.0 + run
+        card = (folder / "README.md").read_text().splitlines()
+        lines = [x for x in card if x.startswith(train_heads.LONG_LINE)]
+        assert len(lines) == 1 and card[card.index(lines[0]) + 1].startswith("* Load with")
+        assert f"mean accepted length {1.0 + run:.2f}; by the position a round starts at: " \
+               "256-512 1.25, 512-1024 1.50." in lines[0]
+        assert json.loads((folder / "drafter.json").read_text())["acceptance"]["long"] == long
+    assert asked == [(3, "medusa")] * 2 and card[-1] == "End."
+    sj.load_heads(folder, target)  # the folder still loads
+    assert not list(folder.glob(".*.tmp"))
+
+
 @pytest.mark.parametrize("method,what", [("medusa", "3 Medusa heads"),
                                          ("eagle", "An EAGLE head (one decoder layer")])
 def test_model_card_describes_each_kind(trained, method, what, tmp_path):

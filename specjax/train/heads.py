@@ -385,7 +385,43 @@ def heads_main(argv=None) -> int:
         heads_lib.save_heads(drafter, args.out, target, dtype=args.save_dtype,
                              extra={"training": training}, files={"README.md": card})
         print(f"saved {args.method} drafter for {args.target} to {args.out}")
+        if (pathlib.Path(args.target) / "tokenizer.json").is_file():
+            from ..tokenizer import load_tokenizer
+            long = record_long_acceptance(args.out, target, load_tokenizer(args.target))
+            print(f"acceptance on the long bench prompts: {long}")
     return 0
+
+
+LONG_LINE = "* Acceptance by context position"
+
+
+def record_long_acceptance(folder, target: Model, tokenizer, gamma: int = 4) -> dict:
+    """The greedy acceptance of the drafter in ``folder`` on the long bench prompts, overall and
+    by the context position a round starts at (``pair.measure_long``, γ = ``gamma`` or its
+    deepest draft if that is less), recorded in its drafter.json (``acceptance.long``) and as a
+    line of its README.md (replacing an earlier one). ``experiments/drafter_long_acceptance.py``
+    runs it for a shipped folder."""
+    from .pair import long_figures, measure_long
+    folder = pathlib.Path(folder)
+    drafter = heads_lib.load_heads(folder, target)
+    depth = drafter.config.max_depth
+    long = measure_long(target, drafter, tokenizer, min(gamma, depth or gamma),
+                        method=drafter.config.method)
+    meta = json.loads((folder / "drafter.json").read_text())
+    meta.setdefault("acceptance", {})["long"] = long
+    line = (f"{LONG_LINE} (greedy, γ = {long['gamma']}, {long['max_new_tokens']} new tokens "
+            f"after each long bench prompt of 300-900 tokens, float32 on a 2-core CPU): "
+            f"{long_figures(long)}.")
+    card = [x for x in (folder / "README.md").read_text().splitlines()
+            if not x.startswith(LONG_LINE)]
+    at = next((i for i, x in enumerate(card) if x.startswith("* Load with")), len(card))
+    card.insert(at, line)
+    for name, text in (("drafter.json", json.dumps(meta, indent=1) + "\n"),
+                       ("README.md", "\n".join(card) + "\n")):
+        tmp = folder / f".{name}.tmp"  # a crash leaves the old file or the new one, whole
+        tmp.write_text(text)
+        tmp.replace(folder / name)
+    return long
 
 
 CARD = """# {folder}

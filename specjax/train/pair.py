@@ -556,7 +556,9 @@ def _fitted_prompts(target, draft, tokenizer, prompt_set: str, gamma: int, max_n
     """A bench prompt set encoded, and the new-token count, fitted into the smaller model's
     context (a small model's context: each prompt keeps its end)."""
     from ..bench import load_prompts
-    room = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    room = target.config.max_position_embeddings
+    own = getattr(getattr(draft, "config", None), "max_position_embeddings", None)  # heads: none
+    room = room if own is None else min(room, own)
     max_new_tokens = min(max_new_tokens, room // 4)
     keep = room - max_new_tokens - gamma - 1
     return [tokenizer.encode(p["text"])[-keep:] for p in load_prompts(prompt_set)], max_new_tokens
@@ -582,18 +584,23 @@ def measure_acceptance(target, draft, tokenizer, gamma: int = 4, max_new_tokens:
     return out
 
 
-def measure_long(target, draft, tokenizer, gamma: int = 4, max_new_tokens: int = 64) -> dict:
+def measure_long(target, draft, tokenizer, gamma: int = 4, max_new_tokens: int = 64,
+                 method: str = "draft_model", out: list | None = None) -> dict:
     """The draft's greedy mean accepted length on the long bench prompts (``--prompts long``,
     300-900 tokens; each cut to its end where a small context needs it), overall and by the
-    context position a round starts at (``Stats.accepted_length_by_position``)."""
+    context position a round starts at (``Stats.accepted_length_by_position``). ``method``:
+    the drafter's (a draft model, or heads as ``sj.load_heads`` gives them); ``out``: a list
+    the Generation is appended to (its prompts: ``_fitted_prompts(..., "long", ...)``)."""
     from ..config import SamplingParams, SpecConfig
     from ..engine import generate
     prompts, max_new_tokens = _fitted_prompts(target, draft, tokenizer, "long", gamma,
                                               max_new_tokens)
-    stats = generate(target, prompts, draft=draft, key=0,
-                     spec=SpecConfig(method="draft_model", num_speculative_tokens=gamma),
-                     sampling=SamplingParams(temperature=0.0,
-                                             max_new_tokens=max_new_tokens)).stats
+    result = generate(target, prompts, draft=draft, key=0,
+                      spec=SpecConfig(method=method, num_speculative_tokens=gamma),
+                      sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+    if out is not None:
+        out.append(result)
+    stats = result.stats
     return {"gamma": gamma, "max_new_tokens": max_new_tokens,
             "mean_accepted_length": round(stats.mean_accepted_length, 3),
             "by_position": {f"{lo}-{'' if hi is None else hi}": round(m, 3)
@@ -964,9 +971,14 @@ def long_row(long: dict | None) -> str:
     if not long:
         return ""
     return (f"| acceptance by context position (greedy, γ = {long['gamma']}, "
-            f"{long['max_new_tokens']} new tokens after each long bench prompt) | mean accepted "
-            f"length {long['mean_accepted_length']:.2f}; by the position a round starts at: "
-            + ", ".join(f"{k} {v:.2f}" for k, v in long["by_position"].items()) + " |\n")
+            f"{long['max_new_tokens']} new tokens after each long bench prompt) | "
+            f"{long_figures(long)} |\n")
+
+
+def long_figures(long: dict) -> str:
+    """``measure_long``'s figures in words, as the cards give them."""
+    return (f"mean accepted length {long['mean_accepted_length']:.2f}; by the position a round "
+            f"starts at: " + ", ".join(f"{k} {v:.2f}" for k, v in long["by_position"].items()))
 
 
 def main(argv=None) -> int:
