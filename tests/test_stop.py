@@ -124,6 +124,17 @@ class CharTokenizer:
         return "".join(chr(32 + int(i) % 95) for i in ids)
 
 
+class PairTokenizer(CharTokenizer):
+    """Token i is two letters (a-p twice: 256 tokens), as a BPE token is several characters: a
+    stop string can begin or end inside a token's text."""
+
+    def encode(self, text):
+        return [(ord(a) - 97) * 16 + ord(b) - 97 for a, b in zip(text[::2], text[1::2])]
+
+    def decode(self, ids):
+        return "".join(chr(97 + int(i) // 16) + chr(97 + int(i) % 16) for i in ids)
+
+
 @pytest.fixture(scope="module")
 def byte_models():
     target = tiny_model(seed=4, vocab_size=256, hidden_size=32, heads=4, kv_heads=2, max_pos=128)
@@ -142,19 +153,23 @@ def string_cut(text, stops, include):
 
 
 @pytest.mark.parametrize("include", [False, True], ids=["cut-before", "included"])
-@pytest.mark.parametrize("method", ["autoregressive", "chain"])
-def test_stop_strings_cut_text_and_tokens(byte_models, method, include):
+@pytest.mark.parametrize("method,tokens", [("autoregressive", "chars"), ("chain", "chars"),
+                                           ("chain", "letter-pairs")])
+def test_stop_strings_cut_text_and_tokens(byte_models, method, tokens, include):
     target, draft = byte_models
-    tok = CharTokenizer()
+    tok = CharTokenizer() if tokens == "chars" else PairTokenizer()
     spec, d = (None, None) if method == "autoregressive" else (
         sj.SpecConfig(num_speculative_tokens=3), draft)
-    prompts = ["ab", "xyz", "q"]
+    prompts = ["ab", "xyz", "q"] if tokens == "chars" else ["ab", "cdef", "gh"]
     sampling = sj.SamplingParams(temperature=0.9, max_new_tokens=48)
     free = sj.generate(target, prompts, sampling=sampling, spec=spec, draft=d, key=6,
                        tokenizer=tok, return_text=True)
-    # strings of 2 and 3 bytes from the unstopped text (they straddle tokens, and rounds)
+    # strings of 2 and 3 tokens' text from the unstopped text (they straddle tokens, and
+    # rounds); with two letters a token, the first begins and ends inside a token's text
     raw = [free.tokens[b, :free.lengths[b]] for b in range(len(prompts))]
-    stops = [tok.decode(raw[0][20:23]), tok.decode(raw[1][31:33]), "\n never \n"]
+    first = tok.decode(raw[0][20:23])
+    stops = [first if tokens == "chars" else first[1:-1], tok.decode(raw[1][31:33]),
+             "\n never \n"]
     stopped = dict(stop=stops, include_stop_str_in_output=include)
     out = sj.generate(target, prompts, spec=spec, draft=d, key=6, tokenizer=tok,
                       return_text=True, sampling=sj.SamplingParams(
