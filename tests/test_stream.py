@@ -2,6 +2,7 @@
 them; the streamed result equals generate's, token for token, and nothing recompiles between
 segments or for another segment length."""
 
+import jax
 import numpy as np
 import pytest
 from conftest import tiny_model
@@ -16,13 +17,21 @@ def joined(chunks, rows):
     return [np.concatenate([c.tokens[b] for c in chunks]) for b in range(rows)]
 
 
-@pytest.mark.parametrize("name", ["autoregressive-greedy", "chain-sampled-eos"])
+@pytest.mark.parametrize("name", ["autoregressive-greedy", "chain-sampled-eos",
+                                  "tree-sampled-eos", "eagle-sampled-eos"])
 def test_streamed_tokens_equal_generate(target, draft, name):
+    """Also a tree, and EAGLE (a rider: its features of the last round are carried from one
+    segment to the next)."""
     if name == "autoregressive-greedy":
         sampling, spec, d = sj.SamplingParams(temperature=0, max_new_tokens=17), None, None
     else:  # EOS ends rows at different rounds; drafts accepted and rejected
         sampling = sj.SamplingParams(temperature=0.8, max_new_tokens=24, eos_token_id=5)
         spec, d = sj.SpecConfig(num_speculative_tokens=3), draft
+        if name.startswith("tree"):
+            spec = sj.SpecConfig(tree=((0,), (1,), (0, 0), (0, 0, 0)))
+        elif name.startswith("eagle"):
+            spec = sj.SpecConfig(method="eagle", num_speculative_tokens=3)
+            d = sj.init_heads(target, "eagle", jax.random.key(2))
     ref = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=4)
     chunks = list(sj.stream(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=4,
                             rounds_per_chunk=1))
@@ -45,6 +54,27 @@ def test_streamed_tokens_equal_generate(target, draft, name):
         for b in range(len(PROMPTS)):
             first = int(np.argmax(finished[:, b]))
             assert all(len(c.tokens[b]) == 0 for c in chunks[first + 1:])
+
+
+def test_a_rider_that_forgets_its_features_between_segments_fails(target, monkeypatch,
+                                                                  fresh_programs):
+    """The EAGLE case above fails when each segment starts from zeroed features (what a rider
+    whose state the segments did not carry would draft from)."""
+    import dataclasses
+
+    from specjax.draft.eagle import EagleState
+    forget = engine.decode_until
+
+    def forgetting(plan, target_params, draft_params, request, state, until):
+        if isinstance(state.draft_state, EagleState):
+            f = state.draft_state.features
+            state = dataclasses.replace(state, draft_state=dataclasses.replace(
+                state.draft_state, features=dataclasses.replace(f, feats=f.feats * 0)))
+        return forget(plan, target_params, draft_params, request, state, until)
+    monkeypatch.setitem(engine._STAGES, "segment", jax.jit(
+        engine._with_blocks(forgetting), static_argnums=0, donate_argnums=4))
+    with pytest.raises(AssertionError, match="Arrays are not equal"):  # the streamed tokens
+        test_streamed_tokens_equal_generate(target, None, "eagle-sampled-eos")
 
 
 def test_segments_of_any_length_share_one_executable(target, draft):
