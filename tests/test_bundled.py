@@ -243,10 +243,9 @@ def test_generate_command_defaults_to_the_bundled_pair(capsys):
 @pytest.mark.parametrize("method", ["medusa", "eagle", "dflash", "mtp"])
 def test_bundled_drafters_load_and_are_accepted(bundled, method):
     """The shipped Medusa / EAGLE heads, block drafter and MTP modules were trained for the
-    shipped target: they load for it (and only for it), keep greedy output exact, are accepted
-    far more than chance, and give the acceptance by context position their cards state (the
-    long bench prompts; measured in float32 on this kind of CPU,
-    experiments/drafter_long_acceptance.py), within rounding."""
+    shipped target: they load for it (and only for it), keep greedy output exact and are
+    accepted far more than chance; their cards give the long-prompt figures drafter.json
+    records (EAGLE's are measured again below)."""
     target, draft, tok = bundled
     folder = CKPT / f"code-{method}"
     drafter = sj.load_heads(folder, target)
@@ -255,17 +254,36 @@ def test_bundled_drafters_load_and_are_accepted(bundled, method):
             **target.params, "lm_head": {"kernel": -target.params["lm_head"]["kernel"]}}))
     card = (folder / "README.md").read_text()
     assert "self-distillation" in card
-    want = json.loads((folder / "drafter.json").read_text())["acceptance"]["long"]
-    assert pair.long_figures(want) in card
+    long = json.loads((folder / "drafter.json").read_text())["acceptance"]["long"]
+    assert pair.long_figures(long) in card
+    from specjax.bench import load_prompts
+    prompt = [tok.encode(p["text"]) for p in load_prompts()[:3]]
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=48)
+    out = sj.generate(target, prompt, draft=drafter, sampling=sampling,
+                      spec=sj.SpecConfig(method=method, num_speculative_tokens=3))
+    np.testing.assert_array_equal(out.tokens, sj.generate(target, prompt,
+                                                          sampling=sampling).tokens)
+    # chance is about 1.0; measured on these 3 prompts: EAGLE 3.6, Medusa 1.3, dflash 1.88,
+    # MTP 2.86
+    assert out.stats.mean_accepted_length > {"eagle": 2.5, "medusa": 1.15, "dflash": 1.6,
+                                             "mtp": 2.3}[method], out.stats
+
+
+def test_the_eagle_cards_acceptance_by_position_reproduces(bundled):
+    """code-eagle gives the acceptance by context position its card states (the long bench
+    prompts; measured in float32 on this kind of CPU, experiments/drafter_long_acceptance.py),
+    within rounding, with the text autoregressive decoding gives. One drafter only: each takes
+    about 35 s on CI's machine; the script measures all four again."""
+    target, _, tok = bundled
+    drafter = sj.load_heads(CKPT / "code-eagle", target)
+    want = json.loads((CKPT / "code-eagle" / "drafter.json").read_text())["acceptance"]["long"]
     runs = []
-    assert_long_figures(target, drafter, tok, want, method=method, out=runs)
+    assert_long_figures(target, drafter, tok, want, method="eagle", out=runs)
     prompts, max_new = pair._fitted_prompts(target, drafter, tok, "long", want["gamma"],
                                             want["max_new_tokens"])
     plain = sj.generate(target, prompts,
                         sampling=sj.SamplingParams(temperature=0, max_new_tokens=max_new))
     np.testing.assert_array_equal(runs[0].tokens, plain.tokens)
-    # chance is about 1.0
-    assert runs[0].stats.mean_accepted_length > 1.15, runs[0].stats
 
 
 def test_generate_command_runs_eagle(capsys):
