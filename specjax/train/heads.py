@@ -416,11 +416,9 @@ def record_long_acceptance(folder, target: Model, tokenizer, gamma: int = 4) -> 
             if not x.startswith(LONG_LINE)]
     at = next((i for i, x in enumerate(card) if x.startswith("* Load with")), len(card))
     card.insert(at, line)
-    for name, text in (("drafter.json", json.dumps(meta, indent=1) + "\n"),
-                       ("README.md", "\n".join(card) + "\n")):
-        tmp = folder / f".{name}.tmp"  # a crash leaves the old file or the new one, whole
-        tmp.write_text(text)
-        tmp.replace(folder / name)
+    from ..files import write_atomic  # a crash leaves the old file or the new one, whole
+    write_atomic(folder / "drafter.json", json.dumps(meta, indent=1) + "\n")
+    write_atomic(folder / "README.md", "\n".join(card) + "\n")
     return long
 
 
