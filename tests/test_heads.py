@@ -294,7 +294,7 @@ def test_long_acceptance_is_recorded_in_the_folder(target, trained, tmp_path, mo
         assert json.loads((folder / "drafter.json").read_text())["acceptance"]["long"] == long
     assert asked == [(3, "medusa")] * 2 and card[-1] == "End."
     sj.load_heads(folder, target)  # the folder still loads
-    assert not list(folder.glob(".*.tmp"))
+    assert not list(folder.glob(".*"))  # no temporary file left
 
 
 @pytest.mark.parametrize("method,what", [("medusa", "3 Medusa heads"),
