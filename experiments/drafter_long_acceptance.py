@@ -18,13 +18,19 @@ from specjax.train.heads import record_long_acceptance
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+def drafter_arguments(doc: str) -> argparse.Namespace:
+    """The drafter folders (default: the four shipped) and --target of a script on the
+    shipped drafters' cards."""
+    ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="*", type=pathlib.Path,
                     default=[ROOT / f"code-{m}" for m in ("eagle", "medusa", "dflash", "mtp")])
     ap.add_argument("--target", type=pathlib.Path, default=ROOT / "code-target")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = drafter_arguments(__doc__)
     target, tokenizer = sj.load_model(args.target), sj.load_tokenizer(args.target)
     print(f"target {args.target} ({target.config.dtype})")
     for folder in args.folders:

@@ -12,6 +12,7 @@ import pytest
 import specjax as sj
 from specjax import cli
 from specjax.train import pair
+from specjax.train.heads import heldout_figures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CKPT = ROOT / "checkpoints"
@@ -254,8 +255,14 @@ def test_bundled_drafters_load_and_are_accepted(bundled, method):
             **target.params, "lm_head": {"kernel": -target.params["lm_head"]["kernel"]}}))
     card = (folder / "README.md").read_text()
     assert "self-distillation" in card
-    long = json.loads((folder / "drafter.json").read_text())["acceptance"]["long"]
-    assert pair.long_figures(long) in card
+    meta = json.loads((folder / "drafter.json").read_text())
+    assert pair.long_figures(meta["acceptance"]["long"]) in card
+    # trained on the whole window: the held-out loss over it, by position bin
+    # (experiments/drafter_heldout_positions.py; the held-out files are not in the repository)
+    held = meta["heldout_loss_by_position"]
+    assert list(held) == ["windows", "all", "0-256", "256-512", "512-1024"]
+    assert held["windows"] == 180 and heldout_figures(held) in card
+    assert meta["training"]["train"]["seq_len"] == 1024
     from specjax.bench import load_prompts
     prompt = [tok.encode(p["text"]) for p in load_prompts()[:3]]
     sampling = sj.SamplingParams(temperature=0, max_new_tokens=48)

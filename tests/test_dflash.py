@@ -257,10 +257,15 @@ def test_lengths_that_look_at_the_drawn_draft_fail_the_same_test(tiny_dflash, mo
     assert adaptive_pvalue(target, d, "dflash", TINY_ADAPTIVE, t=0.7, lengths_vary=False) < 1e-6
 
 
-def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_dflash, tail_joints):
+@pytest.mark.parametrize("spec", [dict(num_speculative_tokens=3), dict(tree=SMALL_TREE)],
+                         ids=["chain3", "tree"])
+def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_dflash, tail_joints, spec):
     """Tokens 5 and 6 of rows alternating between two prompt lengths: several rounds, so the
-    features handed from one verification to the next round's block are in play."""
+    features handed from one verification to the next round's block are in play (with a tree:
+    those of the path the verifier took)."""
     target, d = tiny_dflash
-    out = later_samples(target, d, 3, method="dflash")
+    spec = dict(spec)
+    out = later_samples(target, d, spec.pop("num_speculative_tokens", None), method="dflash",
+                        **spec)
     assert out.stats.per_position_acceptance[1] > 0.02
     assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3

@@ -266,16 +266,75 @@ def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, 
     assert record["training"]["continued_from"]["folder"] == str(tmp_path / "old")
 
 
-def test_long_acceptance_is_recorded_in_the_folder(target, trained, tmp_path, monkeypatch):
-    """``record_long_acceptance`` (what `train heads --out` and
-    experiments/drafter_long_acceptance.py run) writes the figures into drafter.json and as one
-    line of README.md before its load line, replacing the line an earlier run wrote; γ is at most
-    the drafter's deepest draft (3 Medusa heads here)."""
+@pytest.mark.parametrize("method", ["medusa", "eagle", "mtp", "dflash"])
+def test_heldout_loss_is_binned_by_the_position_each_draft_reads(method):
+    """``heldout_loss_by_position`` (the cards' held-out loss by context position): the
+    objective's terms score each value at the position of the last token its draft reads
+    (Medusa head k at t reads x_t, EAGLE reads x_{t+1}, MTP module k x_{t+k}, a block its
+    anchor's token), and each bin pools, term by term, the values scored there over the windows,
+    combined by the terms' coefficients; the same objective is what training minimises."""
+    from specjax.train.heads import Term, heldout_loss_by_position
+    target = tiny_model(vocab_size=32, hidden_size=16, max_pos=600)
+    drafter = heads_lib.init_heads(target, method, jax.random.key(1), num_heads=3, block_size=4,
+                                   vocab=np.arange(0, 32, 2, dtype=np.int32))
+    stream = np.random.default_rng(0).integers(0, 32, 3 * 601 + 40).astype(np.uint16)
+    loss = heldout_loss_by_position(drafter, target, stream, batch_size=2)
+    assert list(loss) == ["windows", "all", "0-256", "256-512", "512-600"]
+    assert loss["windows"] == 3
+    objective = HeadsObjective(drafter.config, target.config)
+    aux = {"target": target.params, "vocab": drafter.vocab.ids}
+    windows = stream[:3 * 601].reshape(3, 601).astype(np.int32)
+    batches = [jax.jit(objective.terms)(drafter.params["weights"], jnp.asarray(windows[i:i + 2]),
+                                        aux) for i in (0, 2)]  # as it batches them
+    terms = [Term(float(parts[0].coef), *(np.concatenate([np.asarray(x[i]) for x in parts])
+                                          for i in (1, 2, 3))) for parts in zip(*batches)]
+    T = 600
+    if method == "dflash":  # one term: a block per anchor, all its values at the anchor
+        (term,) = terms
+        assert (term.positions == term.positions[:, :1]).all()
+        assert 1 <= term.positions.min() and term.positions.max() <= T - 4
+    else:
+        first = {"medusa": [0, 0, 0], "eagle": [1, 1], "mtp": [1, 2, 3]}[method]
+        assert [int(t.positions[0, 0]) for t in terms] == first
+        last = {"medusa": [T - 2, T - 3, T - 4], "eagle": [T - 1] * 2, "mtp": [T - 1] * 3}[method]
+        for t, end in zip(terms, last):  # one value per position from first to last
+            np.testing.assert_array_equal(t.positions, np.broadcast_to(
+                np.arange(t.positions[0, 0], end + 1), t.values.shape))
+    # the numpy reference: per bin, each term's weighted mean there, by its coefficient
+    for name, lo, hi in [("all", 0, T), ("0-256", 0, 256), ("256-512", 256, 512),
+                         ("512-600", 512, T)]:
+        expected = sum(t.coef * np.sum((t.weights * t.values)[(lo <= t.positions)
+                                                              & (t.positions < hi)])
+                       / np.sum(t.weights[(lo <= t.positions) & (t.positions < hi)])
+                       for t in terms)
+        assert loss[name] == pytest.approx(expected, rel=1e-5), name
+    whole = float(objective(drafter.params["weights"], jnp.asarray(windows[:2]), aux))
+    assert whole == pytest.approx(sum(float(t.coef * jnp.sum(t.weights * t.values)
+                                            / jnp.sum(t.weights)) for t in batches[0]), rel=1e-5)
+
+
+def test_card_figures_are_recorded_in_the_folder(target, trained, tmp_path, monkeypatch):
+    """``record_long_acceptance`` and ``record_heldout_by_position`` (what `train heads --out`
+    and experiments/drafter_long_acceptance.py and drafter_heldout_positions.py run) write their
+    figures into drafter.json and as one line of README.md each (the held-out figures after the
+    held-out loss, the acceptance before the load line), replacing the line an earlier run
+    wrote; γ is at most the drafter's deepest draft (3 Medusa heads here)."""
     from specjax.train import heads as train_heads
     from specjax.train import pair
     folder = tmp_path / "d"
     sj.save_heads(trained["medusa"], folder, target)
-    (folder / "README.md").write_text("# d\n\n* Held-out loss: 1.0.\n* Load with `x`.\n\nEnd.\n")
+    (folder / "README.md").write_text("# d\n\n* Held-out loss (the objective): 1.0.\n"
+                                      "* Training: x.\n* Load with `x`.\n\nEnd.\n")
+    for run in (1, 2):
+        loss = train_heads.record_heldout_by_position(folder, target, trained["tokens"][:300 * run])
+        assert loss["windows"] == 2 * run  # windows of the context (128) + 1
+        card = (folder / "README.md").read_text().splitlines()
+        lines = [x for x in card if x.startswith(train_heads.HELDOUT_LINE)]
+        assert len(lines) == 1 and card[card.index(lines[0]) - 1].startswith("* Held-out loss (")
+        assert f"pooled over all {loss['windows']} held-out windows of 128 tokens" in lines[0]
+        assert lines[0].endswith(f"all {loss['all']:.3f}; 0-128 {loss['0-128']:.3f}.")
+        assert json.loads((folder / "drafter.json").read_text())["heldout_loss_by_position"] \
+            == loss
     asked = []
 
     def measured(target_, drafter, tokenizer, gamma, method="draft_model", **_):
@@ -293,6 +352,7 @@ def test_long_acceptance_is_recorded_in_the_folder(target, trained, tmp_path, mo
                "256-512 1.25, 512-1024 1.50." in lines[0]
         assert json.loads((folder / "drafter.json").read_text())["acceptance"]["long"] == long
     assert asked == [(3, "medusa")] * 2 and card[-1] == "End."
+    assert card.index(lines[0]) == 5 and card[3].startswith(train_heads.HELDOUT_LINE)
     sj.load_heads(folder, target)  # the folder still loads
     assert not list(folder.glob(".*"))  # no temporary file left
 
@@ -758,12 +818,16 @@ def test_reporting_the_wrong_q_fails_the_same_test(tiny_drafters, monkeypatch, f
 
 
 @pytest.mark.parametrize("method,spec,block", [("eagle", dict(num_speculative_tokens=3), 4),
-                                               ("medusa", dict(num_speculative_tokens=3), None)],
-                         ids=["eagle-chain3-in-blocks", "medusa-chain3"])
+                                               ("medusa", dict(num_speculative_tokens=3), None),
+                                               ("eagle", dict(tree=TREE), None),
+                                               ("medusa", dict(tree=TREE), None)],
+                         ids=["eagle-chain3-in-blocks", "medusa-chain3", "eagle-tree",
+                              "medusa-tree"])
 def test_later_tokens_follow_the_target_in_a_mixed_batch(tiny_drafters, tail_joints, monkeypatch,
                                                          method, spec, block):
     """Tokens 5 and 6 of rows alternating between two prompt lengths: several rounds, so the
-    features handed from one verification to the next round's drafts are in play."""
+    features handed from one verification to the next round's drafts are in play (with a tree:
+    those of the path the verifier took, its accepted nodes compacted in the caches)."""
     if block is not None:
         monkeypatch.setattr(attention, "BLOCK", block)
     target, drafters = tiny_drafters

@@ -13,7 +13,7 @@ heads are scored against those distributions restricted to the draft vocabulary.
 * MTP: module k reads (h^{k-1}_t, x_{t+k}) at every t with the true tokens, h^0 the target's
   features and h^{k-1} module k - 1's own outputs (the chain is trained end to end), and is
   scored by the cross-entropy against p_{t+k}, weighted HEAD_DECAY^(k-1).
-* dflash: see ``_dflash_loss``.
+* dflash: see ``_dflash_terms``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import logging
 import pathlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from ..draft.heads import Heads, HeadsConfig
 from ..draft.vocab import DraftVocab, frequent_tokens, lm_head
 from ..model import Model, forward
 from .data import sample_batch, sample_rows
-from .loop import TrainConfig, configure_logging, fit
+from .loop import POSITION_BINS, TrainConfig, configure_logging, fit
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +60,14 @@ def anchors_per_sequence(seq_len: int) -> int:
     return max(8, seq_len // 16)
 
 
-def _dflash_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: DraftVocab, inputs,
-                 t_logits, feats) -> jax.Array:
+def _dflash_terms(drafter: HeadsConfig, weights, target_params, draft_vocab: DraftVocab,
+                  inputs, t_logits, feats) -> tuple[Term, ...]:
     """The block drafter at ``anchors_per_sequence`` random anchors a per sequence: the
     context (features of positions < a) injected, the block [x_a, mask, ...] at positions a ..
     a + G, cut at a random length g per anchor (block positions past g are invisible and
     unscored), each draft position j scored by the cross-entropy against the target's
-    distribution for token a + j, weighted HEAD_DECAY^(j - 1). Anchors and lengths are a
-    function of the batch, so a resumed run sees the same ones."""
+    distribution for token a + j, weighted HEAD_DECAY^(j - 1) (one term, at position a).
+    Anchors and lengths are a function of the batch, so a resumed run sees the same ones."""
     from ..draft import dflash
     B, T = inputs.shape
     G = drafter.block_size
@@ -91,38 +92,55 @@ def _dflash_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: Draf
                            cache, chunk_mask, block=cache.capacity)  # dense: differentiable
     logits = draft_vocab.logits(out[:, 1:].astype(jnp.float32))  # [R, G, M]
     target = t_logits[rows[:, None], anchors[:, None] + index[None, :G]]  # for tokens a + j
-    p = jax.nn.softmax(target, axis=-1)[..., draft_vocab.ids]
-    ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [R, G]
+    ce = _soft_ce(target, draft_vocab.ids, logits)  # [R, G]
     j = jnp.arange(1, G + 1)
     w = HEAD_DECAY ** (j - 1)[None, :] * (j[None, :] <= lengths[:, None])
-    return jnp.sum(w * ce) / jnp.sum(w)
+    return (Term(1.0, ce, w, jnp.broadcast_to(anchors[:, None], ce.shape)),)
 
 
-def _mtp_loss(drafter: HeadsConfig, weights, target_params, draft_vocab: DraftVocab, batch,
-              t_logits, hidden) -> jax.Array:
+def _mtp_terms(drafter: HeadsConfig, weights, target_params, draft_vocab: DraftVocab, batch,
+               t_logits, hidden) -> tuple[Term, ...]:
     """The MTP modules over a batch [B, T + 1] with teacher-forced tokens: module k at position
     t reads x_{t+k} and the previous depth's state at t, and is scored where t + k < T (the
-    target's distribution for token t + k + 1 is t_logits[:, t + k])."""
+    target's distribution for token t + k + 1 is t_logits[:, t + k]); a term per module, at
+    position t + k."""
     B, T = t_logits.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, total, norm = hidden, 0.0, 0.0
+    h, terms = hidden, []
     for k in range(1, drafter.num_heads + 1):
         tokens = jnp.pad(batch[:, k:], ((0, 0), (0, k - 1)))  # x_{t+k}; past the batch: padding
         h, _ = heads_lib.eagle_forward(drafter, weights[str(k - 1)], h,
                                        heads_lib.embed(target_params, tokens), positions,
                                        KVCache.init(drafter.layer, B, T))
         logits = draft_vocab.logits(h[:, :T - k].astype(jnp.float32))
-        w = HEAD_DECAY ** (k - 1)
-        total += w * _soft_ce(t_logits[:, k:], draft_vocab.ids, logits)
-        norm += w
-    return total / norm
+        ce = _soft_ce(t_logits[:, k:], draft_vocab.ids, logits)
+        terms.append((HEAD_DECAY ** (k - 1), ce, positions[:, :T - k] + k))  # reads x_{t+k}
+    return _decayed(terms)
 
 
 def _soft_ce(target_logits, vocab, draft_logits):
-    """Cross-entropy of draft logits [..., M] against the target's distribution restricted to
-    the draft vocabulary (mass outside it cannot be matched and is left out)."""
+    """Cross-entropy [...] of draft logits [..., M] against the target's distribution restricted
+    to the draft vocabulary (mass outside it cannot be matched and is left out)."""
     p = jax.nn.softmax(target_logits, axis=-1)[..., vocab]
-    return -jnp.sum(p * jax.nn.log_softmax(draft_logits, axis=-1), axis=-1).mean()
+    return -jnp.sum(p * jax.nn.log_softmax(draft_logits, axis=-1), axis=-1)
+
+
+class Term(NamedTuple):
+    """One part of a drafter's objective: ``coef`` × the ``weights``-weighted mean of
+    ``values``; ``positions`` (same shape) is the context position each value is scored at: the
+    position of the last token its draft reads (``HeadsObjective.by_position`` bins by it)."""
+
+    coef: float
+    values: jax.Array
+    weights: jax.Array
+    positions: jax.Array
+
+
+def _decayed(parts) -> tuple[Term, ...]:
+    """Terms for depths k = 1, 2, ... given as (HEAD_DECAY^(k-1), values, positions): each
+    depth's plain mean, weighted by its decay over the decays' sum."""
+    norm = sum(w for w, _, _ in parts)
+    return tuple(Term(w / norm, v, jnp.ones_like(v), p) for w, v, p in parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +153,24 @@ class HeadsObjective:
     ce_weight: float = 0.5  # EAGLE: token cross-entropy
 
     def __call__(self, weights, batch, aux) -> jax.Array:
+        return sum(t.coef * jnp.sum(t.weights * t.values) / jnp.sum(t.weights)
+                   for t in self.terms(weights, batch, aux))
+
+    def by_position(self, weights, batch, aux, edges) -> tuple[jax.Array, jax.Array]:
+        """The terms' coefficients [terms] and [terms, 2, bins]: each term's weighted sum of
+        values and sum of weights over the values scored at context positions in [edges[i],
+        edges[i + 1]); pooled over batches, sum / weight per term, combined by the
+        coefficients, is the objective by bin."""
+        rows, terms = [], self.terms(weights, batch, aux)
+        for t in terms:
+            bin_of = jnp.searchsorted(jnp.asarray(edges), t.positions, side="right") - 1
+            inside = (bin_of[..., None] == jnp.arange(len(edges) - 1)) * t.weights[..., None]
+            rows.append(jnp.stack([jnp.sum(inside * t.values[..., None], axis=(0, 1)),
+                                   jnp.sum(inside, axis=(0, 1))]))
+        return jnp.asarray([t.coef for t in terms]), jnp.stack(rows)
+
+    def terms(self, weights, batch, aux) -> tuple[Term, ...]:
+        """The objective's parts on a batch [B, T + 1]."""
         target_params, vocab = aux["target"], aux["vocab"]
         inputs = batch[:, :-1]
         t_logits, hidden = _target_outputs(self.target, target_params, inputs,
@@ -144,20 +180,18 @@ class HeadsObjective:
         draft_vocab = DraftVocab(vocab, head)
         T = inputs.shape[1]
         if self.drafter.method == "dflash":  # hidden: the tapped layers' outputs
-            return _dflash_loss(self.drafter, weights, target_params, draft_vocab, inputs,
+            return _dflash_terms(self.drafter, weights, target_params, draft_vocab, inputs,
                                 t_logits, hidden)
         if self.drafter.method == "mtp":
-            return _mtp_loss(self.drafter, weights, target_params, draft_vocab, batch, t_logits,
+            return _mtp_terms(self.drafter, weights, target_params, draft_vocab, batch, t_logits,
                              hidden)
         if self.drafter.method == "medusa":
             feats = heads_lib.medusa_heads(weights, hidden)  # [B, T, K, E]
             logits = draft_vocab.logits(feats)  # [B, T, K, M]
-            total, norm = 0.0, 0.0
-            for k in range(1, self.drafter.num_heads + 1):
-                w = HEAD_DECAY ** (k - 1)
-                total += w * _soft_ce(t_logits[:, k:], vocab, logits[:, :T - k, k - 1])
-                norm += w
-            return total / norm
+            at = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), inputs.shape)
+            return _decayed([(HEAD_DECAY ** (k - 1),
+                              _soft_ce(t_logits[:, k:], vocab, logits[:, :T - k, k - 1]),
+                              at[:, :T - k]) for k in range(1, self.drafter.num_heads + 1)])
         B = inputs.shape[0]
         positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
         out, _ = heads_lib.eagle_forward(
@@ -165,9 +199,11 @@ class HeadsObjective:
             positions, KVCache.init(self.drafter.layer, B, T - 1))
         out = out.astype(jnp.float32)
         error = jnp.abs(out - hidden[:, 1:])
-        reg = jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5).mean()  # smooth L1
+        reg = jnp.where(error < 1.0, 0.5 * error ** 2, error - 0.5).mean(-1)  # smooth L1
         ce = _soft_ce(t_logits[:, 1:], vocab, draft_vocab.logits(out))
-        return self.reg_weight * reg + self.ce_weight * ce
+        ones = jnp.ones_like(ce)
+        return (Term(self.reg_weight, reg, ones, positions + 1),  # reads x_{t+1}
+                Term(self.ce_weight, ce, ones, positions + 1))
 
 
 def alternating_batches(tokens: np.ndarray, generated: np.ndarray, rows: int, cfg: TrainConfig,
@@ -254,6 +290,38 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
                            evaluate_fn=evaluate_fn, progress=progress, on_eval=on_eval,
                            max_seconds=max_seconds, batches=batches)
     return Heads(fresh.config, {**fresh.params, "weights": weights}), history
+
+
+def heldout_loss_by_position(drafter: Heads, target: Model, tokens: np.ndarray,
+                             batch_size: int = 4, windows: int | None = None,
+                             ce_weight: float = 0.5, reg_weight: float = 1.0) -> dict:
+    """The drafter's training objective (EAGLE's with these weights) on windows as long as the
+    target's context (at most 1,024 tokens) cut one after another from a held-out stream (the
+    first ``windows``; None: all), by ``POSITION_BINS`` bin of the context position each value
+    is scored at (the last token its draft reads), each bin's values pooled over the windows.
+    Keys as ``loop.loss_by_position``: "windows" and "0-256", ...; "all": every position."""
+    length = min(target.config.max_position_embeddings, POSITION_BINS[-1][1], len(tokens) - 1)
+    cut = np.asarray(tokens[:len(tokens) // (length + 1) * (length + 1)])
+    cut = cut.reshape(-1, length + 1)[:windows].astype(np.int32)
+    if length < 2 or not len(cut):
+        raise ValueError(f"the held-out stream ({len(tokens)} tokens) is shorter than a window "
+                         f"of {length + 1}")
+    objective = HeadsObjective(drafter.config, target.config, reg_weight, ce_weight)
+    weights = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), drafter.params["weights"])
+    aux = {"target": target.params, "vocab": drafter.vocab.ids}
+    bins = [(lo, min(hi, length)) for lo, hi in POSITION_BINS if lo < length]
+    edges = (*(lo for lo, _ in bins), length)
+    sums = jax.jit(objective.by_position, static_argnums=3)
+    pooled = 0.0
+    for i in range(0, len(cut), batch_size):
+        coefs, part = sums(weights, jnp.asarray(cut[i:i + batch_size]), aux, edges)
+        pooled = pooled + np.asarray(part, np.float64)
+
+    def combine(total, weight):
+        return float(np.sum(np.asarray(coefs, np.float64) * total / weight))
+    return {"windows": len(cut), "all": combine(*pooled.sum(-1).T),
+            **{f"{lo}-{hi}": combine(pooled[:, 0, i], pooled[:, 1, i])
+               for i, (lo, hi) in enumerate(bins)}}
 
 
 def heads_main(argv=None) -> int:
@@ -385,6 +453,9 @@ def heads_main(argv=None) -> int:
         heads_lib.save_heads(drafter, args.out, target, dtype=args.save_dtype,
                              extra={"training": training}, files={"README.md": card})
         print(f"saved {args.method} drafter for {args.target} to {args.out}")
+        loss = record_heldout_by_position(args.out, target, heldout, ce_weight=args.ce_weight,
+                                          reg_weight=args.reg_weight)
+        print(f"held-out loss by context position: {loss}")
         if (pathlib.Path(args.target) / "tokenizer.json").is_file():
             from ..tokenizer import load_tokenizer
             long = record_long_acceptance(args.out, target, load_tokenizer(args.target))
@@ -393,6 +464,29 @@ def heads_main(argv=None) -> int:
 
 
 LONG_LINE = "* Acceptance by context position"
+HELDOUT_LINE = "* Held-out loss by context position"
+
+
+def _record(folder: pathlib.Path, key: str, value: dict, prefix: str, figures: str,
+            after: str | None = None) -> None:
+    """Store ``value`` under ``key`` in the folder's drafter.json and the line ``prefix +
+    figures`` in its README.md: in place of an earlier line starting with ``prefix``, or else
+    after the first line starting with ``after``, or else before "* Load with"."""
+    meta = json.loads((folder / "drafter.json").read_text())
+    meta[key] = value
+    line = prefix + figures
+    card = (folder / "README.md").read_text().splitlines()
+    at = next((i for i, x in enumerate(card) if x.startswith(prefix)), None)
+    if at is not None:
+        card[at] = line
+    else:
+        at = next((i + 1 for i, x in enumerate(card) if after and x.startswith(after)),
+                  next((i for i, x in enumerate(card) if x.startswith("* Load with")),
+                       len(card)))
+        card.insert(at, line)
+    from ..files import write_atomic  # a crash leaves the old file or the new one, whole
+    write_atomic(folder / "drafter.json", json.dumps(meta, indent=1) + "\n")
+    write_atomic(folder / "README.md", "\n".join(card) + "\n")
 
 
 def record_long_acceptance(folder, target: Model, tokenizer, gamma: int = 4) -> dict:
@@ -407,19 +501,36 @@ def record_long_acceptance(folder, target: Model, tokenizer, gamma: int = 4) -> 
     depth = drafter.config.max_depth
     long = measure_long(target, drafter, tokenizer, min(gamma, depth or gamma),
                         method=drafter.config.method)
-    meta = json.loads((folder / "drafter.json").read_text())
-    meta.setdefault("acceptance", {})["long"] = long
-    line = (f"{LONG_LINE} (greedy, γ = {long['gamma']}, {long['max_new_tokens']} new tokens "
+    acceptance = json.loads((folder / "drafter.json").read_text()).get("acceptance", {})
+    _record(folder, "acceptance", {**acceptance, "long": long},
+            LONG_LINE, f" (greedy, γ = {long['gamma']}, {long['max_new_tokens']} new tokens "
             f"after each long bench prompt of 300-900 tokens, float32 on a 2-core CPU): "
             f"{long_figures(long)}.")
-    card = [x for x in (folder / "README.md").read_text().splitlines()
-            if not x.startswith(LONG_LINE)]
-    at = next((i for i, x in enumerate(card) if x.startswith("* Load with")), len(card))
-    card.insert(at, line)
-    from ..files import write_atomic  # a crash leaves the old file or the new one, whole
-    write_atomic(folder / "drafter.json", json.dumps(meta, indent=1) + "\n")
-    write_atomic(folder / "README.md", "\n".join(card) + "\n")
     return long
+
+
+def record_heldout_by_position(folder, target: Model, heldout: np.ndarray,
+                               ce_weight: float = 0.5, reg_weight: float = 1.0) -> dict:
+    """``heldout_loss_by_position`` of the drafter in ``folder`` on the held-out stream,
+    recorded in its drafter.json (``heldout_loss_by_position``) and as a line of its README.md
+    after its held-out loss (replacing an earlier one).
+    ``experiments/drafter_heldout_positions.py`` runs it for a shipped folder."""
+    folder = pathlib.Path(folder)
+    drafter = heads_lib.load_heads(folder, target)
+    loss = heldout_loss_by_position(drafter, target, heldout, ce_weight=ce_weight,
+                                    reg_weight=reg_weight)
+    _record(folder, "heldout_loss_by_position", loss,
+            HELDOUT_LINE, f" (the training objective pooled over all {loss['windows']} held-out "
+            f"windows of {min(target.config.max_position_embeddings, POSITION_BINS[-1][1])} "
+            f"tokens, by the position of the last token a draft reads): "
+            f"{heldout_figures(loss)}.", after="* Held-out loss (")
+    return loss
+
+
+def heldout_figures(loss: dict) -> str:
+    """The figures of a card's held-out-loss-by-position line."""
+    return f"all {loss['all']:.3f}; " + ", ".join(
+        f"{k} {v:.3f}" for k, v in loss.items() if k not in ("windows", "all"))
 
 
 CARD = """# {folder}
