@@ -13,7 +13,10 @@ from test_lossless import (
     exact_joint,
     g_test,
     generate_samples,
+    later_samples,
     models,  # noqa: F401  (the fixture: an 8-token target and drafts)
+    tail_joints,  # noqa: F401  (the fixture: tokens 5-6's exact joints)
+    tail_pvalues,
 )
 
 import specjax as sj
@@ -297,6 +300,23 @@ def test_a_draft_with_its_own_vocabulary_follows_the_target(models, t, k, p):
     samples = generate_samples(target, draft, sampling_params,
                                sj.SpecConfig(num_speculative_tokens=3))
     assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+
+
+@pytest.mark.parametrize("which", ["restricted", "own-vocabulary"])
+def test_later_tokens_follow_the_target_in_a_mixed_batch(models, tail_joints, which):
+    """Tokens 5 and 6 of rows alternating between two prompt lengths, several rounds: the draft
+    catches up on accepted, recovered and bonus tokens it could not have proposed (3 of the 8
+    ids are outside its vocabulary)."""
+    target, drafts = models
+    if which == "restricted":
+        draft = restrict_vocab(drafts["close"], V8_VOCAB)
+    else:
+        perm = np.array([4, 0, 7, 2, 5])
+        draft = sj.draft.map_vocab(permuted(drafts["close"], perm, 7), 8,
+                                   np.stack([np.arange(5), perm], 1))
+    out = later_samples(target, draft, 3)
+    assert out.stats.per_position_acceptance[1] > 0.02  # rounds with 2+ accepted drafts occur
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
 
 
 def test_a_draft_with_its_own_vocabulary_and_a_wrong_q_fails(models, monkeypatch,

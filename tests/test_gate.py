@@ -14,8 +14,11 @@ from test_lossless import (
     exact_joint,
     g_test,
     generate_samples,
+    later_samples,
     models,  # noqa: F401  (the fixture: an 8-token target and drafts)
     ngram_prompt,
+    tail_joints,  # noqa: F401  (the fixture: tokens 5-6's exact joints)
+    tail_pvalues,
 )
 
 import specjax as sj
@@ -104,6 +107,16 @@ def test_gated_ngram_follows_the_target(models, monkeypatch, fresh_programs, t, 
     gated = sj.generate(target, rows, sampling=sampling, spec=_spec("ngram", 0.9), key=0)
     ungated = sj.generate(target, rows, sampling=sampling, spec=_spec("ngram", 0.0), key=0)
     assert gated.stats.proposed_tokens < 0.95 * ungated.stats.proposed_tokens
+
+
+def test_gated_ngram_later_tokens_follow_the_target(models, tail_joints):
+    """Tokens 5 and 6 of a mixed batch over several rounds, with a floor that switches rows'
+    drafting off and on again as their running rate moves."""
+    target, _ = models
+    out = later_samples(target, None, 2, **NGRAM, acceptance_floor=0.5)
+    ungated = later_samples(target, None, 2, **NGRAM)
+    assert 0 < out.stats.proposed_tokens < 0.95 * ungated.stats.proposed_tokens
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
 
 
 def test_the_floor_is_checked():

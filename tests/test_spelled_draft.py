@@ -23,7 +23,10 @@ from test_lossless import (
     exact_joint,
     g_test,
     generate_samples,
+    later_samples,
     models,  # noqa: F401  (the fixture: an 8-token target and drafts)
+    tail_joints,  # noqa: F401  (the fixture: tokens 5-6's exact joints)
+    tail_pvalues,
 )
 
 import specjax as sj
@@ -197,6 +200,16 @@ def test_a_spelled_draft_follows_the_target(models, t, k, p):
     samples = generate_samples(target, draft, sampling_params,
                                sj.SpecConfig(num_speculative_tokens=3))
     assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+
+
+def test_a_spelled_drafts_later_tokens_follow_the_target(models, tail_joints):
+    """Tokens 5 and 6 of a mixed batch over several rounds: the draft's cache holds the kept
+    text spelled in its own tokens (two for three of the target's), so rows drift apart in
+    draft slots as well as in target slots."""
+    target, draft = spelled_8(models)
+    out = later_samples(target, draft, 3)
+    assert out.stats.per_position_acceptance[1] > 0.02
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
 
 
 def test_a_spelled_draft_with_a_wrong_q_fails(models, monkeypatch, fresh_programs):

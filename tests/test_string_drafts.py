@@ -17,7 +17,10 @@ from test_lossless import (
     exact_joint,
     g_test,
     generate_samples,
+    later_samples,
     models,  # noqa: F401  (the fixture: an 8-token target and drafts)
+    tail_joints,  # noqa: F401  (the fixture: tokens 5-6's exact joints)
+    tail_pvalues,
 )
 from test_spelled_draft import (
     TARGET_8,
@@ -139,6 +142,15 @@ def test_string_drafts_follow_the_target(models, t, k, p):
     samples = generate_samples(target, draft, sampling_params,
                                sj.SpecConfig(num_speculative_tokens=3))
     assert g_test(samples, exact_joint(target, t, k, p)) > 1e-3
+
+
+def test_string_drafts_later_tokens_follow_the_target(models, tail_joints):
+    """Tokens 5 and 6 of a mixed batch over several rounds: each round the draft re-reads the
+    text the verifier kept, cut into its own tokens."""
+    target, draft = string_8(models)
+    out = later_samples(target, draft, 3)
+    assert out.stats.per_position_acceptance[1] > 0.01  # 0.015: hundreds of such rounds
+    assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
 
 
 def _uniform_q(propose):
