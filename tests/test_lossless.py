@@ -25,7 +25,7 @@ from specjax import attention, engine, verify
 V, N, PROMPT = 8, 24576, [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # shared by the files that import it, as is tail_joints
 def models():
     """The target, a close draft (the target with perturbed weights: about half the drafts are
     accepted, so accepted, recovered and bonus tokens all occur often) and a small independent
@@ -354,7 +354,7 @@ def later_samples(target, draft, gamma, seed=1, slack=0, **spec):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # an enumeration of 32,768 sequences, done once a worker
 def tail_joints(models):
     target, _ = models
     return [exact_tail_joint(target, list(p), LATER["temperature"], LATER["top_k"])
