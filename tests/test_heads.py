@@ -325,13 +325,14 @@ def test_card_figures_are_recorded_in_the_folder(target, trained, tmp_path, monk
     sj.save_heads(trained["medusa"], folder, target)
     (folder / "README.md").write_text("# d\n\n* Held-out loss (the objective): 1.0.\n"
                                       "* Training: x.\n* Load with `x`.\n\nEnd.\n")
-    for run in (1, 2):
-        loss = train_heads.record_heldout_by_position(folder, target, trained["tokens"][:300 * run])
-        assert loss["windows"] == 2 * run  # windows of the context (128) + 1
+    for run, which in ((1, "all 2"), (2, "the first 3 of the 4")):
+        loss = train_heads.record_heldout_by_position(folder, target, trained["tokens"][:300 * run],
+                                                      windows=3)
+        assert loss["windows"] == min(2 * run, 3)  # windows of the context (128) + 1
         card = (folder / "README.md").read_text().splitlines()
         lines = [x for x in card if x.startswith(train_heads.HELDOUT_LINE)]
         assert len(lines) == 1 and card[card.index(lines[0]) - 1].startswith("* Held-out loss (")
-        assert f"pooled over all {loss['windows']} held-out windows of 128 tokens" in lines[0]
+        assert f"pooled over {which} held-out windows of 128 tokens" in lines[0]
         assert lines[0].endswith(f"all {loss['all']:.3f}; 0-128 {loss['0-128']:.3f}.")
         assert json.loads((folder / "drafter.json").read_text())["heldout_loss_by_position"] \
             == loss
