@@ -342,12 +342,12 @@ def tail_pvalues(samples, joints):
     return pvalues
 
 
-def later_samples(target, draft, gamma, seed=1, slack=0, **spec):
-    """N rows alternating between PROMPTS, 6 new tokens each, at the fewest cache slots the
-    request needs (plus ``slack``, for proposers that keep slots of their own)."""
+def later_samples(target, draft, gamma, seed=1, slack=0, rows=N, **spec):
+    """``rows`` rows alternating between PROMPTS, 6 new tokens each, at the fewest cache slots
+    the request needs (plus ``slack``, for proposers that keep slots of their own)."""
     sampling = sj.SamplingParams(max_new_tokens=6, **LATER)
     spec = sj.SpecConfig(num_speculative_tokens=gamma, **spec)
-    out = sj.generate(target, [list(PROMPTS[i % 2]) for i in range(N)], sampling=sampling,
+    out = sj.generate(target, [list(PROMPTS[i % 2]) for i in range(rows)], sampling=sampling,
                       spec=spec, draft=draft, key=seed,
                       max_cache_len=tight_capacity(max(map(len, PROMPTS)), 6, spec) + slack)
     assert (out.lengths == 6).all() and out.stats.num_rounds >= 3
@@ -371,6 +371,20 @@ def test_later_tokens_follow_the_target_in_a_mixed_batch(models, tail_joints, mo
     if gamma == 3:  # fully accepted rounds (and so the draft's catch-up) must occur often
         assert out.stats.per_position_acceptance[-1] > 0.05
     assert min(tail_pvalues(out.tokens, tail_joints)) > 1e-3
+
+
+def test_bfloat16_later_tokens_follow_the_target(half_models):
+    """Tokens 5 and 6 of a mixed batch over several rounds with the bfloat16 target and close
+    draft (calls of HALF_BATCH rows, as the bfloat16 cases above; N / 2 rows in all, a call
+    costs more than a row), against the bfloat16 target's exact joint: its caches, written and
+    rolled back in bfloat16 across rounds."""
+    target, drafts = half_models
+    joints = [exact_tail_joint(target, list(p), LATER["temperature"], LATER["top_k"])
+              for p in PROMPTS]
+    outs = [later_samples(target, drafts["close"], 3, seed=i, rows=HALF_BATCH)
+            for i in range(N // 2 // HALF_BATCH)]
+    assert np.mean([o.stats.per_position_acceptance[-1] for o in outs]) > 0.05
+    assert min(tail_pvalues(np.concatenate([o.tokens for o in outs]), joints)) > 1e-3
 
 
 def test_later_tokens_with_ngram_drafts_in_a_mixed_batch(models, tail_joints):
