@@ -281,6 +281,8 @@ def test_heldout_loss_is_binned_by_the_position_each_draft_reads(method):
     loss = heldout_loss_by_position(drafter, target, stream, batch_size=2)
     assert list(loss) == ["windows", "all", "0-256", "256-512", "512-600"]
     assert loss["windows"] == 3
+    with pytest.raises(ValueError, match="windows=0 must be a positive int"):
+        heldout_loss_by_position(drafter, target, stream, windows=0)
     objective = HeadsObjective(drafter.config, target.config)
     aux = {"target": target.params, "vocab": drafter.vocab.ids}
     windows = stream[:3 * 601].reshape(3, 601).astype(np.int32)

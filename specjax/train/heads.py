@@ -181,10 +181,10 @@ class HeadsObjective:
         T = inputs.shape[1]
         if self.drafter.method == "dflash":  # hidden: the tapped layers' outputs
             return _dflash_terms(self.drafter, weights, target_params, draft_vocab, inputs,
-                                t_logits, hidden)
+                                 t_logits, hidden)
         if self.drafter.method == "mtp":
             return _mtp_terms(self.drafter, weights, target_params, draft_vocab, batch, t_logits,
-                             hidden)
+                              hidden)
         if self.drafter.method == "medusa":
             feats = heads_lib.medusa_heads(weights, hidden)  # [B, T, K, E]
             logits = draft_vocab.logits(feats)  # [B, T, K, M]
@@ -292,6 +292,12 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     return Heads(fresh.config, {**fresh.params, "weights": weights}), history
 
 
+def heldout_window(target: Model, available: int) -> int:
+    """The positions a held-out window gives ``heldout_loss_by_position`` (it reads one token
+    more): the target's context, at most POSITION_BINS' last edge, at most the stream."""
+    return min(target.config.max_position_embeddings, POSITION_BINS[-1][1], available - 1)
+
+
 def heldout_loss_by_position(drafter: Heads, target: Model, tokens: np.ndarray,
                              batch_size: int = 4, windows: int | None = None,
                              ce_weight: float = 0.5, reg_weight: float = 1.0) -> dict:
@@ -300,7 +306,9 @@ def heldout_loss_by_position(drafter: Heads, target: Model, tokens: np.ndarray,
     first ``windows``; None: all), by ``POSITION_BINS`` bin of the context position each value
     is scored at (the last token its draft reads), each bin's values pooled over the windows.
     Keys as ``loop.loss_by_position``: "windows" and "0-256", ...; "all": every position."""
-    length = min(target.config.max_position_embeddings, POSITION_BINS[-1][1], len(tokens) - 1)
+    if windows is not None and (not isinstance(windows, int) or windows < 1):
+        raise ValueError(f"windows={windows!r} must be a positive int or None (all)")
+    length = heldout_window(target, len(tokens))
     cut = np.asarray(tokens[:len(tokens) // (length + 1) * (length + 1)])
     cut = cut.reshape(-1, length + 1)[:windows].astype(np.int32)
     if length < 2 or not len(cut):
@@ -521,7 +529,7 @@ def record_heldout_by_position(folder, target: Model, heldout: np.ndarray,
     drafter = heads_lib.load_heads(folder, target)
     loss = heldout_loss_by_position(drafter, target, heldout, windows=windows,
                                     ce_weight=ce_weight, reg_weight=reg_weight)
-    length = min(target.config.max_position_embeddings, POSITION_BINS[-1][1], len(heldout) - 1)
+    length = heldout_window(target, len(heldout))
     available = len(heldout) // (length + 1)
     which = (f"all {available}" if loss["windows"] == available
              else f"the first {loss['windows']} of the {available}")
