@@ -657,54 +657,75 @@ def _rounds(plan: Plan, target_params, draft_params, request: Request, state: Lo
     """Rounds while ``more(state)``.
 
     A chain with per-row lengths knows each round's drafts before the round
-    (``LoopState.pending``), and runs one while loop per verify width (``loop_widths``) in
-    turn, each for as long as the pending drafts' widest row fits it and needs no narrower
-    one: a round with no drafts is a plain decode step, one whose widest row drafted all γ a
-    static chain's round. Every loop writes the caches in place, as a decode step does.
-    Choosing the width inside the round (a ``lax.switch`` over the widths, whose branches
-    cannot write the cache in place without XLA copying it) made an adaptive chain's round cost
-    5-10% more than a static chain's at batch 16 on a 2-core CPU
+    (``LoopState.pending``). Each round verifies them in one of a set of while loops, one per
+    verify width (``loop_widths``), that runs at most once: the narrowest that holds the widest
+    generating row's drafts (a round with no drafts is a plain decode step, one whose widest row
+    drafted all γ a static chain's round); then the round proposes the next round's drafts. So
+    the program holds one verify forward per width but a single proposal (a proposal per width
+    made an adaptive chain's decode program 2-2.5 times as large and its compile 2-3 times as
+    long: experiments/results/2026-12-07-one-proposal.md), and every loop writes the caches in
+    place, as a decode step does. Choosing the width with a ``lax.switch`` over the widths,
+    whose branches cannot write the cache in place without XLA copying it, made an adaptive
+    chain's round cost 5-10% more than a static chain's at batch 16 on a 2-core CPU
     (experiments/results/2026-12-04-verify-width-loops.md). The width depends only on the
-    drafts' lengths, never on the target's output at the positions verified."""
+    drafts' lengths, never on the target's output at the positions verified.
+
+    A chain that rests (``Idle``) runs a rest's rounds through the loop of width 1 (its
+    declined proposal has no drafts), and after the last of them the draft reads the tokens it
+    missed (``rejoin``) and proposes again, through the same single proposal."""
     if state.pending is None:
         body = lambda s: round_step(plan, target_params, draft_params, request, s)  # noqa: E731
         return jax.lax.while_loop(more, body, state)
     widths = loop_widths(plan.gamma)
-
     resting = state.idle is not None
 
-    def drafting(s: LoopState) -> Array:
-        return (s.idle.rest == 0) if resting else jnp.bool_(True)
-
-    def loop(i: int, state: LoopState) -> LoopState:
-        body = lambda s: round_step(plan, target_params, draft_params, request, s, widths[i])  # noqa: E731
-        return jax.lax.while_loop(
-            lambda s: more(s) & drafting(s) & (verify_width(plan, s) == i), body, state)
-
     def each(state: LoopState) -> LoopState:
-        if resting:
-            state = _rest(plan, target_params, draft_params, request, state, more)
+        start = state.step
+        drafting = (state.idle.rest == 0) if resting else jnp.bool_(True)
+        # a rest's round: the declined proposal verified over one position (its first round
+        # counts the proposal's forwards), no proposal after it
+        plain = (state.idle.rest > 1) if resting else jnp.bool_(False)
+        width = jnp.where(drafting, verify_width(plan, state), jnp.where(plain, 0, -1))
+        width = jnp.where(more(state), width, -1)
         for i in range(len(widths)):
-            state = loop(i, state)
+            def verify(s: LoopState, i: int = i) -> LoopState:
+                s = round_step(plan, target_params, draft_params, request, s, widths[i],
+                               propose=False)
+                return _rested(s, plain) if resting and i == 0 else s
+            state = jax.lax.while_loop(lambda s, i=i: (width == i) & (s.step == start), verify,
+                                       state)
+        if not resting:  # the loop runs ``each`` only while more(state): a round ran
+            return _propose_next(plan, target_params, draft_params, request, state)
+        state = _rejoin(plan, target_params, draft_params, state)
+        # propose after a drafting round, and once a rest is over (unless every row is done)
+        again = ((state.step != start) & ~plain) | ((state.idle.rest == 1) & ~jnp.all(state.done))
+
+        def propose(carry: tuple[LoopState, Array]) -> tuple[LoopState, Array]:
+            s, _ = carry
+            return _propose_next(plan, target_params, draft_params, request, s), jnp.bool_(False)
+        state, _ = jax.lax.while_loop(lambda c: c[1], propose, (state, again))
         return state
     return jax.lax.while_loop(more, each, state)
 
 
-def _rest(plan: Plan, target_params, draft_params, request: Request, state: LoopState,
-          more) -> LoopState:
-    """The rounds of a rest (``Idle``) while ``more(state)``, then, once it is over, the draft's
-    rejoin and its next proposal. Each part is a while loop of its own (one that runs at most
-    once for the proposal), so every one writes the caches in place."""
-    def plain(s: LoopState) -> LoopState:
-        s = round_step(plan, target_params, draft_params, request, s, 1, propose=False)
-        # the first round of a rest verifies the declined proposal and counts its forwards
-        pending = dataclasses.replace(s.pending, forwards=jnp.zeros_like(s.pending.forwards))
-        return dataclasses.replace(
-            s, pending=pending, idle=dataclasses.replace(s.idle, rest=s.idle.rest - 1),
-            counters=dataclasses.replace(s.counters, rested=s.counters.rested + 1))
+def _rested(state: LoopState, plain: Array) -> LoopState:
+    """``state`` after a round, counted as a rest's round where ``plain`` ([] bool): one round
+    less to rest, one more rested, and the declined proposal's forwards (counted by the rest's
+    first round) not counted again. Only these small arrays are selected, never the caches."""
+    forwards, one = state.pending.forwards, plain.astype(jnp.int32)
+    return dataclasses.replace(
+        state,
+        pending=dataclasses.replace(state.pending,
+                                    forwards=jnp.where(plain, jnp.zeros_like(forwards), forwards)),
+        idle=dataclasses.replace(state.idle, rest=state.idle.rest - one),
+        counters=dataclasses.replace(state.counters, rested=state.counters.rested + one))
 
+
+def _rejoin(plan: Plan, target_params, draft_params, state: LoopState) -> LoopState:
+    """Once a rest is over (``Idle.rest`` 1), the draft reads the tokens it missed, a few a
+    forward, while a generating row's draft is behind."""
     def behind(s: LoopState) -> Array:
-        return jnp.any(~s.done & plan.proposer.behind(s.idle.read, s.length))
+        return (s.idle.rest == 1) & jnp.any(~s.done & plan.proposer.behind(s.idle.read, s.length))
 
     def rejoin(s: LoopState) -> LoopState:
         params = _proposer_params(plan, draft_params, target_params)
@@ -713,13 +734,7 @@ def _rest(plan: Plan, target_params, draft_params, request: Request, state: Loop
         return dataclasses.replace(
             s, draft_state=draft_state, idle=dataclasses.replace(s.idle, read=read),
             counters=dataclasses.replace(s.counters, forwards=s.counters.forwards + 1))
-
-    def propose(s: LoopState) -> LoopState:
-        return _propose_next(plan, target_params, draft_params, request, s)
-
-    state = jax.lax.while_loop(lambda s: more(s) & (s.idle.rest > 1), plain, state)
-    state = jax.lax.while_loop(lambda s: (s.idle.rest == 1) & behind(s), rejoin, state)
-    return jax.lax.while_loop(lambda s: (s.idle.rest == 1) & ~jnp.all(s.done), propose, state)
+    return jax.lax.while_loop(behind, rejoin, state)
 
 
 loop_widths = adaptive.loop_widths

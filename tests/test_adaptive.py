@@ -301,6 +301,34 @@ def test_greedy_equals_autoregressive(target, draft, threshold):
     assert out.stats.proposed_tokens < full.stats.proposed_tokens
 
 
+@pytest.mark.parametrize("spec", [
+    dict(num_speculative_tokens=4, survival_threshold=0.05),
+    dict(num_speculative_tokens=4, verify_costs=(1.0, 1.02, 1.05, 1.1, 1.2), draft_cost=0.05)],
+    ids=["lengths", "budget-with-rests"])
+def test_the_decode_program_proposes_in_one_place(target, draft, monkeypatch, fresh_programs,
+                                                  spec):
+    """The decode loop verifies over one forward per width (1, 2, 3, 5 at γ = 4) but proposes
+    the next round's drafts in one place, rests or not: the proposal, a round's largest part to
+    trace and compile, is traced twice in all (the prefill's first proposal and the decode
+    loop's), not once per width (the program 2-2.5 times as large) and again for a rest's end.
+    The programs are test_greedy_equals_autoregressive[0.05]'s and
+    test_budget_greedy_equals_autoregressive[cheap]'s, with the same output."""
+    traced = []
+    propose_next = engine._propose_next
+
+    def counted(*args):
+        traced.append(args[0].gamma)
+        return propose_next(*args)
+    monkeypatch.setattr(engine, "_propose_next", counted)
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=sj.SpecConfig(**spec),
+                      draft=draft)
+    assert len(adaptive.loop_widths(4)) == 4
+    assert traced == [4, 4], f"the proposal was traced {len(traced)} times"
+    ref = sj.generate(target, PROMPTS, sampling=sampling)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
 def test_one_row_skips_the_draft_steps_it_does_not_need(target):
     """A single row drafting with the target itself (accepted, and confident to varying
     degrees): rounds stop after k <= γ - 2 drafts, the draft forwards counted are fewer than γ a
