@@ -662,13 +662,14 @@ def _rounds(plan: Plan, target_params, draft_params, request: Request, state: Lo
     generating row's drafts (a round with no drafts is a plain decode step, one whose widest row
     drafted all γ a static chain's round); then the round proposes the next round's drafts. So
     the program holds one verify forward per width but a single proposal (a proposal per width
-    made an adaptive chain's decode program 2-2.5 times as large and its compile 2-3 times as
-    long: experiments/results/2026-12-07-one-proposal.md), and every loop writes the caches in
-    place, as a decode step does. Choosing the width with a ``lax.switch`` over the widths,
-    whose branches cannot write the cache in place without XLA copying it, made an adaptive
-    chain's round cost 5-10% more than a static chain's at batch 16 on a 2-core CPU
-    (experiments/results/2026-12-04-verify-width-loops.md). The width depends only on the
-    drafts' lengths, never on the target's output at the positions verified.
+    made the bundled pair's adaptive and budget decode programs 1.8-3 times as large and their
+    compile 1.3-2.2 times as long: experiments/results/2026-12-07-one-proposal.md), and every
+    loop writes the caches in place, as a decode step does. Choosing the width with a
+    ``lax.switch`` over the widths, whose branches cannot write the cache in place without XLA
+    copying it, made an adaptive chain's round cost 5-10% more than a static chain's at batch
+    16 on a 2-core CPU (experiments/results/2026-12-04-verify-width-loops.md). The width
+    depends only on the drafts' lengths, never on the target's output at the positions
+    verified.
 
     A chain that rests (``Idle``) runs a rest's rounds through the loop of width 1 (its
     declined proposal has no drafts), and after the last of them the draft reads the tokens it

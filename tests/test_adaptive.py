@@ -310,7 +310,7 @@ def test_the_decode_program_proposes_in_one_place(target, draft, monkeypatch, fr
     """The decode loop verifies over one forward per width (1, 2, 3, 5 at γ = 4) but proposes
     the next round's drafts in one place, rests or not: the proposal, a round's largest part to
     trace and compile, is traced twice in all (the prefill's first proposal and the decode
-    loop's), not once per width (the program 2-2.5 times as large) and again for a rest's end.
+    loop's), not once per width (the program 1.8-3 times as large) and again for a rest's end.
     The programs are test_greedy_equals_autoregressive[0.05]'s and
     test_budget_greedy_equals_autoregressive[cheap]'s, with the same output."""
     traced = []
