@@ -80,6 +80,18 @@ def runner(sj, target, drafts, prompts, method: str, gamma: int, max_new_tokens:
     return run
 
 
+def old_package(commit: str, tmp: str, with_checkpoints: bool = False):
+    """specjax as of ``commit``, extracted with ``git archive`` into ``tmp`` (with its
+    checkpoints/ when asked) and imported as ``specjax_old``."""
+    paths = ["specjax"] + (["checkpoints"] if with_checkpoints else [])
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *paths],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    (pathlib.Path(tmp) / "specjax").rename(pathlib.Path(tmp) / "specjax_old")
+    sys.path.insert(0, tmp)
+    return importlib.import_module("specjax_old")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("old", help="the older commit (anything git rev-parse takes)")
@@ -102,13 +114,7 @@ def main() -> None:
     tree = None if args.tree is None else tuple(tuple(p) for p in args.tree)
     methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        paths = ["specjax"] + (["checkpoints"] if args.with_checkpoints else [])
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.old, *paths],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        (pathlib.Path(tmp) / "specjax").rename(pathlib.Path(tmp) / "specjax_old")
-        sys.path.insert(0, tmp)
-        import specjax_old as old
+        old = old_package(args.old, tmp, args.with_checkpoints)
 
         import specjax as new
         runs = {}

@@ -21,15 +21,12 @@ import os
 
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # every program compiled afresh
 
-import pathlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from ab_commits import ROOT, setup  # noqa: E402
+from ab_commits import old_package, setup  # noqa: E402
 from jax._src import dispatch  # noqa: E402
 
 COSTS = {4: (1.0, 1.2, 1.4, 1.6, 1.8), 8: (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8)}
@@ -82,12 +79,7 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.8")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.old, "specjax"],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        (pathlib.Path(tmp) / "specjax").rename(pathlib.Path(tmp) / "specjax_old")
-        sys.path.insert(0, tmp)
-        import specjax_old as old
+        old = old_package(args.old, tmp)
 
         import specjax as new
         setups = {"old": (old, *setup(old, 1)), "new": (new, *setup(new, 1))}

@@ -686,8 +686,8 @@ def _rounds(plan: Plan, target_params, draft_params, request: Request, state: Lo
         # a rest's round: the declined proposal verified over one position (its first round
         # counts the proposal's forwards), no proposal after it
         plain = (state.idle.rest > 1) if resting else jnp.bool_(False)
+        # (the loop runs ``each`` only while more(state))
         width = jnp.where(drafting, verify_width(plan, state), jnp.where(plain, 0, -1))
-        width = jnp.where(more(state), width, -1)
         for i in range(len(widths)):
             def verify(s: LoopState, i: int = i) -> LoopState:
                 s = round_step(plan, target_params, draft_params, request, s, widths[i],
@@ -695,7 +695,7 @@ def _rounds(plan: Plan, target_params, draft_params, request: Request, state: Lo
                 return _rested(s, plain) if resting and i == 0 else s
             state = jax.lax.while_loop(lambda s, i=i: (width == i) & (s.step == start), verify,
                                        state)
-        if not resting:  # the loop runs ``each`` only while more(state): a round ran
+        if not resting:  # a round ran
             return _propose_next(plan, target_params, draft_params, request, state)
         state = _rejoin(plan, target_params, draft_params, state)
         # propose after a drafting round, and once a rest is over (unless every row is done)
