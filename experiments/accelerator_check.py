@@ -17,6 +17,11 @@ measures and writes to one JSON file, and prints:
 * speculative decoding against autoregressive decoding at α ∈ {0.6, 0.8, 0.9} × γ ∈ {2, 4, 8},
   batch 1 (and α = 0.8 at batch 8), each beside the formula's prediction from α, the measured c
   and verify cost at that batch: (1 − α^(γ+1)) / ((1 − α)(γc + v));
+* the adaptive program (``SpecConfig.survival_threshold``: a decode loop per verify width, the
+  draft lengths chosen on the device) against the static chain at α = 0.8, γ = 4, batch 1 and
+  8, with every draft verified (threshold ``adaptive.EVERY_DRAFT``), so both verify the same
+  widths and the time per round compares what the adaptive machinery itself costs here (on a
+  GPU each of its one-shot loops may read its condition back to the host);
 * with more than one device, α = 0.8, γ = 4 again on a tensor-parallel mesh over all of them.
 
     python experiments/accelerator_check.py                    # 1B-class on GPU/TPU, tiny on CPU
@@ -42,7 +47,7 @@ import jax
 import numpy as np
 
 import specjax as sj
-from specjax import roofline, shapes, theory, timing
+from specjax import adaptive, roofline, shapes, theory, timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -52,13 +57,15 @@ def models(size: str, dtype: str):
     return target, draft
 
 
-def decode_seconds(target, draft, prompts, new_tokens, spec, mesh=None, repeats=3) -> float:
-    """Median decode seconds of one greedy generate call (compiled first)."""
+def decode_seconds(target, draft, prompts, new_tokens, spec, mesh=None, repeats=3,
+                   per_round=False) -> float:
+    """Median decode seconds of one greedy generate call (compiled first); ``per_round``: its
+    decode seconds per round instead."""
     def run():
         out = sj.generate(target, prompts, draft=draft if spec else None, spec=spec, mesh=mesh,
                           sampling=sj.SamplingParams(temperature=0, max_new_tokens=new_tokens),
                           allow_synthetic=True, key=0)
-        return out.stats.decode_seconds
+        return out.stats.decode_seconds / (out.stats.num_rounds if per_round else 1)
     run()
     return statistics.median(run() for _ in range(repeats))
 
@@ -125,6 +132,18 @@ def main() -> None:
                 rows.append(dict(batch=batch, alpha=alpha, gamma=gamma, ar_seconds=ar,
                                  spec_seconds=sp, speedup=ar / sp, predicted=predicted,
                                  measured_over_predicted=ar / sp / predicted))
+    adaptive_rows = []
+    for batch in batches:
+        batch_prompts = prompts(batch)
+        spec = {name: sj.SpecConfig(num_speculative_tokens=4, synthetic_acceptance=0.8, **extra)
+                for name, extra in (("static", {}),
+                                    ("adaptive", dict(survival_threshold=adaptive.EVERY_DRAFT)))}
+        got = {name: decode_seconds(target, draft, batch_prompts, args.new_tokens, s,
+                                    per_round=True) for name, s in spec.items()}
+        adaptive_rows.append(dict(batch=batch, alpha=0.8, gamma=4,
+                                  static_round_ms=1e3 * got["static"],
+                                  adaptive_round_ms=1e3 * got["adaptive"],
+                                  adaptive_over_static=got["adaptive"] / got["static"]))
     mesh_row = None
     if len(devices) > 1:
         mesh = sj.make_mesh(data=1)
@@ -147,7 +166,7 @@ def main() -> None:
                       fraction=weight_bytes / step / bandwidth,
                       verify_cost_by_width={str(w): v for w, v in verify.items()}, report=roof),
         draft_step_c=c, draft_step_c_by_batch={str(b): x for b, x in c_by_batch.items()},
-        speculative=rows, mesh=mesh_row,
+        speculative=rows, adaptive=adaptive_rows, mesh=mesh_row,
         seconds=time.perf_counter() - t_start)
     out = pathlib.Path(args.out) if args.out else (
         ROOT / "experiments" / "results" /
@@ -169,6 +188,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:5d} {r['alpha']:5.2f} {r['gamma']:5d} {r['speedup']:8.2f}x "
               f"{r['predicted']:8.2f}x {r['measured_over_predicted']:9.2f}")
+    for r in adaptive_rows:
+        print(f"adaptive program, every draft verified, batch {r['batch']}, alpha 0.8, gamma 4: "
+              f"a round {r['adaptive_round_ms']:.2f} ms against the static chain's "
+              f"{r['static_round_ms']:.2f} ms ({r['adaptive_over_static']:.2f})")
     if mesh_row:
         print(f"mesh over {mesh_row['devices']} devices, alpha 0.8, gamma 4: "
               f"{mesh_row['speedup']:.2f}x")
