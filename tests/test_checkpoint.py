@@ -3,6 +3,7 @@
 import json
 import pathlib
 import shutil
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -175,7 +176,13 @@ def test_orbax_round_trip(tmp_path):
     assert jax.tree.structure(model.params) == jax.tree.structure(back.params)
     half = sj.load_model(tmp_path / "m", dtype="bfloat16")
     assert half.config.dtype == "bfloat16"
-    sj.save_model(back, tmp_path / "m")  # saving over an existing checkpoint works
+    assert {x.dtype for x in jax.tree.leaves(half.params)} == {jnp.dtype(jnp.bfloat16)}
+    # saving over an existing checkpoint replaces it
+    other = sj.Model(model.config, jax.tree.map(lambda x: x + 1, model.params))
+    sj.save_model(other, tmp_path / "m")
+    again = sj.load_model(tmp_path / "m")
+    for a, b in zip(jax.tree.leaves(other.params), jax.tree.leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 
@@ -215,9 +222,12 @@ def test_a_version_1_orbax_checkpoint_with_stacked_layers_still_loads(tmp_path):
 ])
 def test_hf_export_loads_in_transformers(features, tmp_path):
     model = tiny_model(seed=4, **features)
-    # random norm weights and biases, so the export's names and layouts are all exercised
+    # random norm weights and biases, each its own (seeded by its whole path: an export that
+    # swapped two of them, say k_proj's and v_proj's biases, must change the logits), so the
+    # export's names and layouts are all exercised
     model = sj.Model(model.config, jax.tree_util.tree_map_with_path(
-        lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(len(str(path))), x.shape)
+        lambda path, x: x + 0.3 * jax.random.normal(
+            jax.random.key(zlib.crc32(jax.tree_util.keystr(path).encode())), x.shape)
         if path[-1].key in ("bias", "weight") else x, model.params))
     sj.save_model(model, tmp_path, format="hf")
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -364,10 +374,15 @@ def test_qwen_partial_sliding_window_is_refused(tmp_path):
 
 
 def test_export_refuses_configs_transformers_cannot_express(tmp_path):
-    for kw in (dict(sliding_window=4, attention_bias=True, o_proj_bias=True),
-               dict(sliding_window=4, qk_norm=True), dict(o_proj_bias=True)):
-        with pytest.raises(ValueError):
-            sj.save_model(tiny_model(**kw), tmp_path / "x", format="hf")
+    for kw, message in (
+            (dict(sliding_window=4, attention_bias=True, o_proj_bias=True),
+             "MistralForCausalLM has no attention biases"),
+            (dict(sliding_window=4, qk_norm=True),
+             r"a sliding window with these features \(Qwen3ForCausalLM\) has no Hugging Face"),
+            (dict(o_proj_bias=True), "attention_bias=False, o_proj_bias=True")):
+        model = tiny_model(**kw)
+        with pytest.raises(ValueError, match=message):
+            sj.save_model(model, tmp_path / "x", format="hf")
         assert not (tmp_path / "x").exists()  # refused before writing anything
 
 
@@ -425,8 +440,9 @@ def test_bad_arguments(tmp_path):
     # not a dump of its weights
     with pytest.raises(ValueError, match=r"dtype must be one of .* got a specjax\.model\.Model$"):
         sj.load_draft_model(tmp_path, tiny_model())
-    with pytest.raises(ValueError, match="format"):
-        sj.save_model(tiny_model(), tmp_path, format="gguf")
+    model = tiny_model()
+    with pytest.raises(ValueError, match="format must be 'orbax' or 'hf', got 'gguf'"):
+        sj.save_model(model, tmp_path, format="gguf")
 
 
 LOAD_AND_MEASURE = """
@@ -493,6 +509,8 @@ def test_export_with_a_tokenizer_loads_everywhere(tmp_path, fmt, capsys):
             "bos_token_id": 0, "eos_token_id": 1}
     assert cli.main(["generate", "--target", str(tmp_path / "m"), "--method", "none",
                      "--prompt", "def f(x):", "--max-new-tokens", "6", "--no-stream"]) == 0
-    assert capsys.readouterr().out.startswith("def f(x):")
+    printed = capsys.readouterr().out
+    assert printed.startswith("def f(x):")
+    assert len(tok.encode(printed)) > len(tok.encode("def f(x):"))  # and went on
     with pytest.raises(ValueError, match="more than the model's vocab_size 16"):
         sj.save_model(tiny_model(seed=3), tmp_path / "small", tokenizer=tok)

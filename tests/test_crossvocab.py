@@ -112,6 +112,11 @@ def test_spelled_windows_read_each_target_token_as_its_spelling(pair):
     rows = np.stack([stream[s:s + 30] for s in ok[:6]])
     batch = aligner.batch(rows, 5, 24, 80, 3, 1)
     assert all(any((b == r[:24]).all() for r in rows) for b in batch["target"])
+    # each row's draft and alignment are what ``window`` makes of its target tokens
+    for target, draft, align in zip(batch["target"], batch["draft"], batch["align"]):
+        want_draft, want_align = aligner.window(target, 80)
+        np.testing.assert_array_equal(draft, want_draft)
+        np.testing.assert_array_equal(align, want_align)
 
 
 def same_model_pair(pair):
@@ -172,10 +177,16 @@ def test_fit_on_aligned_batches_lowers_the_objective_and_resumes(pair, tmp_path)
     straight, _ = fit(objective, other.params, aux, None, cfg, tmp_path / "a", run,
                       progress=False, batches=batches)
     assert float(objective(straight, held, aux)) < before - 0.1
+    def counted(seen):  # batches, recording the steps asked for
+        return lambda step: seen.append(step) or batches(step)
+    first, then = [], []
     fit(objective, other.params, aux, None, cfg, tmp_path / "b", run, progress=False,
-        batches=batches, max_seconds=0)
+        batches=counted(first), max_seconds=0)
     resumed, _ = fit(objective, other.params, aux, None, cfg, tmp_path / "b", run,
-                     progress=False, batches=batches)
+                     progress=False, batches=counted(then))
+    # one step, then the rest from where it stopped (a fit that ignored the checkpoint would
+    # give the same weights, starting again from step 0)
+    assert first == [0] and then == [1, 2, 3, 4, 5]
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

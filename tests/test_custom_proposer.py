@@ -57,7 +57,14 @@ def test_the_guide_shows_runnable_calls():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
     scope = dict(EXAMPLE)
     exec(compile(blocks[1], str(DOC), "exec"), scope)
-    assert scope["out"].tokens.shape == (1, 64)
+    out = scope["out"]  # FixedQ's, sampled: its drafts were verified, some accepted
+    assert out.tokens.shape == (1, 64) and out.stats.proposed_tokens > 0
+    assert 0 < out.stats.acceptance_rate <= 1
+    # the block's greedy call gives what autoregressive decoding gives on the block's target
+    target, greedy = scope["target"], scope["greedy"]
+    got = sj.generate(target, [[1, 2, 3]], sampling=greedy, proposer=scope["RepeatLast"](gamma=3))
+    np.testing.assert_array_equal(got.tokens, sj.generate(target, [[1, 2, 3]],
+                                                          sampling=greedy).tokens)
 
 
 @pytest.mark.parametrize("which", ["repeat", "fixed_q"])

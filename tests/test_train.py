@@ -44,7 +44,7 @@ def test_loss_goes_down(tmp_path):
     assert history[-1]["heldout_loss"] < start - 1.0, (start, history)
 
 
-def test_resume_is_identical_to_an_uninterrupted_run(tmp_path):
+def test_resume_is_identical_to_an_uninterrupted_run(tmp_path, caplog):
     tokens = stream()
     straight, _ = train.train(CFG, tokens, settings(6), tmp_path / "a", progress=False)
     steps = lambda: sorted(int(p.name) for p in (tmp_path / "b" / "checkpoints").iterdir()  # noqa
@@ -52,8 +52,11 @@ def test_resume_is_identical_to_an_uninterrupted_run(tmp_path):
     half, _ = train.train(CFG, tokens, settings(6), tmp_path / "b", progress=False,
                           max_seconds=0)
     assert steps() == [1]  # the interrupted run stopped after one step and checkpointed it
-    resumed, _ = train.train(CFG, tokens, settings(6), tmp_path / "b", progress=False)
+    with caplog.at_level("INFO", logger=train.loop.log.name):
+        resumed, _ = train.train(CFG, tokens, settings(6), tmp_path / "b", progress=False)
     assert steps()[-1] == 6
+    # it went on from step 1 (a run that ignored the checkpoint would end with the same weights)
+    assert f"resumed from step 1 in {tmp_path / 'b'}" in caplog.text
     for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(not np.array_equal(np.asarray(a), np.asarray(b))
