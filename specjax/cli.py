@@ -3,7 +3,7 @@
     specjax demo     speculative vs autoregressive decoding on small random models, no downloads
     specjax generate --prompt TEXT [--target DIR --draft DIR --method ...] [--compare]
     specjax bench    [--gammas 2,4,6 --temperatures 0,0.8 --json PATH]   held-out prompt table
-    specjax train pair {data,target,draft,target-long,draft-long,export}   the bundled pair
+    specjax train pair {data,target,target-long,draft,...,export}   the bundled pair
 
 ``generate`` and ``bench`` default to the bundled pair (``sj.bundled``: the repository's
 checkpoints/, or the copy a wheel carries).
@@ -491,7 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 TRAIN_HELP = """usage: specjax train {pair,heads,calibrate} ...
 
-  specjax train pair {data,target,draft,target-long,draft-long,export} --workdir DIR
+  specjax train pair {data,target,target-long,draft,draft-long,draft-gen,draft-gen-long,
+                      export,draft-bpe4k,draft-bpe4k-kd,draft-bpe4k-soft,export-bpe4k,
+                      export-bpe4k-soft} --workdir DIR
       build the bundled target/draft pair (resumable); `specjax train pair --help`
   specjax train heads {medusa,eagle,dflash,mtp} --workdir DIR
       train drafting heads on a target; `specjax train heads --help`

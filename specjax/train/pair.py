@@ -629,7 +629,10 @@ held-out files ({heldout_tokens:,} tokens), split by a hash of each file's path
 {vocab} tokens, trained on the training files; token 0 `<|endoftext|>` ends a file and is the EOS.
 
 **Rebuild.** {rebuild} (settings are the constants in `specjax/train/pair.py`; each training
-stage resumes from its checkpoints).
+stage resumes from its checkpoints). `target-long`, `draft-long` and `draft-gen` continue the
+bundled folders unless given `--from FOLDER`, and `export` writes into `--out` (default
+`checkpoints`, the shipped folders when run from the repository's root): run from another
+folder, or give `--out`, to keep the shipped ones.
 
 It is a small model for benchmarks and demos: it writes plausible-looking Python, not correct
 programs.
@@ -790,7 +793,7 @@ the target wrote (distillation by sequences){soft}. It is there to measure draft
 | shared tokens | {shared} of its {vocab} tokens are target tokens (the same bytes); it reads each target token as its spelling in its own tokens (at most {width}) |
 | draft vocabulary | drafts only from its {draft_vocab} most frequent tokens (`draft_vocab.npy`) |
 | coverage (held-out text) | the target puts {target_mass:.3f} of its probability on tokens this draft can propose; the draft puts {draft_mass:.3f} of its own there |
-| acceptance (γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}), T = 0.8 {acc_t:.3f} ({len_t:.2f}); `code-draft` on the same prompts: greedy {same_g:.3f} ({same_len_g:.2f}), T = 0.8 {same_t:.3f} ({same_len_t:.2f}) |
+| acceptance (γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}), T = 0.8 {acc_t:.3f} ({len_t:.2f}); `code-draft` as shipped when this was exported, on the same prompts: greedy {same_g:.3f} ({same_len_g:.2f}), T = 0.8 {same_t:.3f} ({same_len_t:.2f}) |
 {context_rows}
 **Rebuild.** `specjax train pair data --workdir W`, `specjax train pair draft-bpe4k --workdir W`,
 `specjax train pair draft-bpe4k-kd --workdir W` (each resumable), `specjax train pair
