@@ -21,6 +21,7 @@ then on sits at or after the committed length, more than ``window - 1`` position
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,9 @@ class KVCache:
         """An empty cache of ``capacity`` slots per row. ``span`` (the most slots written past a
         committed length before the next rollback): the sliding layers keep rings of
         ``ring_size`` slots when that is smaller than the capacity."""
+        for name, value in (("batch", batch), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"KVCache.init: {name} must be an int >= 1, got {value!r}")
         R = ring_size(config, capacity, span)
         dtype = jnp.dtype(config.dtype)
         K, D = config.num_key_value_heads, config.head_dim

@@ -693,14 +693,17 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
     receives only its slice.
     """
     folder = pathlib.Path(path)
-    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-    dtype = compute_dtype(dtype, platform)
-    files.recover_folder(folder)  # a save cut between its two renames (not on Linux)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {folder} does not exist")
     if mesh is not None:
         from .sharding import check_mesh
         check_mesh(mesh)
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    dtype = compute_dtype(dtype, platform)
+    files.recover_folder(folder)  # a save cut between its two renames (not on Linux)
+    if folder.is_file():
+        raise FileNotFoundError(f"{folder} is a file: give the model folder that holds it "
+                                f"({folder.parent})")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
     if (folder / SPECJAX_FILE).exists():
         model = _load_orbax(folder, dtype, None if replicate else mesh)
         if mesh is not None and replicate:

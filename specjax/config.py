@@ -232,6 +232,13 @@ class ModelConfig:
 
 
 MAX_EOS_IDS = 8
+TOP_P_MIN = 2.0 ** -126
+"""The smallest SamplingParams.top_p: float32's smallest normal number (below it a top_p
+reaches the device as 0)."""
+
+MAX_PROMPT_LOOKUP = 64
+"""The longest n-gram SpecConfig.prompt_lookup_max may look up (each n is one pass over the
+history in every round)."""
 """EOS ids live in a fixed-size array, so changing them never recompiles."""
 
 MAX_LOGPROBS = 20
@@ -284,12 +291,15 @@ class SamplingParams:
                              f"filter), got {self.top_k!r}")
         _require_int(self, "top_k", self.top_k, 0, 2 ** 31 - 1,
                      bound="token ids are int32")
-        _require_real(self, "top_p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
+        # below float32's smallest normal number a top_p reaches the device as 0 (every token
+        # filtered out but the first)
+        _require_real(self, "top_p", self.top_p, lambda x: TOP_P_MIN <= x <= 1,
+                      f"in [{TOP_P_MIN:.1e}, 1] (float32's smallest normal number up)")
         _require_int(self, "max_new_tokens", self.max_new_tokens, 1)
-        eos = self.eos_token_id
+        eos = _plain(self.eos_token_id)
         if eos is not None:
             try:
-                ids = (eos,) if _is_int(eos) else tuple(eos)
+                ids = (eos,) if _is_int(eos) else tuple(_plain(i) for i in eos)
             except TypeError:
                 ids = (eos,)
             if not all(_is_int(i) and i >= 0 for i in ids):
@@ -303,10 +313,8 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", _stop_sequences(self.stop_token_ids))
         if self.stop is not None:
             stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-            try:
-                stop = tuple(stop)
-            except TypeError:
-                stop = None
+            # a list or tuple of strings (a dict or a set has no order, or holds other things)
+            stop = tuple(stop) if isinstance(stop, (list, tuple)) else None
             if stop is None or not all(isinstance(x, str) and x for x in stop):
                 raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of "
                                  f"them, got {self.stop!r}")
@@ -342,7 +350,9 @@ def _stop_sequences(value) -> tuple[tuple[int, ...], ...] | None:
         raise bad
     try:
         items = list(value)
-        sequences = tuple((int(x),) if _is_int(x) else tuple(x) for x in items)
+        items = [_plain(x) for x in items]
+        sequences = tuple((int(x),) if _is_int(x) else tuple(_plain(i) for i in x)
+                          for x in items)
     except TypeError:
         raise bad from None
     if len(sequences) > MAX_STOP_SEQUENCES or not all(
@@ -461,7 +471,8 @@ class SpecConfig:
                              f"method {self.method!r} drafts a tree that deep, and trees of at "
                              f"most {MAX_DEPTH} levels are supported")
         _require_int(self, "prompt_lookup_min", self.prompt_lookup_min, 1)
-        _require_int(self, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        _require_int(self, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min,
+                     MAX_PROMPT_LOOKUP, bound="each n is a pass over the history every round")
         factor = self.prompt_lookup_length_factor
         if factor is not None:
             _require_real(self, "prompt_lookup_length_factor", factor,

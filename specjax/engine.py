@@ -1074,8 +1074,17 @@ def _one_prompt(prompts) -> bool:
 
 
 def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+    if (isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__")
+            or getattr(prompts, "ndim", 1) == 0):
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    try:
+        flat = np.asarray(prompts)
+    except ValueError:  # ragged: a list of prompts
+        flat = None
+    if (flat is not None and flat.ndim == 1 and flat.size
+            and not np.issubdtype(flat.dtype, np.integer) and flat.dtype.kind in "fcb"):
+        raise ValueError(f"prompts must hold integer token ids, got {reprlib.repr(prompts)} "
+                         f"(dtype {flat.dtype})")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
     if _one_prompt(prompts):
@@ -1137,6 +1146,10 @@ def check_request(target: Model, prompts, sampling: SamplingParams | None, token
                              f"target's vocab_size {cfg.vocab_size}")
         if isinstance(prompts, str):
             prompts = [prompts]
+        if (isinstance(prompts, bytes) or not hasattr(prompts, "__len__")
+                or getattr(prompts, "ndim", 1) == 0):
+            raise ValueError(f"prompts must be a string, a list of strings or a list of "
+                             f"token-id lists, got {type(prompts).__name__}")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         eos = tokenizer_eos(tokenizer)
         if sampling.eos_token_id is None and eos:
@@ -1444,6 +1457,9 @@ def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, token
                              "their bytes: pass the target's tokenizer= too")
         from .draft.draft_model import for_tokenizers
         draft = for_tokenizers(draft, draft_tokenizer, tokenizer, target.config.vocab_size)
+    for name, flag in (("allow_synthetic", allow_synthetic), ("return_text", return_text)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     synthetic = None if spec is None else spec.synthetic_acceptance
     if synthetic is not None and not allow_synthetic:
         raise ValueError(f"SpecConfig.synthetic_acceptance={synthetic!r} accepts drafts by a "
@@ -1694,8 +1710,9 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwa
     """
     if rounds_per_chunk is not None and (
             isinstance(rounds_per_chunk, bool)
-            or not isinstance(rounds_per_chunk, numbers.Integral) or rounds_per_chunk < 1):
-        raise ValueError(f"rounds_per_chunk must be an int >= 1 or None, got "
+            or not isinstance(rounds_per_chunk, numbers.Integral) or rounds_per_chunk < 1
+            or rounds_per_chunk > 2 ** 31 - 1):  # the loop counts rounds in int32
+        raise ValueError(f"rounds_per_chunk must be an int in [1, 2**31 - 1] or None, got "
                          f"{rounds_per_chunk!r}")
     unknown = set(kwargs) - set(_GENERATE_OPTIONS)
     if unknown:

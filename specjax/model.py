@@ -344,7 +344,19 @@ def view(cache: KVCache, positions: Array, chunk_mask: Array | None, window: int
 
 
 def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model:
-    """Random parameters, every weight drawn from N(0, init_std²) (norm weights are ones)."""
+    """Random parameters, every weight drawn from N(0, init_std²) (norm weights are ones).
+    ``key``: a ``jax.random.key`` (or a raw PRNGKey), or an int seed, as ``generate`` takes."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config must be an sj.ModelConfig, got {type(config).__name__}")
+    if isinstance(init_std, bool) or not isinstance(init_std, (int, float, np.floating,
+                                                               np.integer)) \
+            or not np.isfinite(init_std) or init_std < 0:
+        raise ValueError(f"init_std must be a finite number >= 0, got {init_std!r}")
+    if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+        key = jax.random.key(int(key))
+    elif not isinstance(key, (jax.Array, np.ndarray)):
+        raise ValueError(f"key must be a jax.random.key or an int seed, got "
+                         f"{type(key).__name__}")
     return Model(config, _init_params(config, float(init_std), key))
 
 
@@ -514,7 +526,21 @@ def _full_logits(model: Model, tokens: Array) -> Array:
 
 
 def logits(model: Model, tokens) -> Array:
-    """Plain full-causal forward without a cache: tokens [B, T] -> logits [B, T, V] float32."""
+    """Plain full-causal forward without a cache: tokens [B, T] -> logits [B, T, V] float32.
+    Token ids are checked (integers in [0, V), at most the model's context) unless traced."""
+    if not isinstance(tokens, jax.core.Tracer):
+        ids = np.asarray(tokens)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"tokens must be integer token ids, got dtype {ids.dtype}")
+        if ids.ndim == 2 and ids.size:
+            bad = ids[(ids < 0) | (ids >= model.config.vocab_size)]
+            if bad.size:
+                raise ValueError(f"tokens hold token id {int(bad[0])} outside [0, "
+                                 f"{model.config.vocab_size})")
+            if ids.shape[1] > model.config.max_position_embeddings:
+                raise ValueError(f"tokens are {ids.shape[1]} positions long, more than the "
+                                 f"model's max_position_embeddings="
+                                 f"{model.config.max_position_embeddings}")
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be [B, T] with T >= 1, got shape {tokens.shape}")

@@ -37,6 +37,7 @@ replicate=True)``), so drafting needs no communication at all.
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any
 
@@ -98,10 +99,15 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     what ``data`` leaves. The axes use automatic sharding propagation (``AxisType.Auto``)."""
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
+    if n == 0:
+        raise ValueError("make_mesh: devices is empty: give at least one device")
+    if len({id(d) for d in devices}) < n:
+        raise ValueError(f"make_mesh: devices lists a device more than once: {devices!r}")
     for name, value in (("data", data), ("model", model)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
+        if value is not None and (isinstance(value, (bool, np.bool_))
+                                  or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"make_mesh: {name} must be an int >= 1, got {value!r}")
+    data, model = int(data), None if model is None else int(model)
     if model is None:
         if n % data:
             raise ValueError(f"make_mesh: data={data} does not divide the {n} devices")

@@ -349,6 +349,19 @@ def test_spec_config_parsing():
         sj.SpecConfig.parse("{num_speculative_tokens: 3")
 
 
+class _Letters:
+    """A tokenizer of the 32-token test vocabulary: token i is the letter chr(97 + i % 26)."""
+
+    vocab_size = 32
+    eos_token_ids = ()
+
+    def encode(self, text):
+        return [(ord(c) - 97) % 32 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
 BAD_INPUTS = [
     ("empty prompt", dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
     ("no prompts", dict(prompts=[]), "prompts is empty"),
@@ -365,6 +378,18 @@ BAD_INPUTS = [
     ("tokenizer not a Tokenizer", dict(tokenizer="gpt2"),
      "tokenizer must be an sj.Tokenizer.*vocab_size.*got str"),
     ("seed beyond 64 bits", dict(key=2 ** 64), "key seed 18446744073709551616 is outside"),
+    ("float ids in one prompt", dict(prompts=[1, 2.0]),
+     r"prompts must hold integer token ids, got \[1, 2.0\] \(dtype float64\)"),
+    ("a 0-d array", dict(prompts=np.array(5)), "prompts must be a list of token-id lists, got "
+     "ndarray"),
+    ("bytes with a tokenizer", dict(prompts=b"def", tokenizer=_Letters()),
+     "prompts must be a string, a list of strings or a list of token-id lists, got bytes"),
+    ("None with a tokenizer", dict(prompts=None, tokenizer=_Letters()),
+     "a list of token-id lists, got NoneType"),
+    ("allow_synthetic not a bool", dict(allow_synthetic="no"),
+     "allow_synthetic must be True or False, got 'no'"),
+    ("return_text not a bool", dict(return_text="no"),
+     "return_text must be True or False, got 'no'"),
 ]
 
 
@@ -435,6 +460,9 @@ def test_draft_with_another_vocabulary_is_refused(target):
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(eos_token_id=[1, -2]), "eos_token_id"), (dict(eos_token_id=list(range(9))), "at most 8"),
     (dict(temperature="hot"), "temperature"), (dict(top_k=2.5), "top_k"),
+    # below float32's smallest normal it would reach the device as 0: only token 0 left
+    (dict(top_p=1e-40), r"top_p must be in \[1.2e-38, 1\]"),
+    (dict(stop={"a": 1}), "stop must be a non-empty string or a list of them"),
 ])
 def test_bad_sampling_params(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -444,10 +472,58 @@ def test_bad_sampling_params(kw, message):
 @pytest.mark.parametrize("kw,message", [
     (dict(num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(method="medusa2"), "method 'medusa2' is unknown"),
+    (dict(method="ngram", prompt_lookup_max=10 ** 8), "prompt_lookup_max must be at most 64"),
 ])
 def test_bad_spec_config(kw, message):
     with pytest.raises(ValueError, match=message):
         sj.SpecConfig(**kw)
+
+
+def test_ids_as_numpy_and_jax_scalars_are_taken():
+    """0-d integer arrays are ids as the Python ints they hold, wherever the API takes ids."""
+    sampling = sj.SamplingParams(eos_token_id=jnp.int32(2), stop_token_ids=[np.array(3)])
+    assert sampling.eos_token_id == (2,) and sampling.stop_token_ids == ((3,),)
+    assert sj.SamplingParams(eos_token_id=[np.int64(4), jnp.int32(5)]).eos_token_id == (4, 5)
+
+
+def test_helpers_outside_generate_refuse_bad_input_by_name(target, tmp_path):
+    """sj.logits, sj.init_model, sj.make_mesh, sj.init_heads, sj.load_model and KVCache.init:
+    a clear ValueError (a missing folder: FileNotFoundError) naming the bad value."""
+    for tokens, message in (([[1, 2, 99]], r"token id 99 outside \[0, 32\)"),
+                            ([[1, -5]], "token id -5 outside"),
+                            ([[1.7, 2.2]], "integer token ids, got dtype float64"),
+                            ([[1] * 129], "129 positions long, more than the model's "
+                                          "max_position_embeddings=128")):
+        with pytest.raises(ValueError, match=message):
+            sj.logits(target, tokens)
+    seeded = sj.init_model(target.config, 7)  # an int seed, as generate takes
+    keyed = sj.init_model(target.config, jax.random.key(7))
+    for a, b in zip(jax.tree.leaves(seeded.params), jax.tree.leaves(keyed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for args, message in (((dict(a=1), 0), "config must be an sj.ModelConfig, got dict"),
+                          ((target.config, "seed"), "key must be a jax.random.key or an int "
+                                                    "seed, got str"),
+                          ((target.config, 0, float("nan")), "init_std must be a finite "
+                                                             "number >= 0, got nan")):
+        with pytest.raises(ValueError, match=message):
+            sj.init_model(*args)
+    with pytest.raises(ValueError, match="devices is empty"):
+        sj.make_mesh(devices=[])
+    with pytest.raises(ValueError, match="lists a device more than once"):
+        sj.make_mesh(devices=[jax.devices()[0]] * 2)
+    assert dict(sj.make_mesh(data=np.int64(1)).shape) == {"data": 1, "model": 1}
+    with pytest.raises(ValueError, match="num_heads must be an int >= 1, got 2.5"):
+        sj.init_heads(target, "medusa", jax.random.key(0), num_heads=2.5)
+    with pytest.raises(ValueError, match="dtype must be 'float32', 'bfloat16' or 'float16', "
+                                         "got 'int8'"):
+        sj.init_heads(target, "medusa", jax.random.key(0), dtype="int8")
+    with pytest.raises(ValueError, match="capacity must be an int >= 1, got -1"):
+        sj.KVCache.init(target.config, 1, -1)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="config.json is a file: give the model folder"):
+        sj.load_model(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+        sj.load_model(tmp_path, mesh="x")
 
 
 def test_stats_print_as_a_short_summary(target, draft):

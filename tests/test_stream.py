@@ -136,8 +136,9 @@ def test_streamed_text_adds_up_to_generate_text():
 
 
 def test_bad_stream_arguments_are_refused_by_name(target):
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="rounds_per_chunk must be an int >= 1 or None"):
+    for bad in (0, -1, 1.5, True, 2 ** 31):  # the loop counts rounds in int32
+        with pytest.raises(ValueError, match=r"rounds_per_chunk must be an int in "
+                                             r"\[1, 2\*\*31 - 1\] or None, got "):
             sj.stream(target, PROMPTS, rounds_per_chunk=bad)
     with pytest.raises(TypeError, match="unexpected keyword arguments \\['stream_interval'\\]"):
         sj.stream(target, PROMPTS, stream_interval=2)
