@@ -85,6 +85,16 @@ def tiny_model(seed=0, init_std=0.5, **kw) -> sj.Model:
     return sj.init_model(tiny_config(**kw), jax.random.key(seed), init_std=init_std)
 
 
+def perturbed(params, key: int, scale: float):
+    """Every leaf of ``params`` plus ``scale`` times its own standard normal noise: of a target's
+    parameters, a draft whose drafts are often accepted and often not (a greedy test with a
+    small random draft may accept almost nothing, and a speculative path then barely runs)."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(key), len(leaves))
+    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                     for x, k in zip(leaves, keys)])
+
+
 @pytest.fixture(scope="session")
 def target():
     return tiny_model(seed=0, vocab_size=32, hidden_size=32, layers=2, heads=4, kv_heads=2,

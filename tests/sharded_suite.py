@@ -9,7 +9,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import traces_and_compiles
+from conftest import perturbed, traces_and_compiles
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
@@ -24,19 +24,11 @@ TARGET = sj.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 11]  # 3 rows: padded to the "data" size
 
 
-def _perturbed(params, key: int, scale: float):
-    """Every leaf of ``params`` plus ``scale`` times its own standard normal noise."""
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(key), len(leaves))
-    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                     for x, k in zip(leaves, keys)])
-
-
 @pytest.fixture(scope="module")
 def models():
     target = sj.init_model(TARGET, jax.random.key(0), init_std=0.3)
     # a perturbed copy: drafts often accepted
-    draft = sj.Model(TARGET, _perturbed(target.params, 1, 0.05))
+    draft = sj.Model(TARGET, perturbed(target.params, 1, 0.05))
     # an (untrained) EAGLE head on the target: sharded runs must equal one device with it too
     eagle = sj.init_heads(target, "eagle", jax.random.key(2), init_std=0.3)
     return target, draft, eagle
@@ -171,7 +163,7 @@ def _heads(target, method: str, key: int):
     """Random heads of ``method`` with every weight perturbed: Medusa's residual starts at zero,
     which makes heads of any seed propose alike."""
     heads = sj.init_heads(target, method, jax.random.key(key), init_std=0.3)
-    weights = _perturbed(heads.params["weights"], key + 100, 0.1)
+    weights = perturbed(heads.params["weights"], key + 100, 0.1)
     return dataclasses.replace(heads, params=dict(heads.params, weights=weights))
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import release_programs
+from conftest import perturbed, release_programs
 from test_lossless import (  # noqa: F401
     SETTINGS,
     first_three_pvalue,
@@ -182,7 +182,9 @@ def test_calibrate_fits_a_draft_model_on_held_out_rows(models, tmp_path):
     for mode in ("greedy", "sampled"):
         r = report[mode]
         assert r["samples"] > 300 and r["a"] > 0
-        assert r["ece"] <= max(r["ece_raw"], 0.08), r  # fitted on other rows; no worse
+        # fitted on other rows: no worse than the raw confidence (up to the noise of a fit on
+        # a few hundred drafts)
+        assert r["ece"] <= r["ece_raw"] + 0.01, r
         assert sum(b["count"] for b in r["reliability"]) > 0
     # shipped beside a draft model folder, it comes back with it
     sj.save_model(drafts["close"], tmp_path / "draft")
@@ -289,15 +291,31 @@ def test_lengths_that_look_at_the_drawn_draft_fail_the_same_test(models, monkeyp
     assert first_three_pvalue(target, drafts["close"], spec, t, k, p, rows=36864) < 1e-6
 
 
+@pytest.fixture(scope="module")
+def close(target):
+    """A perturbed copy of the target: greedy, about half its first drafts are accepted and a
+    few of its fourth, so adaptive rows stop at different depths, accept and are rejected (the
+    session's small draft accepts almost nothing here, and a greedy check with it would compare
+    plain decoding with plain decoding)."""
+    return sj.Model(target.config, perturbed(target.params, 1, 0.03))
+
+
+def engaged(stats) -> None:
+    """The speculative path ran: drafts accepted, beyond the first too, and rejected."""
+    assert stats.accepted_tokens > 0 and stats.rejecting_rounds > 0, stats
+    assert stats.per_position_acceptance[1] > 0, stats.per_position_acceptance
+
+
 @pytest.mark.parametrize("threshold", [0.05, 0.3, 0.9])
-def test_greedy_equals_autoregressive(target, draft, threshold):
+def test_greedy_equals_autoregressive(target, close, threshold):
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
     spec = sj.SpecConfig(num_speculative_tokens=4, survival_threshold=threshold)
-    out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=draft)
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=close)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
+    engaged(out.stats)
     full = sj.generate(target, PROMPTS, sampling=sampling, spec=dict(num_speculative_tokens=4),
-                       draft=draft)
+                       draft=close)
     assert out.stats.proposed_tokens < full.stats.proposed_tokens
 
 
@@ -305,7 +323,7 @@ def test_greedy_equals_autoregressive(target, draft, threshold):
     dict(num_speculative_tokens=4, survival_threshold=0.05),
     dict(num_speculative_tokens=4, verify_costs=(1.0, 1.02, 1.05, 1.1, 1.2), draft_cost=0.05)],
     ids=["lengths", "budget-with-rests"])
-def test_the_decode_program_proposes_in_one_place(target, draft, monkeypatch, fresh_programs,
+def test_the_decode_program_proposes_in_one_place(target, close, monkeypatch, fresh_programs,
                                                   spec):
     """The decode loop verifies over one forward per width (1, 2, 3, 5 at γ = 4) but proposes
     the next round's drafts in one place, rests or not: the proposal, a round's largest part to
@@ -322,7 +340,7 @@ def test_the_decode_program_proposes_in_one_place(target, draft, monkeypatch, fr
     monkeypatch.setattr(engine, "_propose_next", counted)
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     out = sj.generate(target, PROMPTS, sampling=sampling, spec=sj.SpecConfig(**spec),
-                      draft=draft)
+                      draft=close)
     assert len(adaptive.loop_widths(4)) == 4
     assert traced == [4, 4], f"the proposal was traced {len(traced)} times"
     ref = sj.generate(target, PROMPTS, sampling=sampling)
@@ -645,17 +663,18 @@ def test_a_budget_that_weighs_the_drawn_draft_fails_the_same_test(models, monkey
 
 @pytest.mark.parametrize("costs", [(1.0, 1.02, 1.05, 1.1, 1.2), (1.0, 1.4, 1.9, 2.5, 3.0),
                                    (1.0, 3.0, 5.0, 7.0, 9.0)], ids=["cheap", "dear", "plain"])
-def test_budget_greedy_equals_autoregressive(target, draft, costs):
+def test_budget_greedy_equals_autoregressive(target, close, costs):
     sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
     ref = sj.generate(target, PROMPTS, sampling=sampling)
     spec = sj.SpecConfig(num_speculative_tokens=4, verify_costs=costs, draft_cost=0.05)
-    out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=draft)
+    out = sj.generate(target, PROMPTS, sampling=sampling, spec=spec, draft=close)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     lengths = out.stats.proposed_length_distribution
     if costs[1] > 2:  # no draft pays for a forward three times a step: plain decoding
         assert lengths[0] == 1 and out.stats.proposed_tokens == 0
     else:
         assert lengths[0] < 1 and out.stats.proposed_tokens > 0
+        assert out.stats.accepted_tokens > 0 and out.stats.rejecting_rounds > 0, out.stats
 
 
 def test_the_stats_score_the_calibration_on_the_calls_own_drafts(target):
@@ -672,7 +691,10 @@ def test_the_stats_score_the_calibration_on_the_calls_own_drafts(target):
     assert abs(s.calibration_error - (1 - mean_pred)) < 1e-5
     assert n == s.accepted_tokens  # every draft verified was reached and accepted
     assert s.mean_proposed_by_row.shape == (len(PROMPTS),)
-    assert abs(np.mean(s.mean_proposed_by_row) - s.proposed_tokens / (s.num_rounds * 4)) < 1.5
+    # the rows share their rounds, so the mean over rows of each row's drafts a round is the
+    # drafts a round per row
+    np.testing.assert_allclose(np.mean(s.mean_proposed_by_row),
+                               s.proposed_tokens / (s.num_rounds * len(PROMPTS)), rtol=1e-6)
     plain = sj.generate(target, PROMPTS, sampling=sampling, spec=dict(num_speculative_tokens=4),
                         draft=target)
     assert np.isnan(plain.stats.calibration_error) and plain.stats.reliability == ()

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import release_programs, tiny_model
+from conftest import perturbed, release_programs, tiny_model
 
 import specjax as sj
 from specjax import attention, engine
@@ -24,6 +24,20 @@ def long_pair():
     draft = tiny_model(seed=1, vocab_size=32, hidden_size=16, layers=1, heads=2, kv_heads=1,
                        max_pos=600)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def close_draft(long_pair):
+    """A perturbed copy of long_pair's target: its drafts are accepted at every depth, and
+    rejected too (the small draft's almost never are, so a greedy check with it would compare
+    plain decoding with plain decoding)."""
+    target = long_pair[0]
+    return sj.Model(target.config, perturbed(target.params, 1, 0.05))
+
+
+def engaged(stats, gamma: int) -> None:
+    """The speculative path ran: drafts accepted at the deepest position, and rejected."""
+    assert stats.per_position_acceptance[gamma - 1] > 0 and stats.rejecting_rounds > 0, stats
 
 
 def prompts_of(lengths, seed=0):
@@ -47,11 +61,14 @@ def test_capacity_tiers_and_max_cache_len(long_pair):
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "tree", "eagle", "medusa"])
-def test_greedy_equal_across_tiers_chunks_and_blocks(long_pair, monkeypatch, method):
+def test_greedy_equal_across_tiers_chunks_and_blocks(long_pair, close_draft, monkeypatch,
+                                                     method):
     """Rows of very different lengths in one batch: one exactly a prefill chunk long, one a token
     past it, a short one and one that crosses the 256-slot attention block while decoding. Every
-    method equals autoregressive greedy decoding, in the dense tier (256) and in blocked ones."""
-    target, draft = long_pair
+    method equals autoregressive greedy decoding, in the dense tier (256) and in blocked ones
+    (the draft model and the tree with a close draft: drafts accepted and rejected at every
+    depth)."""
+    target, draft = long_pair[0], close_draft
     short = prompts_of([PREFILL_CHUNK, PREFILL_CHUNK + 1, 3], seed=1)
     batch = short + prompts_of([250], seed=2)
     ref_short = sj.generate(target, short, sampling=GREEDY)
@@ -70,6 +87,8 @@ def test_greedy_equal_across_tiers_chunks_and_blocks(long_pair, monkeypatch, met
                                              num_heads=2))}[method]
     out = sj.generate(target, batch, sampling=GREEDY, **kw)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
+    if method in ("draft_model", "tree"):
+        engaged(out.stats, 3 if method == "draft_model" else 2)
     if method == "draft_model":  # a capacity of the caller's, two blocks with one live
         out = sj.generate(target, short, sampling=GREEDY, max_cache_len=400, **kw)
         assert out.stats.capacity == 400
@@ -107,8 +126,8 @@ def test_eagle_prefill_in_chunks_equals_one_forward(long_pair):
                                        atol=2e-5)
 
 
-def test_request_that_exactly_fills_max_cache_len(long_pair):
-    target, draft = long_pair
+def test_request_that_exactly_fills_max_cache_len(long_pair, close_draft):
+    target, draft = long_pair[0], close_draft
     rows = prompts_of([40, 3], seed=4)
     spec = sj.SpecConfig(num_speculative_tokens=3)
     needed = 40 + GREEDY.max_new_tokens + 3
@@ -117,6 +136,7 @@ def test_request_that_exactly_fills_max_cache_len(long_pair):
     ref = sj.generate(target, rows, sampling=GREEDY)
     np.testing.assert_array_equal(out.lengths, [24, 24])
     np.testing.assert_array_equal(out.tokens, ref.tokens)
+    engaged(out.stats, 3)
     with pytest.raises(ValueError, match=f"max_cache_len={needed - 1} is too small"):
         sj.generate(target, rows, sampling=GREEDY, spec=spec, draft=draft,
                     max_cache_len=needed - 1)

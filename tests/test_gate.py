@@ -70,19 +70,21 @@ def _spec(method, floor, gamma=2):
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_gated_drafts_keep_greedy_output(models, method):
-    """A floor of 0.78 closes a row after one rejected first draft, for about 13 rounds: fewer
-    drafts proposed than with no gate, the same tokens as autoregressive decoding."""
+    """A floor of 0.5 closes a row after three rejected first drafts in a row, for about 15
+    rounds, and rows open again and have drafts accepted: fewer drafts proposed than with no
+    gate, the same tokens as autoregressive decoding. (At 0.78, a row closed after one
+    rejection and hardly any draft was accepted afterwards: plain decoding against itself.)"""
     target, _ = models
     prompts = [ngram_prompt(target), [1, 2, 3, 1, 2], [4, 5, 6, 7, 4, 5, 6]]
     greedy = sj.SamplingParams(temperature=0.0, max_new_tokens=50)
     reference = sj.generate(target, prompts, sampling=greedy)
     ungated = sj.generate(target, prompts, sampling=greedy, spec=_spec(method, 0.0))
-    gated = sj.generate(target, prompts, sampling=greedy, spec=_spec(method, 0.78))
+    gated = sj.generate(target, prompts, sampling=greedy, spec=_spec(method, 0.5))
     np.testing.assert_array_equal(gated.tokens, reference.tokens)
     np.testing.assert_array_equal(ungated.tokens, reference.tokens)
     assert gated.stats.proposed_tokens < ungated.stats.proposed_tokens, (
         gated.stats.proposed_tokens, ungated.stats.proposed_tokens)
-    assert gated.stats.proposed_tokens > 0
+    assert gated.stats.accepted_tokens >= 10 and gated.stats.rejecting_rounds > 0, gated.stats
 
 
 @pytest.mark.parametrize("t,k,p", SETTINGS, ids=["T1", "T0.7-topk5-topp0.9"])

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import release_programs, tiny_model
+from conftest import perturbed, release_programs, tiny_model
 from test_lossless import (
     exact_joint,
     g_test,
@@ -475,14 +475,19 @@ def test_trees_with_sliding_windows_decode_greedy_exactly(greedy_setup):
     target = tiny_model(seed=3, vocab_size=64, hidden_size=16, layers=2, sliding_window=2,
                         layer_types=("sliding_attention", "full_attention"))
     draft = tiny_model(seed=4, vocab_size=64, hidden_size=8, layers=1, sliding_window=2)
+    # a perturbed copy of the target: paths accepted partway, past the window, then rejected
+    close = sj.Model(target.config, perturbed(target.params, 2, 0.05))
     # breadth first, node (0, 0, 0, 0) sits at slot 8 but position 4 past the root, and its
     # ancestor (0, 0) at slot 4, position 2: out of the window, though their slots are close
     wide = ((0,), (1,), (2,), (0, 0), (1, 0), (2, 0), (0, 0, 0), (0, 0, 0, 0))
     want = sj.generate(target, prompts, sampling=sampling).tokens
-    for d in (draft, target):  # target as its own draft: deep paths are accepted
+    for d in (draft, close, target):  # target as its own draft: deep paths are accepted
         got = sj.generate(target, prompts, sampling=sampling, draft=d,
                           spec=sj.SpecConfig(tree=wide))
         np.testing.assert_array_equal(got.tokens, want)
+        if d is close:
+            s = got.stats
+            assert s.per_position_acceptance[3] > 0 and s.rejecting_rounds > 0, s
     assert got.stats.per_position_acceptance[3] > 0.5
 
 
