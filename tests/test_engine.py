@@ -212,6 +212,42 @@ def test_a_row_keeps_what_it_accepts_whatever_its_neighbour_accepts(target, draf
     assert (not same) if path == "broken" else same
 
 
+@pytest.mark.parametrize("path", ["autoregressive", "chain", "ngram", "tree", "lookahead",
+                                  "suffix", "host-loop"])
+def test_generate_is_one_prefill_and_one_decode_call(target, draft, path, monkeypatch):
+    """On every verification path, a generate call runs two programs on the device, the prefill
+    and the whole decode loop, never a round at a time from the host (which would read each
+    round's ``done`` back: a host sync per round). A Program.run rewritten as a host loop over
+    rounds (deliberately) fails; its tokens are the same, so only this test sees it."""
+    from conftest import verification_paths
+    spec, d = verification_paths(draft)["chain" if path == "host-loop" else path]
+    calls = []
+    call = engine.Program.call
+
+    def counted(self, stage, *args):
+        calls.append(stage)
+        return call(self, stage, *args)
+    monkeypatch.setattr(engine.Program, "call", counted)
+    if path == "host-loop":
+        def run(self, target_params, draft_params, inputs):
+            state = self.prefill(target_params, draft_params, inputs.prompts, inputs.lengths,
+                                 inputs.request)
+            while not bool(np.all(np.asarray(state.done))):
+                state = self.step(target_params, draft_params, inputs.request, state)
+            return state, engine.Timing(0.0, 0.0, 0.0)
+        monkeypatch.setattr(engine.Program, "run", run)
+    sampling = sj.SamplingParams(temperature=0.0, max_new_tokens=12)
+    out = sj.generate(target, [[1, 2, 3, 1, 2, 3], [4, 5]], sampling=sampling, spec=spec,
+                      draft=d)
+    ref = sj.generate(target, [[1, 2, 3, 1, 2, 3], [4, 5]], sampling=sampling)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    first = calls[:len(calls) - 2]  # the call under test, then the reference's two
+    if path == "host-loop":
+        assert first[0] == "prefill" and first.count("round") > 1, first
+    else:
+        assert first == ["prefill", "decode"], first
+
+
 def test_same_key_same_output_other_key_other_output(target, draft):
     sampling = sj.SamplingParams(temperature=0.9, top_k=10, max_new_tokens=24)
     spec = {"method": "draft_model", "num_speculative_tokens": 3}
