@@ -16,7 +16,8 @@ from conftest import ref_process, tiny_config, tiny_model
 from scipy import stats as scipy_stats
 
 import specjax as sj
-from specjax import attention, engine, verify
+from specjax import attention, engine, sampling, verify
+from specjax.draft import draft_model
 
 # 24,576 rows: every deliberately broken variant in the suite fails its G-test at p < 1e-6 with
 # this many (most at p = 0 in float64), except one subtle one that takes more rows (``rows=``
@@ -253,6 +254,44 @@ def test_broken_rules_fail_the_same_test(models, monkeypatch, fresh_programs, br
         monkeypatch.setattr(verify, "recovery_probs", _recover_from_p)
     else:
         monkeypatch.setattr(verify, "acceptance_probs", _sqrt_acceptance)
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    samples = generate_samples(target, drafts["close"], sampling,
+                               sj.SpecConfig(num_speculative_tokens=2))
+    assert g_test(samples, exact_joint(target, t, k, p)) < 1e-6
+
+
+_honest_draw_scored = draft_model.draw_scored
+
+
+def _q_without_filters(logits, key, sampling_params, filters, vocab=None, *, scored=True):
+    """Drafts drawn from the filtered q, but the q reported is the temperature's alone (no top-k,
+    no top-p): the verifier checks them against a distribution they were not drawn from."""
+    index, q, score = _honest_draw_scored(logits, key, sampling_params, filters, vocab,
+                                          scored=scored)
+    if q is not None:
+        q = sampling.process_logits(logits, sampling_params, sampling.Filters())
+    return index, q, score
+
+
+def _draft_keys_twice(keys, step):
+    draft_keys, _ = _honest_round_keys(keys, step)
+    return draft_keys, draft_keys  # the verifier's uniforms are the draft's own draws' numbers
+
+
+@pytest.mark.parametrize("broken", ["q_without_filters", "draft_keys_verify"])
+def test_a_q_or_key_that_is_not_what_the_draft_used_fails_the_same_test(
+        models, monkeypatch, fresh_programs, broken):
+    """Two PITFALLS kept as tests: a draft model reporting q before top-k/top-p while drawing
+    after them, and a round verifying with the random numbers it drafted with. Both fail the
+    first-three-tokens G-test at T = 0.7 with top-k 5 and top-p 0.9."""
+    target, drafts = models
+    if broken == "q_without_filters":
+        monkeypatch.setattr(draft_model, "draw_scored", _q_without_filters)
+        monkeypatch.setattr(draft_model, "draw", lambda *a, **kw: _q_without_filters(
+            *a, **kw, scored=False)[:2])
+    else:
+        monkeypatch.setattr(engine, "round_keys", _draft_keys_twice)
+    t, k, p = SETTINGS[1]
     sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
     samples = generate_samples(target, drafts["close"], sampling,
                                sj.SpecConfig(num_speculative_tokens=2))
