@@ -232,6 +232,8 @@ class ModelConfig:
 
 
 MAX_EOS_IDS = 8
+"""EOS ids live in a fixed-size array, so changing them never recompiles."""
+
 TOP_P_MIN = 2.0 ** -126
 """The smallest SamplingParams.top_p: float32's smallest normal number (below it a top_p
 reaches the device as 0)."""
@@ -239,7 +241,6 @@ reaches the device as 0)."""
 MAX_PROMPT_LOOKUP = 64
 """The longest n-gram SpecConfig.prompt_lookup_max may look up (each n is one pass over the
 history in every round)."""
-"""EOS ids live in a fixed-size array, so changing them never recompiles."""
 
 MAX_LOGPROBS = 20
 """The most alternatives ``SamplingParams.logprobs`` returns per token (vLLM's default too)."""
