@@ -1457,8 +1457,9 @@ def _prepare(target: Model, prompts, sampling, spec, draft, proposer, key, token
                              "their bytes: pass the target's tokenizer= too")
         from .draft.draft_model import for_tokenizers
         draft = for_tokenizers(draft, draft_tokenizer, tokenizer, target.config.vocab_size)
+    # (return_text None: the caller's default, text only with a tokenizer)
     for name, flag in (("allow_synthetic", allow_synthetic), ("return_text", return_text)):
-        if not isinstance(flag, (bool, np.bool_)):
+        if not isinstance(flag, (bool, np.bool_)) and not (name == "return_text" and flag is None):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
     synthetic = None if spec is None else spec.synthetic_acceptance
     if synthetic is not None and not allow_synthetic:

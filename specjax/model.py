@@ -527,7 +527,9 @@ def _full_logits(model: Model, tokens: Array) -> Array:
 
 def logits(model: Model, tokens) -> Array:
     """Plain full-causal forward without a cache: tokens [B, T] -> logits [B, T, V] float32.
-    Token ids are checked (integers in [0, V), at most the model's context) unless traced."""
+    Token ids are checked (integers in [0, V)) unless traced. Positions past the model's
+    max_position_embeddings are computed (RoPE extends to them), as measurements of a model's
+    quality beyond its trained length need."""
     if not isinstance(tokens, jax.core.Tracer):
         ids = np.asarray(tokens)
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
@@ -537,10 +539,6 @@ def logits(model: Model, tokens) -> Array:
             if bad.size:
                 raise ValueError(f"tokens hold token id {int(bad[0])} outside [0, "
                                  f"{model.config.vocab_size})")
-            if ids.shape[1] > model.config.max_position_embeddings:
-                raise ValueError(f"tokens are {ids.shape[1]} positions long, more than the "
-                                 f"model's max_position_embeddings="
-                                 f"{model.config.max_position_embeddings}")
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be [B, T] with T >= 1, got shape {tokens.shape}")

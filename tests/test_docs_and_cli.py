@@ -504,7 +504,7 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path, monkeypatch):
                           (["--method", "ngram", "--prompt-lookup-length-factor", "0"],
                            "prompt_lookup_length_factor must be a finite number > 0"),
                           (["--temperatures", "0,inf"], "temperature must be a finite number"),
-                          (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+                          (["--top-p", "1.5"], "top_p must be in [1.2e-38, 1]"),
                           (["--method", "ngram", "--tree", "[[0]]"],
                            "--tree is not supported by method 'ngram'"),
                           (["--json", str(tmp_path / "none" / "x.json")], "does not exist")]:

@@ -527,9 +527,7 @@ def test_helpers_outside_generate_refuse_bad_input_by_name(target, tmp_path):
     a clear ValueError (a missing folder: FileNotFoundError) naming the bad value."""
     for tokens, message in (([[1, 2, 99]], r"token id 99 outside \[0, 32\)"),
                             ([[1, -5]], "token id -5 outside"),
-                            ([[1.7, 2.2]], "integer token ids, got dtype float64"),
-                            ([[1] * 129], "129 positions long, more than the model's "
-                                          "max_position_embeddings=128")):
+                            ([[1.7, 2.2]], "integer token ids, got dtype float64")):
         with pytest.raises(ValueError, match=message):
             sj.logits(target, tokens)
     seeded = sj.init_model(target.config, 7)  # an int seed, as generate takes
@@ -548,7 +546,7 @@ def test_helpers_outside_generate_refuse_bad_input_by_name(target, tmp_path):
     with pytest.raises(ValueError, match="lists a device more than once"):
         sj.make_mesh(devices=[jax.devices()[0]] * 2)
     assert dict(sj.make_mesh(data=np.int64(1)).shape) == {"data": 1, "model": 1}
-    with pytest.raises(ValueError, match="num_heads must be an int >= 1, got 2.5"):
+    with pytest.raises(ValueError, match="num_heads must be an int, got 2.5"):
         sj.init_heads(target, "medusa", jax.random.key(0), num_heads=2.5)
     with pytest.raises(ValueError, match="dtype must be 'float32', 'bfloat16' or 'float16', "
                                          "got 'int8'"):

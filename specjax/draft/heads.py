@@ -237,8 +237,8 @@ def init_heads(target: Model, method: str, key: Array, *, num_heads: int = 4,
     cfg = target.config
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int | np.integer) or num_heads < 1:
-        raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int | np.integer):
+        raise ValueError(f"num_heads must be an int, got {num_heads!r}")  # its range: below
     num_heads = int(num_heads)
     vocab = np.arange(cfg.vocab_size, dtype=np.int32) if vocab is None else check_vocab(
         vocab, cfg.vocab_size)
