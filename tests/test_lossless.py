@@ -227,14 +227,20 @@ def small_batch_samples(target, draft, sampling, spec, prompt=PROMPT, batch=HALF
     return np.concatenate([o.tokens for o in outs])
 
 
+def fails_the_g_test(target, draft, setting, gamma, samples=None) -> None:
+    """A (deliberately broken) chain of ``gamma`` drafts at ``setting`` (t, k, p) fails the
+    first-three-tokens G-test: p < 1e-6. ``samples``: generate_samples or small_batch_samples."""
+    t, k, p = setting
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
+    got = (samples or generate_samples)(target, draft, sampling,
+                                        sj.SpecConfig(num_speculative_tokens=gamma))
+    assert g_test(got, exact_joint(target, t, k, p)) < 1e-6
+
+
 def test_a_broken_rule_fails_the_bfloat16_test(half_models, monkeypatch, fresh_programs):
     target, drafts = half_models
     monkeypatch.setattr(verify, "acceptance_probs", _sqrt_acceptance)
-    t, k, p = SETTINGS[0]
-    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
-    samples = small_batch_samples(target, drafts["close"], sampling,
-                                  sj.SpecConfig(num_speculative_tokens=3))
-    assert g_test(samples, exact_joint(target, t, k, p)) < 1e-6
+    fails_the_g_test(target, drafts["close"], SETTINGS[0], 3, small_batch_samples)
 
 
 def _recover_from_p(draft_tokens, draft_probs, target_probs, valid=None):
@@ -254,10 +260,7 @@ def test_broken_rules_fail_the_same_test(models, monkeypatch, fresh_programs, br
         monkeypatch.setattr(verify, "recovery_probs", _recover_from_p)
     else:
         monkeypatch.setattr(verify, "acceptance_probs", _sqrt_acceptance)
-    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
-    samples = generate_samples(target, drafts["close"], sampling,
-                               sj.SpecConfig(num_speculative_tokens=2))
-    assert g_test(samples, exact_joint(target, t, k, p)) < 1e-6
+    fails_the_g_test(target, drafts["close"], (t, k, p), 2)
 
 
 _honest_draw_scored = draft_model.draw_scored
@@ -291,11 +294,7 @@ def test_a_q_or_key_that_is_not_what_the_draft_used_fails_the_same_test(
             *a, **kw, scored=False)[:2])
     else:
         monkeypatch.setattr(engine, "round_keys", _draft_keys_twice)
-    t, k, p = SETTINGS[1]
-    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=3)
-    samples = generate_samples(target, drafts["close"], sampling,
-                               sj.SpecConfig(num_speculative_tokens=2))
-    assert g_test(samples, exact_joint(target, t, k, p)) < 1e-6
+    fails_the_g_test(target, drafts["close"], SETTINGS[1], 2)
 
 
 @pytest.fixture(scope="module")
