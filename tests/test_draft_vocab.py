@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ref_process
+from conftest import perturbed, ref_process
 from test_lossless import (
     exact_joint,
     g_test,
@@ -30,10 +30,7 @@ PROMPTS = [[1, 5, 9], [2], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
 @pytest.fixture(scope="module")
 def noisy(target):
     """The target with perturbed weights: it agrees with the target often, not always."""
-    leaves, tree = jax.tree.flatten(target.params)
-    keys = jax.random.split(jax.random.key(9), len(leaves))
-    return sj.Model(target.config, jax.tree.unflatten(
-        tree, [x + 0.03 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]))
+    return sj.Model(target.config, perturbed(target.params, 9, 0.03))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config, tiny_model, traces_and_compiles
+from conftest import perturbed, tiny_config, tiny_model, traces_and_compiles
 
 import specjax as sj
 from specjax import engine
@@ -19,10 +19,7 @@ GREEDY = sj.SamplingParams(temperature=0.0, max_new_tokens=40)
 @pytest.fixture(scope="module")
 def noisy_draft(target):
     """The target with perturbed weights: accepts some drafts and rejects others."""
-    leaves, tree = jax.tree.flatten(target.params)
-    keys = jax.random.split(jax.random.key(9), len(leaves))
-    noisy = [x + 0.03 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return sj.Model(target.config, jax.tree.unflatten(tree, noisy))
+    return sj.Model(target.config, perturbed(target.params, 9, 0.03))
 
 
 @pytest.fixture(scope="module")

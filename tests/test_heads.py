@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import perturbed, tiny_model
 from test_adaptive import pairs_of_rows, scoring_the_drawn_token  # noqa: F401
 from test_lossless import (  # noqa: F401
     PROMPT,
@@ -233,10 +233,7 @@ def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, 
     the saved result is for the new target."""
     from specjax.train.heads import heads_main
     sj.save_heads(trained["eagle"], tmp_path / "old", target)
-    leaves, tree = jax.tree.flatten(target.params)
-    keys = jax.random.split(jax.random.key(3), len(leaves))
-    newer = sj.Model(target.config, jax.tree.unflatten(
-        tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    newer = sj.Model(target.config, perturbed(target.params, 3, 0.05))
     with pytest.raises(ValueError, match="trained for another target"):
         sj.load_heads(tmp_path / "old", newer)
     start = heads_lib.load_heads(tmp_path / "old", newer, same_target=False)

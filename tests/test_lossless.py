@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ref_process, tiny_config, tiny_model
+from conftest import perturbed, ref_process, tiny_config, tiny_model
 from scipy import stats as scipy_stats
 
 import specjax as sj
@@ -32,10 +32,7 @@ def models():
     accepted, so accepted, recovered and bonus tokens all occur often) and a small independent
     draft of another shape (rarely accepted: mostly recovered tokens)."""
     target = tiny_model(seed=10, vocab_size=V, hidden_size=16, layers=2)
-    leaves, tree = jax.tree.flatten(target.params)
-    keys = jax.random.split(jax.random.key(12), len(leaves))
-    close = sj.Model(target.config, jax.tree.unflatten(
-        tree, [x + 0.02 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    close = sj.Model(target.config, perturbed(target.params, 12, 0.02))
     small = tiny_model(seed=11, vocab_size=V, hidden_size=8, layers=1, heads=1)
     return target, {"close": close, "small": small}
 
@@ -309,10 +306,7 @@ def gemma2_like():
                       query_pre_attn_scalar=5.0, sandwich_norms=True, norm_unit_offset=True,
                       scale_embeddings=True, hidden_act="gelu_pytorch_tanh")
     target = sj.init_model(cfg, jax.random.key(20), init_std=0.5)
-    leaves, tree = jax.tree.flatten(target.params)
-    keys = jax.random.split(jax.random.key(21), len(leaves))
-    close = sj.Model(cfg, jax.tree.unflatten(
-        tree, [x + 0.02 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    close = sj.Model(cfg, perturbed(target.params, 21, 0.02))
     return target, close
 
 

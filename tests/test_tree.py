@@ -433,10 +433,7 @@ GREEDY_TREES = [TREE, SEED_EXAMPLE, ((0,), (1,), (2,), (0, 0), (2, 0), (2, 1)),
 @pytest.fixture(scope="module")
 def greedy_setup():
     target = tiny_model(seed=1, vocab_size=64, layers=2)
-    leaves, treedef = jax.tree.flatten(target.params)
-    keys = jax.random.split(jax.random.key(5), len(leaves))
-    close = sj.Model(target.config, jax.tree.unflatten(  # a perturbed copy: often right
-        treedef, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    close = sj.Model(target.config, perturbed(target.params, 5, 0.1))  # often right
     drafts = {"other": close, "same": target}
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [3] * 11, [5]]
     sampling = sj.SamplingParams(temperature=0, max_new_tokens=23)
