@@ -142,21 +142,41 @@ def test_request_that_exactly_fills_max_cache_len(long_pair, close_draft):
                     max_cache_len=needed - 1)
 
 
-def test_other_lengths_and_values_in_a_tier_compile_nothing(long_pair, fresh_programs):
+def mixed_request(rng, rows: int, longest: tuple[int, int], gamma: int, capacity: int):
+    """Random prompts (the longest drawn from ``longest``), max_new_tokens filling at most
+    ``capacity`` slots, and random sampling settings (temperature, top_k below the vocabulary,
+    top_p, key)."""
+    top = int(rng.integers(*longest))
+    lengths = [top, *rng.integers(1, top + 1, size=rows - 1)]
+    max_new = int(rng.integers(1, capacity - top - gamma + 1))
+    sampling = sj.SamplingParams(temperature=float(rng.uniform(0.2, 1.5)),
+                                 top_k=int(rng.integers(1, 32)),
+                                 top_p=float(rng.uniform(0.5, 0.99)), max_new_tokens=max_new)
+    seed, key = rng.integers(1 << 30, size=2)
+    return prompts_of(lengths, seed=int(seed)), sampling, int(key)
+
+
+def test_a_mixed_workload_compiles_once_per_tier(long_pair, fresh_programs):
+    """Requests of random prompt lengths (across prefill chunks), max_new_tokens, row counts of
+    one batch bucket (5 and 6 rows) and sampling settings: the first request of a capacity tier
+    compiles, every later one of that tier runs its programs (a bucket per request would
+    compile a program for nearly every one)."""
     target, draft = long_pair
     spec = sj.SpecConfig(num_speculative_tokens=3)
-    first = sj.generate(target, prompts_of([5, 7]), spec=spec, draft=draft,
-                        sampling=sj.SamplingParams(temperature=0.7, top_k=20, max_new_tokens=10))
-    assert first.stats.compile_seconds > 0
-    before = engine.compiled_programs()
-    # Other prompt lengths (one past a prefill chunk), max_new_tokens, temperature, top_k, key.
-    for lengths, max_new, temperature, top_k in [([70, 2], 40, 1.0, 25), ([1, 130], 8, 0.3, 3)]:
-        out = sj.generate(target, prompts_of(lengths), spec=spec, draft=draft, key=7,
-                          sampling=sj.SamplingParams(temperature=temperature, top_k=top_k,
-                                                     max_new_tokens=max_new))
-        assert out.stats.compile_seconds == 0 and out.tokens.shape == (2, max_new)
-        assert (out.lengths == max_new).all()
-    assert engine.compiled_programs() == before
+    rng = np.random.default_rng(3)
+    per_tier = {}
+    for tier, longest in [(256, (1, 200)), (603, (257, 500))]:  # 603: 600 + γ
+        before = engine.compiled_programs()
+        for i in range(6 if tier == 256 else 3):
+            rows = int(rng.integers(5, 7))
+            prompts, sampling, key = mixed_request(rng, rows, longest, 3, tier)
+            out = sj.generate(target, prompts, spec=spec, draft=draft, key=key, sampling=sampling)
+            assert out.stats.capacity == tier, (out.stats.capacity, tier)
+            assert (out.stats.compile_seconds > 0) == (i == 0), (tier, i)
+            assert out.tokens.shape == (rows, sampling.max_new_tokens)
+            assert (out.lengths == sampling.max_new_tokens).all()
+        per_tier[tier] = engine.compiled_programs() - before
+    assert per_tier[256] == per_tier[603] > 0, per_tier
 
 
 def test_warmup_compiles_what_generate_then_uses(long_pair, fresh_programs):
