@@ -95,11 +95,19 @@ SAMPLED_DRAFTERS = {
     "draft model": (dict(num_speculative_tokens=3), "draft", True),
     "draft vocabulary": (dict(num_speculative_tokens=3), "vocab", True),
     "draft-model tree": (dict(tree=((0,), (1,), (0, 0))), "draft", True),
+    "draft-vocabulary tree": (dict(tree=((0,), (1,), (0, 0))), "vocab", True),
     "adaptive lengths": (dict(num_speculative_tokens=3, survival_threshold=0.3), "draft", True),
     "eagle": (dict(method="eagle", num_speculative_tokens=3), "eagle", True),
     "eagle tree": (dict(method="eagle", tree=((0,), (1,), (0, 0))), "eagle", True),
+    "eagle adaptive lengths": (dict(method="eagle", num_speculative_tokens=3,
+                                    survival_threshold=0.3), "eagle", True),
     "mtp": (dict(method="mtp", num_speculative_tokens=3), "mtp", True),
+    "mtp adaptive lengths": (dict(method="mtp", num_speculative_tokens=3,
+                                  survival_threshold=0.3), "mtp", True),
     "dflash": (dict(method="dflash", num_speculative_tokens=3), "dflash", True),
+    "dflash tree": (dict(method="dflash", tree=((0,), (1,), (0, 0))), "dflash", True),
+    "dflash adaptive lengths": (dict(method="dflash", num_speculative_tokens=3,
+                                     survival_threshold=0.3), "dflash", True),
     "medusa": (dict(method="medusa", num_speculative_tokens=3), "medusa", False),
 }
 
@@ -112,8 +120,9 @@ def test_every_sampled_drafter_hands_its_q_to_the_verifier(target, draft, name, 
     distribution test passes) but accepts a sampled draft with p(d) instead of min(1, p/q).
     The draft = target test above shows the loss for the draft model; heads cannot be the
     target, so here the decode program is traced (not compiled) at T = 0.8 and what reaches
-    ``verify.rejection_sample`` / ``verify.tree_sample`` is read. (A proposer that dropped its
-    q, one-off: the draft model's chain with ``base.stack_chain`` returning no q fails.)"""
+    ``verify.rejection_sample`` / ``verify.tree_sample`` is read. (Proposers that dropped their
+    q, one-off: ``base.stack_chain`` returning no q fails every chain but dflash's and Medusa's,
+    adaptive ones included; ``base.expand_tree`` returning none fails the four trees.)"""
     from specjax import verify
     from specjax.draft import restrict_vocab
     spec, kind, with_q = SAMPLED_DRAFTERS[name]
