@@ -43,7 +43,9 @@ def greedy(target, spec=None, draft=None, n=24):
 
 SPECS = {"chain": (dict(num_speculative_tokens=3), True),
          "ngram": (dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1), False),
-         "tree": (dict(tree=[[0], [1], [0, 0], [0, 0, 0]]), True)}
+         "tree": (dict(tree=[[0], [1], [0, 0], [0, 0, 0]]), True),
+         "suffix": (dict(method="suffix", num_speculative_tokens=3), False),
+         "lookahead": (dict(method="lookahead", num_speculative_tokens=2), False)}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -119,22 +121,31 @@ def test_a_parting_is_blamed_on_rounding_only_at_a_near_tie():
     assert parted_at_near_tie(tie, PROMPT, a, a) is False  # they do not part
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_bfloat16_model_keeps_the_guarantee_it_states(seed):
+@pytest.mark.parametrize("seed,how", [(0, "chain"), (1, "chain"), (0, "tree"), (0, "ngram")])
+def test_a_bfloat16_model_keeps_the_guarantee_it_states(seed, how):
     """A bfloat16 model without planted ties, greedy: speculation's text equals autoregressive
     decoding's, or the two part where the target's logits are a near tie that the speculative
-    call counted (Stats.greedy_near_ties): what docs/design.md promises in low precision."""
+    call counted (Stats.greedy_near_ties): what docs/design.md promises in low precision, for a
+    chain's verify, a tree's (its own attention mask and positions) and n-gram's point masses."""
     from specjax.bench import parted_at_near_tie
     target = sj.checkpoint.cast(tiny_model(seed=10 + seed, vocab_size=64, hidden_size=32),
                                 "bfloat16")
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11, 12]]
     params = sj.SamplingParams(temperature=0, max_new_tokens=40)
-    # the target drafting for itself: every round verifies 4 positions in one forward where
-    # autoregressive decoding ran 4 one-token forwards
-    sp = sj.generate(target, prompts, sampling=params, draft=target,
-                     spec=sj.SpecConfig(num_speculative_tokens=3))
+    # the target drafting for itself (chain, tree): every round verifies 4 positions (a tree 6)
+    # in one forward where autoregressive decoding ran one-token forwards
+    spec = {"chain": sj.SpecConfig(num_speculative_tokens=3),
+            "tree": sj.SpecConfig(tree=((0,), (1,), (0, 0), (1, 0), (0, 0, 0))),
+            "ngram": sj.SpecConfig(method="ngram", num_speculative_tokens=3,
+                                   prompt_lookup_min=1)}[how]
+    sp = sj.generate(target, prompts, sampling=params, spec=spec,
+                     draft=None if how == "ngram" else target)
     ar = sj.generate(target, prompts, sampling=params)
-    assert sp.stats.acceptance_rate > 0.9
+    if how == "ngram":  # the random target's text repeats itself: drafts found, each round
+        # that finds some verifies in a forward of up to 4 tokens, accepted or not
+        assert sp.stats.proposed_tokens > 40 and sp.stats.accepted_tokens > 0, sp.stats
+    else:
+        assert sp.stats.acceptance_rate > (0.9 if how == "chain" else 0.4), sp.stats
     for prompt, a, b in zip(prompts, sp.tokens, ar.tokens):
         if not np.array_equal(a, b):
             assert sp.stats.greedy_near_ties > 0
