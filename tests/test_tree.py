@@ -683,3 +683,21 @@ def test_the_greedy_tree_verdict_is_tree_sample_with_one_hot_p(seed):
                  (got.path, want.path)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(want.num_accepted.max()) >= 2  # long paths were taken, not only stops
+
+
+def test_tree_positions_taken_from_the_node_index_fail(greedy_setup, monkeypatch, fresh_programs):
+    """Broken on purpose (a PITFALLS entry): the verify forward places each node at the row's
+    length plus its index in the tree's order instead of plus its depth. Trees with siblings
+    then leave autoregressive decoding; a chain-shaped tree, where the two agree, does not."""
+    target, drafts, prompts, sampling, ar = greedy_setup
+    honest = engine.forward
+
+    def by_index(model, chunk, positions, *args, chunk_mask=None, **kwargs):
+        if chunk_mask is not None:  # a tree's verify: the root's position, then one per node
+            positions = positions[:, :1] + jnp.arange(positions.shape[1])[None, :]
+        return honest(model, chunk, positions, *args, chunk_mask=chunk_mask, **kwargs)
+    monkeypatch.setattr(engine, "forward", by_index)
+    for paths, parts in [(GREEDY_TREES[2], True), (GREEDY_TREES[3], False)]:  # wide, deep
+        out = sj.generate(target, prompts, sampling=sampling, draft=drafts["other"],
+                          spec=sj.SpecConfig(tree=paths))
+        assert np.array_equal(out.tokens, ar.tokens) is not parts, paths
