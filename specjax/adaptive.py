@@ -488,12 +488,14 @@ def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
     from . import timing
     from .config import SamplingParams, SpecConfig
     from .draft.draft_model import DraftModel
+    from .engine import bucket
     from .model import Model
     capacity = context + gamma + 2
-    timers = {w: timing.forward_timer(target, w, capacity, context, batch=batch_size)
+    rows = bucket(batch_size, minimum=1)  # what generate runs (and the rounds below are timed at)
+    timers = {w: timing.forward_timer(target, w, capacity, context, batch=rows)
               for w in range(1, gamma + 2)}
     if isinstance(draft, (Model, DraftModel)):
-        timers["draft"] = timing.forward_timer(draft, 1, capacity, context, batch=batch_size)
+        timers["draft"] = timing.forward_timer(draft, 1, capacity, context, batch=rows)
         decoded = context // 2
         prompt = np.random.default_rng(0).integers(1, target.config.vocab_size,
                                                    max(context - decoded, 1)).tolist()

@@ -2,29 +2,35 @@
 
 Every figure comes from one run, variants interleaved (each repeat runs the autoregressive
 baseline and every variant in turn), so drift on a noisy machine hits them
-alike; throughputs are medians over repeats. Prompts run one at a time (batch 1, the latency case
-speculation is for), each with its own seed; compilation happens in a warm-up pass and is never
-timed.
+alike; throughputs are medians over repeats. Prompts run one at a time by default (batch 1, the
+latency case speculation is for; ``batch_size`` runs them B to a call, cycled to whole batches),
+each call with its own seed; compilation happens in a warm-up pass and is never timed.
 
 Figures per (temperature, γ):
 
 * tokens/s: decode tokens (after the first) over decode seconds, all prompts; AR beside spec
 * speed-up: spec tokens/s / AR tokens/s
 * TTFT: prefill plus the first token, mean over prompts; TPOT: decode seconds per decode token
+  of a row (at batch B, of each call's mean row: the wait a user sees, not 1 / throughput)
 * acceptance rate (accepted / proposed drafts, vLLM's figure), α (a draft's chance to pass given
   that the drafts before it passed: accepted / (accepted + rejected), the α of the speed-up
   formula in specjax/theory.py), mean accepted length (tokens per round, bonus included),
-  per-position acceptance (fraction of rounds whose k-th draft was accepted)
+  per-position acceptance (fraction of rounds whose k-th draft was accepted); at batch B each
+  per row-round (``Stats.row_rounds``)
 * c: the proposer's time per draft in target steps: its ``propose`` alone (a draft model's
   forwards and draws, a head's, an n-gram lookup), timed apart from the round
-  (``timing.round_timers``) over γ target decode steps
+  (``timing.round_timers``) over γ target decode steps (adaptive chains: over the drafts a row
+  proposed a round on average); at batch B every part runs at the rows generate runs (B padded
+  to its batch bucket)
 * verify: the target's forward over the γ + 1 tokens a round verifies (a tree: its nodes), in
   target decode steps
 * round/parts: one whole round of generate's own program (propose, verify forward, sampling,
   verification, bookkeeping) over the sum of its two parts, propose and verify forward: what
   the round costs beyond its parts (1 = nothing)
-* ``draft_cost_per_draft`` (JSON): a round's time in the generate loop less its verify forward,
-  in target steps per draft (the drafter plus the loop's overhead)
+* ``draft_cost_per_draft`` (JSON): the c that, with the measured verify cost, makes the formula's
+  denominator (γc + v) what the generate loop measured: a round's time over the autoregressive
+  loop's round (both at the run's batch size), less v, per draft a row proposes in a round (the
+  drafter plus what the speculative loop spends beyond the autoregressive one)
 * ``--synthetic-acceptance A``: benchmark only, not lossless: each chain accepts draft position i
   with probability A (or the i-th of several A's) whatever the drafts, so random weights, or a
   device without trained models, run rounds of a known length; such rows are labelled
@@ -40,8 +46,9 @@ Figures per (temperature, γ):
   formula's tokens for each length k, and the verify cost of the width its loop verifies k
   drafts over (``engine.loop_widths``, each timed), weighed by how often each came (at batch B
   a round verifies at its widest row's width: taken as the widest of B independent rows).
-* meas/pred: the measured speed-up over ``pred·v``. Below 1 by what a round costs beyond its
-  parts (round/parts) and by the loop's own overhead; for a chain also off by how far the
+* meas/pred: the measured speed-up over ``pred·v`` (static γ only). Below 1 by what a round
+  costs beyond its parts (round/parts) and by what the speculative loop spends beside its
+  forwards beyond what the autoregressive loop does; for a chain also off by how far the
   formula's independent-acceptance model (one α for every position) is from the acceptance
   measured, which can put it on either side of 1.
 * ``--roofline``: the weight bytes a target step reads (every parameter but an untied input
@@ -115,7 +122,7 @@ class _Runs:
     outputs: list = dataclasses.field(default_factory=list)  # last repeat's Generation per prompt
     tokens_per_second: list = dataclasses.field(default_factory=list)  # per repeat
     ttft: list = dataclasses.field(default_factory=list)
-    tpot: list = dataclasses.field(default_factory=list)
+    tpot: list = dataclasses.field(default_factory=list)  # per repeat, a row's (below)
     round_seconds: list = dataclasses.field(default_factory=list)  # decode seconds per round
     # per generate call, every prompt group of every repeat: TTFT and TPOT (decode seconds per
     # token after the first, for the call's mean row), for percentiles
@@ -130,7 +137,10 @@ class _Runs:
         decode_seconds = sum(o.stats.decode_seconds for o in outs)
         self.outputs = outs
         self.tokens_per_second.append(decode_tokens / decode_seconds)
-        self.tpot.append(decode_seconds / decode_tokens)
+        # TPOT as a user waits for it: decode seconds per token of a row (the calls' mean rows;
+        # at batch B not decode seconds per token of all B rows, which is 1 / throughput)
+        row_tokens = sum(max(float(np.mean(o.lengths - 1)), 1) for o in outs)
+        self.tpot.append(decode_seconds / row_tokens)
         self.round_seconds.append(decode_seconds / max(1, sum(o.stats.num_rounds for o in outs)))
         self.ttft.append(statistics.mean(o.stats.prefill_seconds for o in outs))
 
@@ -164,15 +174,21 @@ def _memory(target: Model, draft, out) -> dict:
 
 
 def _pooled(outs) -> dict:
-    """Acceptance figures over all prompts, weighted by rounds (not an average of averages)."""
-    rounds = sum(o.stats.num_rounds for o in outs)
+    """Acceptance figures over all prompts' calls: each call's per-row-round rates weighted by
+    its row-rounds (rounds summed over the rows running in them), so the pooled rates are
+    counts over counts, not an average of averages, at any batch size."""
+    rounds = sum(o.stats.num_rounds for o in outs)  # loop rounds
+    row_rounds = sum(o.stats.row_rounds for o in outs)
     proposed = sum(o.stats.proposed_tokens for o in outs)
     accepted = sum(o.stats.accepted_tokens for o in outs)
-    emitted = sum(o.stats.mean_accepted_length * o.stats.num_rounds for o in outs)
-    per_position = sum(o.stats.per_position_acceptance * o.stats.num_rounds for o in outs)
-    lengths = sum(o.stats.accepted_length_distribution * o.stats.num_rounds for o in outs)
-    proposed_lengths = sum(o.stats.proposed_length_distribution * o.stats.num_rounds
-                           for o in outs)
+
+    def total(name):  # a per-row-round rate back to its count (calls without rounds: none)
+        return sum(np.asarray(getattr(o.stats, name), np.float64) * o.stats.row_rounds
+                   for o in outs if o.stats.row_rounds)
+    emitted = total("mean_accepted_length")
+    per_position = total("per_position_acceptance")
+    lengths = total("accepted_length_distribution")
+    proposed_lengths = total("proposed_length_distribution")
     # α as the formula means it: the chance that a draft passes given that every draft before it
     # in the round passed: accepted drafts against accepted ones plus the rejections (at most one
     # a round; a round that proposed fewer than γ and accepted them all rejected none).
@@ -194,18 +210,18 @@ def _pooled(outs) -> dict:
                        reliability=[list(b) for b in pooled.get("reliability", ())])
     return dict(acceptance_rate=accepted / proposed if proposed else float("nan"), alpha=alpha,
                 **calibration,
-                accepted_length_distribution=[float(x) for x in lengths / rounds],
-                proposed_length_distribution=[float(x) for x in proposed_lengths / rounds],
-                mean_accepted_length=emitted / rounds,
-                per_position_acceptance=[float(x) for x in per_position / rounds],
+                accepted_length_distribution=[float(x) for x in lengths / row_rounds],
+                proposed_length_distribution=[float(x) for x in proposed_lengths / row_rounds],
+                mean_accepted_length=float(emitted / row_rounds),
+                per_position_acceptance=[float(x) for x in per_position / row_rounds],
                 # [first position, end (None: open), mean accepted length, row-rounds] per bin
                 # of the context position the rounds started at
                 accepted_length_by_position=[
                     list(b) for b in stats_lib.position_summary(by_position)],
-                proposal_rate=sum(o.stats.proposal_rate * o.stats.num_rounds
-                                  for o in outs) / rounds,
-                rounds=rounds, proposed_tokens=proposed, accepted_tokens=accepted,
-                mean_proposed=proposed / rounds,
+                proposal_rate=float(total("proposal_rate") / row_rounds),
+                rounds=rounds, row_rounds=row_rounds, proposed_tokens=proposed,
+                accepted_tokens=accepted,
+                mean_proposed=proposed / row_rounds,  # drafts a row proposes in a round
                 rested_rounds=sum(o.stats.rested_rounds for o in outs))  # of the rounds
 
 
@@ -383,8 +399,10 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     sizes = sorted({forward_width(s) for s in specs})
     capacity = cache_capacity(target.config, max(sizes) - 1,
                               slots_needed(len(prompt), max_new_tokens, max(sizes) - 1))
-    timers = {1: forward_timer(target, 1, capacity, context, batch=B)}
-    timers.update({n: forward_timer(target, n, capacity, context, batch=B)
+    # the forwards at the rows generate runs (B padded to its batch bucket), as its rounds are
+    rows_run = engine.bucket(B, minimum=1)
+    timers = {1: forward_timer(target, 1, capacity, context, batch=rows_run)}
+    timers.update({n: forward_timer(target, n, capacity, context, batch=rows_run)
                    for n in sizes if n != 1})
     samples: dict = {}
     round_widths: dict = {}  # (temperature, spec) -> the width its timed round verified at
@@ -432,7 +450,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             if parts["round"].width is not None:
                 for n in engine.loop_widths(spec.num_speculative_tokens):
                     if n not in timers:
-                        timers[n] = forward_timer(target, n, capacity, context, batch=B)
+                        timers[n] = forward_timer(target, n, capacity, context,
+                                                  batch=rows_run)
             # the timers hold executables of their own (an adaptive chain of 8: ~5,400 memory
             # mappings each); past the cache's budget, generate's programs make room, and
             # compile again (untimed) when run
@@ -474,6 +493,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 memory={"ar": memory["ar"], "spec": memory[i]},
                 **_pooled(sp.outputs))
             row["spec_round_ms"] = 1e3 * sp.median("round_seconds")  # in the generate loop
+            row["ar_round_ms"] = 1e3 * ar.median("round_seconds")
             if temperature == 0 and spec.synthetic_acceptance is None:
                 row["identical_to_autoregressive"] = all(
                     np.array_equal(a.tokens, s.tokens) for a, s in zip(ar.outputs, sp.outputs))
@@ -522,10 +542,11 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         row["round_verify_tokens"] = row["verify_tokens"] if width is None else width
         row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * forward[
             row["round_verify_tokens"]])
-        # What a round spends besides the verify forward, in target steps, per draft, from the
-        # generate loop's own times: the drafter plus the loop's overhead.
+        # What a round spends besides the verify forward, per draft, from the generate loops'
+        # own times: in autoregressive rounds (one token a row), so that γ·this + v over the
+        # measured tokens a round gives the measured speed-up
         row["draft_cost_per_draft"] = (
-            (row["spec_round_ms"] / row["ar_tpot_ms"] - row["verify_cost"]) / drafts
+            (row["spec_round_ms"] / row["ar_round_ms"] - row["verify_cost"]) / drafts
             if drafts else float("nan"))
         g, alpha, c = row["gamma"], row["alpha"], row["c"]
         chain = row["tree"] is None and not is_adaptive

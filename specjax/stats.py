@@ -156,6 +156,9 @@ class Stats:
     # worth; n-gram and adaptive lengths, SpecConfig.survival_threshold, propose fewer than γ)
     proposed_length_distribution: np.ndarray | None = None
     rejecting_rounds: int = 0  # row-rounds in which a proposed draft was rejected
+    # rounds summed over the rows running in each (one row: num_rounds): the count the per-round
+    # rates above (mean accepted length, per-position acceptance, the distributions) divide by
+    row_rounds: int = 0
     # [B]: drafts each row proposed per round it was active (adaptive lengths vary it by row)
     mean_proposed_by_row: np.ndarray | None = None
     # Adaptive chains (SpecConfig.survival_threshold / verify_costs): the expected calibration
@@ -247,6 +250,7 @@ class Stats:
             proposed_length_distribution=(np.asarray(c.proposed_count, np.float64) / row_rounds
                                           if row_rounds else np.zeros(gamma + 1)),
             rejecting_rounds=int(c.rejecting),
+            row_rounds=row_rounds,
             mean_proposed_by_row=(np.asarray(c.proposed_by_row, np.float64)[:batch]
                                   / np.maximum(np.asarray(c.rounds_by_row)[:batch], 1)),
             **calibration_summary(np.asarray(c.reliability, np.float64)),

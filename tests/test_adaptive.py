@@ -913,13 +913,20 @@ def test_bad_rests_are_refused_by_name():
     assert sj.SpecConfig(survival_threshold=0.5, idle_rounds=8).rests == 8
 
 
-def test_measure_costs_times_forwards_steps_and_rounds(target, draft):
+def test_measure_costs_times_forwards_steps_and_rounds(target, draft, monkeypatch):
     costs = adaptive.measure_costs(target, draft, batch_size=2, gamma=2, context=16, repeats=1)
     assert len(costs.verify_costs) == 3 and costs.verify_costs[0] == 1.0
     assert all(np.isfinite(c) and c > 0 for c in costs.verify_costs)
     assert costs.draft_cost > 0 and np.isfinite(costs.round_cost) and costs.round_cost >= 0
-    heads_only = adaptive.measure_costs(target, None, gamma=2, context=16, repeats=1)
+    # 5 rows: the forwards are timed at the 6 generate runs (its batch bucket), as its rounds
+    from specjax import timing
+    honest, rows = timing.forward_timer, []
+    monkeypatch.setattr(timing, "forward_timer", lambda *a, batch, **kw: (
+        rows.append(batch), honest(*a, batch=batch, **kw))[1])
+    heads_only = adaptive.measure_costs(target, None, batch_size=5, gamma=2, context=16,
+                                        repeats=1)
     assert heads_only.draft_cost == 0 and heads_only.round_cost == 0
+    assert rows == [6, 6, 6] == [engine.bucket(5, minimum=1)] * 3
 
 
 def test_confidence_is_the_largest_probability():

@@ -313,6 +313,10 @@ def test_eos_stops_each_row_and_pads(target, draft, greedy_reference):
             assert list(out.tokens[b, :n]) == ref[:n]
             assert (out.tokens[b, n:] == -1).all()
         assert out.lengths[0] <= 7
+        # rows that stop early leave the rounds after: the rates count each row's own rounds
+        s = out.stats
+        assert s.num_rounds < s.row_rounds < len(PROMPTS) * s.num_rounds
+        np.testing.assert_allclose(s.mean_accepted_length * s.row_rounds, np.sum(out.lengths - 1))
 
 
 def test_autoregressive_stats(target):
@@ -339,6 +343,7 @@ def test_acceptance_by_context_position(spec):
     if spec is None:  # one token a round: 29 rounds after the prefill's token, per row
         assert [(m, n) for _, _, m, n in bins] == [(1.0, 29), (1.0, 29)]
     row_rounds = sum(n for *_, n in bins)
+    assert out.stats.row_rounds == row_rounds
     emitted = sum(m * n for _, _, m, n in bins)
     np.testing.assert_allclose(emitted / row_rounds, out.stats.mean_accepted_length)
     assert ("by context position 0-256: " in str(out.stats)) == (spec is not None)
