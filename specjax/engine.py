@@ -228,7 +228,7 @@ def _logprobs(plan: Plan, request: Request, logits: Array, tokens: Array
     none) -> (log-probability of each token [B, T], top-k ids [B, T, K], their log-probabilities
     [B, T, K]), from the raw distribution or the processed one (Plan.logprobs_processed)."""
     if plan.logprobs_processed:
-        lp = jnp.log(sampling_lib.process_logits(logits, request.sampling, plan.filters))
+        lp = sampling_lib.process_log_probs(logits, request.sampling, plan.filters)
     else:
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     token = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]

@@ -152,7 +152,36 @@ def process_logits(logits: Array, params: SamplingArrays,
     V = logits.shape[-1]
     if filters.greedy:
         return jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
+    greedy, _, _, probs, keep = _filtered(logits, params, filters)
+    if filters.top_p:
+        probs = jnp.where(keep, probs, 0.0)
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    one_hot = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, probs)
+
+
+def process_log_probs(logits: Array, params: SamplingArrays,
+                      filters: Filters = Filters()) -> Array:
+    """The log of ``process_logits``' probabilities [B, ..., V] (float32), computed from the
+    scaled logits, so a probability too small for float32 (a low temperature's alternatives,
+    e^-250) keeps its value instead of becoming log 0; exactly -inf where top-k or top-p
+    filtered the token out. Greedy rows (temperature == 0), whose token is no draw: the model's
+    own log-softmax, with the temperature, top-k and top-p they do not use left out."""
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if filters.greedy:
+        return raw
+    greedy, x, peak, probs, keep = _filtered(logits, params, filters)
+    weights = jnp.where(keep, jnp.exp(x - peak), 0.0)  # the peak itself is kept: the sum >= 1
+    lp = jnp.where(keep, x - peak - jnp.log(jnp.sum(weights, axis=-1, keepdims=True)), -jnp.inf)
+    return jnp.where(greedy, raw, lp)
+
+
+def _filtered(logits: Array, params: SamplingArrays, filters: Filters):
+    """The sampled rows' processing, shared by process_logits and process_log_probs: (greedy
+    rows [..., 1], scaled logits x [..., V] with top-k's dropped tokens at -inf, their max,
+    softmax(x) before top-p, the tokens kept [..., V])."""
     x = logits.astype(jnp.float32)
+    V = x.shape[-1]
     temperature = _per_row(params.temperature, x)[..., None]
     greedy = temperature == 0
     # Shifted by the row's largest logit before dividing: x / T overflows to inf at a tiny T, and
@@ -176,6 +205,7 @@ def process_logits(logits: Array, params: SamplingArrays,
     weights = jnp.exp(x - peak)
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / total
+    keep = x > -jnp.inf
     if filters.top_p:
         top_p = _per_row(params.top_p, x)[..., None]
         threshold, covered = _top_p_threshold(descending, peak, total, top_p)
@@ -184,10 +214,8 @@ def process_logits(logits: Array, params: SamplingArrays,
             # then every row's is searched for over the whole vocabulary.
             threshold = jax.lax.cond(jnp.all(covered), lambda: threshold,
                                      lambda: _top_p_bisected(probs, top_p))
-        probs = jnp.where(probs < threshold, 0.0, probs)
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    one_hot = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
-    return jnp.where(greedy, one_hot, probs)
+        keep = keep & (probs >= threshold)
+    return greedy, x, peak, probs, keep
 
 
 CDF_BLOCK = 128
