@@ -267,7 +267,9 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 (or vLLM's -1) = off
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 = off
     max_new_tokens: int = 64  # tokens generated per row, EOS included
-    eos_token_id: int | tuple[int, ...] | None = None  # a row stops after emitting any of these
+    # a row stops after emitting any of these; None: the tokenizer's EOS ids when generate is
+    # given tokenizer= (else none); () or []: none at all, the tokenizer's ignored too
+    eos_token_id: int | tuple[int, ...] | None = None
     # token sequences that end a row once it has generated one (kept in the output, like EOS):
     # ids (one-token sequences, as vLLM's stop_token_ids) or lists of ids, matched on the device
     stop_token_ids: tuple[tuple[int, ...], ...] | None = None
@@ -309,7 +311,8 @@ class SamplingParams:
             if len(ids) > MAX_EOS_IDS:
                 raise ValueError(f"SamplingParams.eos_token_id has {len(ids)} ids; at most "
                                  f"{MAX_EOS_IDS} are supported")
-            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in ids) or None)
+            # () (an empty list) stays: no EOS at all, not even a tokenizer's (vLLM's ignore_eos)
+            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in ids))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", _stop_sequences(self.stop_token_ids))
         if self.stop is not None:

@@ -1540,9 +1540,9 @@ def generate(target: Model, prompts: Sequence[Sequence[int]], *,
         max_cache_len, allow_synthetic, draft_tokenizer)
     if sampling.stop:  # stop strings: matched on the host between segments of rounds
         last = collections.deque(_stream(plan, target, draft_params, inputs, rows, sampling,
-                                         spec, tokenizer, None), maxlen=1)[0]
+                                         spec, tokenizer, None, with_text=return_text),
+                                 maxlen=1)[0]
         out = last.generation
-        out = out if return_text else dataclasses.replace(out, text=None)
     else:
         state, timing = PROGRAMS.get(plan).run(target.params, draft_params, inputs)
         out = _result(plan, state, rows, sampling, timing, spec,
@@ -1591,9 +1591,10 @@ class NonFiniteError(FloatingPointError):
 
 
 def _result(plan: Plan, state: LoopState, rows, sampling: SamplingParams, timing: Timing, spec,
-            tokenizer) -> Generation:
-    """The finished state as the caller's Generation (text when a tokenizer is given); raises
-    NonFiniteError, with that Generation, when a row met non-finite logits."""
+            tokenizer, stops: _StopStrings | None = None) -> Generation:
+    """The finished state as the caller's Generation (text when a tokenizer is given; rows a
+    stop string ended cut, ``stops``); raises NonFiniteError, with that Generation, when a row
+    met non-finite logits."""
     out = collect(plan, state, rows, sampling.max_new_tokens, timing)
     if plan.synthetic:  # said wherever the result goes
         out = dataclasses.replace(out, stats=dataclasses.replace(
@@ -1601,6 +1602,8 @@ def _result(plan: Plan, state: LoopState, rows, sampling: SamplingParams, timing
     if tokenizer is not None:
         text = [_decode(tokenizer, out.tokens[b, :out.lengths[b]]) for b in range(len(rows))]
         out = dataclasses.replace(out, text=text)
+    if stops is not None:
+        out = stops.cut(out)
     nonfinite = _fetch(state.nonfinite)[:len(rows)]
     if (nonfinite >= 0).any():
         bad = [int(b) for b in np.flatnonzero(nonfinite >= 0)]
@@ -1672,8 +1675,11 @@ class _StopStrings:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if self._holds(tokens[:mid]) else (mid + 1, hi)
             text = _decode(self.tokenizer, tokens[:lo])
-            at, stop = min((text.find(s), s) for s in self.stops if s in text)
-            self.kept[b] = (lo, text[:at + len(stop)] if self.include else text[:at])
+            # the string completed first: the earliest to end (one token can complete several,
+            # "bc" and "abcd" in "…abcd"); of those ending together, the first listed
+            ends, _, stop = min((text.find(s) + len(s), i, s) for i, s in enumerate(self.stops)
+                                if s in text)
+            self.kept[b] = (lo, text[:ends] if self.include else text[:ends - len(stop)])
             end[b] = True
         return end
 
@@ -1691,15 +1697,22 @@ class _StopStrings:
             if logprobs is not None:
                 logprobs.token[b, n:], logprobs.top_ids[b, n:], logprobs.top[b, n:] = (
                     np.nan, -1, np.nan)
+        # the output's own token count (the rounds run past a stop stay counted as rounds)
+        generated = int(lengths.sum())
+        seconds = out.stats.decode_seconds
+        stats = dataclasses.replace(
+            out.stats, generated_tokens=generated,
+            decode_tokens_per_second=(generated - len(lengths)) / seconds if seconds > 0 else 0.0)
         return dataclasses.replace(out, tokens=tokens, lengths=lengths, text=text,
-                                   logprobs=logprobs)
+                                   logprobs=logprobs, stats=stats)
 
 
 def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwargs):
     """``generate``, yielding each row's new tokens as rounds finish: a ``StreamChunk`` after the
     prefill (each row's first token) and after every ``rounds_per_chunk`` rounds (None: as many
     as take about ``STREAM_SECONDS``, 20 ms), the last one carrying the whole ``Generation``.
-    Same arguments as ``generate`` (``return_text`` is implied by ``tokenizer=``). The compiled
+    Same arguments as ``generate`` (text, as there, whenever ``tokenizer=`` is given, unless
+    ``return_text=False``). The compiled
     loop runs in segments, one executable for every segment length, so nothing recompiles
     between chunks, and the next segment runs while a chunk is handed out; the rounds are
     generate's own, so the final tokens and stats equal ``generate``'s with the same key.
@@ -1723,11 +1736,11 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwa
     tokenizer = options["tokenizer"]
     rows, sampling, plan, target, draft_params, inputs = _prepare(
         target, prompts, options["sampling"], options["spec"], options["draft"],
-        options["proposer"], options["key"], tokenizer, bool(options["return_text"]),
+        options["proposer"], options["key"], tokenizer, options["return_text"],
         options["mesh"], options["max_cache_len"], options["allow_synthetic"],
         options["draft_tokenizer"])
     chunks = _stream(plan, target, draft_params, inputs, rows, sampling, options["spec"],
-                     tokenizer, rounds_per_chunk)
+                     tokenizer, rounds_per_chunk, with_text=options["return_text"] is not False)
 
     def chunks_then_learn():  # (a generator inside: the checks above ran at the call)
         for chunk in chunks:
@@ -1737,12 +1750,16 @@ def stream(target: Model, prompts, *, rounds_per_chunk: int | None = None, **kwa
     return chunks_then_learn()
 
 
-def _stream(plan, target, draft_params, inputs, rows, sampling, spec, tokenizer, rounds):
+def _stream(plan, target, draft_params, inputs, rows, sampling, spec, tokenizer, rounds,
+            with_text=True):
+    """stream's chunks; text in them when a tokenizer is given and ``with_text`` (stop strings
+    read the text either way)."""
     B = len(rows)
     given = np.zeros(B, np.int64)  # tokens given out per row
     stops = None if not sampling.stop else _StopStrings(tokenizer, sampling, rows)
     hold = 0 if stops is None else max(map(len, sampling.stop)) - 1
-    delta = None if tokenizer is None else _TextDelta(B, hold)
+    with_text = with_text and tokenizer is not None
+    delta = _TextDelta(B, hold) if with_text else None
     segments = PROGRAMS.get(plan).segments(target.params, draft_params, inputs, rounds, stops)
     for timing, (done, generated, history), state in segments:
         done, generated = done[:B], generated[:B].astype(np.int64)
@@ -1759,9 +1776,9 @@ def _stream(plan, target, draft_params, inputs, rows, sampling, spec, tokenizer,
         given = np.maximum(given, generated)
         generation = None
         if state is not None:
-            generation = _result(plan, state, rows, sampling, timing, spec, tokenizer)
-            if stops is not None:
-                generation = stops.cut(generation)
+            generation = _result(plan, state, rows, sampling, timing, spec, tokenizer, stops)
+            if not with_text:
+                generation = dataclasses.replace(generation, text=None)
         yield StreamChunk(tokens=new, finished=done.copy(), text=text, generation=generation)
 
 

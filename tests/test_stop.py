@@ -196,3 +196,59 @@ def test_stop_strings_cut_text_and_tokens(byte_models, method, tokens, include):
     assert cut_any
     # the last chunk ends every row and carries the whole call's text
     assert chunks[-1].finished.all() and chunks[-1].generation.text == out.text
+    # the stats count the tokens kept, however many rounds ran past a stop in a segment
+    for g in (out, chunks[-1].generation):
+        assert g.stats.generated_tokens == int(g.lengths.sum())
+        decode = g.stats.generated_tokens - len(prompts)
+        assert g.stats.decode_tokens_per_second == pytest.approx(decode / g.stats.decode_seconds)
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut-before", "included"])
+def test_of_stop_strings_one_token_completes_the_first_to_end_wins(byte_models, include):
+    """Two letters a token: "wxyz" (two tokens) and "xy" are both completed by the token "yz";
+    "xy" ends first, so the text ends before "xy" (or with it), wherever "wxyz" starts, and
+    whichever is listed first."""
+    target, draft = byte_models
+    tok = PairTokenizer()
+    sampling = sj.SamplingParams(temperature=0.9, max_new_tokens=48)
+    spec = sj.SpecConfig(num_speculative_tokens=3)
+    free = sj.generate(target, ["ab"], sampling=sampling, spec=spec, draft=draft, key=6,
+                       tokenizer=tok)
+    raw = free.tokens[0, :free.lengths[0]]
+    pair = tok.decode(raw[20:22])
+    for stops in ([pair, pair[1:3]], [pair[1:3], pair]):
+        want = string_cut(free.text[0], stops, include)
+        out = sj.generate(target, ["ab"], spec=spec, draft=draft, key=6, tokenizer=tok,
+                          sampling=sj.SamplingParams(temperature=0.9, max_new_tokens=48,
+                                                     stop=stops,
+                                                     include_stop_str_in_output=include))
+        assert out.text[0] == want and want.endswith(pair[1:3] if include else "")
+        assert pair[1:3] not in want[:len(want) - 2 * include]
+
+
+def test_a_row_stopped_by_a_string_is_cut_in_a_non_finite_error_too(byte_models):
+    """One row meets a NaN logit late (its token's embedding planted with NaN), another stops at
+    a string early: the NonFiniteError's generation has the second row cut as generate would
+    have returned it (the stop applied before the error is raised), not run on past it."""
+    from test_nonfinite import planted
+    target, draft = byte_models
+    tok = CharTokenizer()
+    prompts = ["ab", "xyz"]
+    sampling = sj.SamplingParams(temperature=0.9, max_new_tokens=40)
+    free = sj.generate(target, prompts, sampling=sampling, key=6, tokenizer=tok)
+    rows = [free.tokens[b, :free.lengths[b]] for b in range(2)]
+    stop = tok.decode(rows[1][6:8])
+    want = string_cut(free.text[1], [stop], False)
+    n_stop = len(want) + 2  # one character a token: the kept text, then the stop's two
+    # a token of row 0's, late, that neither row nor prompt holds before
+    j = next(j for j in range(30, 38) if rows[0][j] not in rows[0][:j]
+             and rows[0][j] not in rows[1][:n_stop] and rows[0][j] not in tok.encode("abxyz"))
+    broken = planted(target, int(rows[0][j]), np.nan)
+    with pytest.raises(sj.NonFiniteError) as err:
+        sj.generate(broken, prompts, key=6, tokenizer=tok, sampling=sj.SamplingParams(
+            temperature=0.9, max_new_tokens=40, stop=[stop]))
+    g = err.value.generation
+    assert err.value.rows == [0] and g.lengths[0] == j + 1
+    assert g.lengths[1] == n_stop and g.text[1] == want
+    np.testing.assert_array_equal(g.tokens[1, :n_stop], rows[1][:n_stop])
+    assert (g.tokens[1, n_stop:] == -1).all()

@@ -2,6 +2,8 @@
 them; the streamed result equals generate's, token for token, and nothing recompiles between
 segments or for another segment length."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -133,6 +135,16 @@ def test_streamed_text_adds_up_to_generate_text():
         assert "".join(c.text[b] for c in chunks) == ref.text[b]
     # random bytes: the text does hold characters cut between rounds (U+FFFD in the result)
     assert any("\ufffd" in t for t in ref.text)
+    # return_text=False, as generate takes it: tokens only, with or without stop strings
+    for stop in (None, [ref.text[0][6:8]]):
+        quiet = dataclasses.replace(sampling, stop=stop)
+        plain = list(sj.stream(target, prompts, sampling=quiet, tokenizer=tok, key=2,
+                               return_text=False))
+        assert all(c.text is None for c in plain) and plain[-1].generation.text is None
+        assert sj.generate(target, prompts, sampling=quiet, tokenizer=tok, key=2,
+                           return_text=False).text is None
+        np.testing.assert_array_equal(plain[-1].generation.tokens, sj.generate(
+            target, prompts, sampling=quiet, tokenizer=tok, key=2).tokens)
 
 
 def test_bad_stream_arguments_are_refused_by_name(target):

@@ -90,6 +90,12 @@ def test_tokenizer_eos_is_the_default_stop(folder, model, tmp_path):
                       sampling=sj.SamplingParams(temperature=0, max_new_tokens=30))
     first = list(free.tokens[0]).index(stop)
     assert out.lengths[0] == first + 1 and out.tokens[0, first] == stop
+    # an empty eos_token_id turns it off (vLLM's ignore_eos): the row runs to max_new_tokens
+    assert sj.SamplingParams(eos_token_id=[]).eos_token_id == ()
+    on = sj.generate(model, ["import"], tokenizer=tok,
+                     sampling=sj.SamplingParams(temperature=0, max_new_tokens=30,
+                                                eos_token_id=[]))
+    assert on.lengths[0] == 30 and on.tokens[0, first] == stop
 
 
 def test_errors(folder, model, tmp_path):
