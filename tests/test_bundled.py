@@ -208,6 +208,18 @@ def test_the_heads_ship_a_calibration_fitted_for_their_weights(bundled, name):
         assert "calibration" in sj.load_heads(CKPT / name, bundled[0]).params
 
 
+@pytest.mark.parametrize("name", ["code-eagle", "code-medusa", "code-mtp", "code-dflash"])
+def test_the_heads_cards_command_names_the_data_they_were_trained_on(name):
+    """A card's Command line reads the token folder its training record names (`--data`; the
+    default, ~/specjax-work, is not what every drafter was trained on)."""
+    training = json.loads((CKPT / name / "drafter.json").read_text())["training"]
+    command = next(line for line in (CKPT / name / "README.md").read_text().splitlines()
+                   if line.startswith("Command:"))
+    data = command.split(" --data ", 1)[1].split()[0]
+    home = lambda path: path.replace("/root/", "~/", 1)  # noqa: E731 (the run's home as ~)
+    assert home(data) == home(training["data"]), (data, training["data"])
+
+
 def test_the_draft_was_distilled_from_the_target(bundled):
     """A trained draft agrees with the target far more than chance (1 in 8192 for a random one)
     on the held-out bench prompts (the export measured 0.490 over 128 tokens)."""

@@ -101,6 +101,11 @@ def test_training_resumes_to_the_same_weights(target, trained, method, tmp_path)
     with pytest.raises(ValueError, match="other settings"):
         train_heads(target, method, tokens, cfg, tmp_path / "split", num_heads=2,
                     draft_vocab_size=20, progress=False)
+    # other data (the stream with one token changed) under the same settings: refused too
+    other = tokens.copy()
+    other[len(other) // 2] = (int(other[len(other) // 2]) + 1) % target.config.vocab_size
+    with pytest.raises(ValueError, match=r"other settings \(data\)"):
+        train_heads(target, method, other, cfg, tmp_path / "split", num_heads=2, progress=False)
 
 
 def test_training_on_the_targets_own_text_alternates_and_resumes(target, trained, tmp_path):
@@ -227,6 +232,14 @@ def test_save_load_round_trip_and_wrong_target(target, trained, method, tmp_path
         sj.load_heads(tmp_path / method, target)
 
 
+def data_folder(folder, tokens):
+    """A `--data` folder for `specjax train heads`: train.npy and heldout.npy (the same tokens)."""
+    folder.mkdir()
+    for name in ("train.npy", "heldout.npy"):
+        np.save(folder / name, tokens.astype(np.uint16))
+    return folder
+
+
 def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, tmp_path):
     """`specjax train heads --init`: a drafter trained for an earlier version of the target (the
     same sizes, other weights) is refused for decoding, but training can start from its weights;
@@ -238,10 +251,7 @@ def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, 
         sj.load_heads(tmp_path / "old", newer)
     start = heads_lib.load_heads(tmp_path / "old", newer, same_target=False)
     sj.save_model(newer, tmp_path / "newer")
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("train.npy", "heldout.npy"):
-        np.save(data / name, trained["tokens"].astype(np.uint16))
+    data = data_folder(tmp_path / "data", trained["tokens"])
     args = ["eagle", "--target", str(tmp_path / "newer"), "--data", str(data), "--steps", "1",
             "--batch-size", "2", "--seq-len", "16", "--learning-rate", "1e-9",
             "--init", str(tmp_path / "old")]
@@ -258,9 +268,26 @@ def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, 
                     jax.tree.leaves(start.params["weights"])):  # one step at lr 1e-9
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    atol=1e-2)
-    assert "--init " + str(tmp_path / "old") in (tmp_path / "new" / "README.md").read_text()
+    card = (tmp_path / "new" / "README.md").read_text()
+    assert "--init " + str(tmp_path / "old") in card and f"--data {data} " in card
     record = json.loads((tmp_path / "new" / "drafter.json").read_text())
     assert record["training"]["continued_from"]["folder"] == str(tmp_path / "old")
+
+
+def test_a_run_over_two_sessions_keeps_both_sessions_evaluations(target, trained, tmp_path):
+    """`specjax train heads` stopped by --minutes and run again: the saved drafter's training
+    record (and card) hold the first session's held-out evaluation too, not only the last's."""
+    from specjax.train.heads import heads_main
+    sj.save_model(target, tmp_path / "t")
+    data = data_folder(tmp_path / "data", trained["tokens"])
+    args = ["medusa", "--target", str(tmp_path / "t"), "--data", str(data), "--steps", "4",
+            "--batch-size", "2", "--seq-len", "16", "--num-heads", "2",
+            "--workdir", str(tmp_path / "w")]  # an evaluation every step (steps // 4)
+    assert heads_main(args + ["--minutes", "0"]) == 0  # one step, then it stops
+    assert heads_main(args + ["--out", str(tmp_path / "out")]) == 0
+    evals = json.loads((tmp_path / "out" / "drafter.json").read_text())["training"]["evals"]
+    assert [e["step"] for e in evals] == [1, 2, 3, 4]
+    assert "at step 1," in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "mtp", "dflash"])

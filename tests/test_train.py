@@ -328,6 +328,29 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
         train.train(CFG, tokens, train.TrainConfig(
             steps=2, batch_size=4, seq_len=16, learning_rate=1e-4, warmup_steps=2,
             checkpoint_every=3, eval_every=10, eval_batches=2), tmp_path, progress=False)
+    # another token stream under the same settings
+    with pytest.raises(ValueError, match=r"other settings \(data\)"):
+        train.train(CFG, stream(noise_seed=1), settings(2), tmp_path, progress=False)
+
+
+def test_a_distillation_resumed_against_another_teacher_is_refused(tmp_path, caplog):
+    """The teacher's weights are part of the run (a draft begun while its target trained on,
+    then resumed, would be distilled from two teachers): a teacher trained further, same config,
+    is refused by name; a run recorded before specjax kept data and weights resumes."""
+    tokens = stream()
+    teacher = tiny_model(seed=5, vocab_size=32)
+    train.train(CFG, tokens, settings(4), tmp_path, teacher=teacher, progress=False,
+                max_seconds=0)
+    further = sj.Model(teacher.config, jax.tree.map(lambda x: x * 1.01, teacher.params))
+    with pytest.raises(ValueError, match=r"other settings \(teacher_weights\.[^)]*\)"):
+        train.train(CFG, tokens, settings(4), tmp_path, teacher=further, progress=False)
+    record = json.loads((tmp_path / "run.json").read_text())
+    for later in ("data", "teacher_weights"):
+        del record[later]
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    with caplog.at_level("INFO", logger=train.loop.log.name):
+        train.train(CFG, tokens, settings(4), tmp_path, teacher=teacher, progress=False)
+    assert f"resumed from step 1 in {tmp_path}" in caplog.text
 
 
 def test_weight_decay_skips_norms_and_biases():

@@ -38,7 +38,7 @@ from ..draft.heads import Heads, HeadsConfig
 from ..draft.vocab import DraftVocab, frequent_tokens, lm_head
 from ..model import Model, forward
 from .data import sample_batch, sample_rows
-from .loop import POSITION_BINS, TrainConfig, configure_logging, fit
+from .loop import POSITION_BINS, TrainConfig, configure_logging, digest, eval_log, fit, read_evals
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,9 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     aux = {"target": target.params, "vocab": jnp.asarray(vocab)}
     run = {"drafter": dataclasses.asdict(fresh.config), "train": dataclasses.asdict(cfg),
            "target": heads_lib.target_record(target),
+           # the token stream, the target's own rows and the draft vocabulary's ids (picked from
+           # the stream): a resume on other data, or other columns of the LM head, is refused
+           "data": digest(tokens, None if generated is None else np.asarray(generated), vocab),
            **({"objective": {"ce_weight": ce_weight, "reg_weight": reg_weight}}
               if method == "eagle" and (ce_weight, reg_weight) != (0.5, 1.0) else {})}
     batches = None
@@ -441,7 +444,10 @@ def heads_main(argv=None) -> int:
         ce_weight=args.ce_weight, reg_weight=args.reg_weight,
         taps=None if args.taps is None else tuple(int(t) for t in args.taps.split(",")),
         heldout=heldout, init=init, generated=generated, generated_rows=args.generated_rows,
-        max_seconds=None if args.minutes is None else args.minutes * 60)
+        max_seconds=None if args.minutes is None else args.minutes * 60,
+        on_eval=eval_log(workdir / "evals.jsonl"))
+    # every session's evaluations of this run, not only this process's
+    history = read_evals(workdir / "evals.jsonl") or history
     for h in history:
         print(f"step {h['step']}: held-out loss {h['heldout_loss']:.4f}")
     if args.out:
@@ -583,7 +589,8 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                 }[c.method]
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(drafter.params["weights"]))
     evals = ", ".join(f"{h['heldout_loss']:.3f} at step {h['step']}" for h in history) or "none"
-    command = (f"specjax train heads {c.method} --target {args.target} --workdir {args.workdir} "
+    command = (f"specjax train heads {c.method} --target {args.target} --data {args.data} "
+               f"--workdir {args.workdir} "
                f"--steps {args.steps} --batch-size {cfg.batch_size} --seq-len {cfg.seq_len}"
                + (f" --learning-rate {args.learning_rate:g}"
                   if getattr(args, "learning_rate", 1e-3) != 1e-3 else "")

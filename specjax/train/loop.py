@@ -232,6 +232,56 @@ def _check_run(workdir: pathlib.Path, run: dict) -> None:
 
 _MISSING = object()
 
+# What a run record holds that records written before specjax recorded it lack: a run begun
+# then resumes without that check (it recorded nothing to check against).
+RECORDED_LATER = frozenset({"data", "teacher_weights"})
+
+
+def digest(*arrays) -> str:
+    """A short SHA-256 of arrays (dtype, shape and contents; None for a missing one): what a run
+    record keeps of the data it trains on, so a resume on other data is refused."""
+    import hashlib
+    h = hashlib.sha256()
+    for a in arrays:
+        if a is None:
+            h.update(b"none")
+            continue
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def eval_log(path: pathlib.Path) -> Callable[[int, float], None]:
+    """An ``on_eval`` that appends each held-out evaluation to a JSON-lines file, so a run
+    continued over several sessions keeps every session's (``read_evals``)."""
+    def on_eval(step: int, loss: float) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "heldout_loss": loss}) + "\n")
+    return on_eval
+
+
+def read_evals(path: pathlib.Path) -> list[dict]:
+    """The evaluations ``eval_log`` wrote, by step (one a step: the last written; a line a crash
+    cut short is skipped)."""
+    by_step = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            by_step[int(e["step"])] = e
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def teacher_record(teacher: Model) -> dict:
+    """The teacher's config and a fingerprint of its weights (``heads.fingerprint``, the same in
+    any dtype): a draft resumed against a teacher trained further, or another one, is refused."""
+    from ..draft.heads import fingerprint
+    return {"teacher": dataclasses.asdict(teacher.config),
+            "teacher_weights": fingerprint(teacher)}
+
 
 def _added_defaults() -> dict:
     """The defaults of the config fields a run record holds, by field name: a field that a
@@ -252,7 +302,7 @@ def _differences(old, new, prefix: str = "") -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         defaults = _added_defaults()
         return [name for k in sorted(set(old) | set(new))
-                if k in old or new[k] != defaults.get(k, _MISSING)
+                if k in old or (k not in RECORDED_LATER and new[k] != defaults.get(k, _MISSING))
                 for name in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
     return [] if old == new else [prefix.rstrip(".")]
 
@@ -279,7 +329,8 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
                                      cfg.distill_ce_weight)
         aux = teacher.params
     run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(cfg),
-           "teacher": None if teacher is None else dataclasses.asdict(teacher.config)}
+           **({"teacher": None} if teacher is None else teacher_record(teacher)),
+           "data": digest(tokens)}
     evaluate_fn = None
     if heldout is not None:
         def evaluate_fn(params):

@@ -38,7 +38,15 @@ import numpy as np
 
 from ..config import ModelConfig
 from .data import encode_files, python_corpus, save_npy, train_tokenizer, write_manifest
-from .loop import POSITION_BINS, TrainConfig, configure_logging, evaluate, loss_by_position, train
+from .loop import (
+    POSITION_BINS,
+    TrainConfig,
+    configure_logging,
+    eval_log,
+    evaluate,
+    loss_by_position,
+    train,
+)
 
 VOCAB_SIZE = 8192
 # Sizes chosen for this 2-core CPU: a 32M target trained at 550 tokens/s here, too slow to train
@@ -192,10 +200,7 @@ def _tokens(workdir: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _log_eval(workdir: pathlib.Path, name: str):
-    def on_eval(step: int, loss: float) -> None:
-        with open(workdir / f"{name}-evals.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "heldout_loss": loss}) + "\n")
-    return on_eval
+    return eval_log(workdir / f"{name}-evals.jsonl")
 
 
 def stage_target(workdir: pathlib.Path, minutes: float | None, config: ModelConfig = TARGET,
@@ -298,7 +303,7 @@ def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib
     from ..checkpoint import load_model
     from ..model import Model
     from .data import sample_batch, sample_rows
-    from .loop import MixedDistillObjective, fit
+    from .loop import MixedDistillObjective, digest, fit, teacher_record
     target_folder = target_folder or bundled("code-target")
     teacher = load_model(target_folder, dtype="float32")
     init = _start(start, config, "draft")
@@ -320,8 +325,9 @@ def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib
     objective = MixedDistillObjective(config, teacher.config, s.distill_temperature,
                                       s.distill_ce_weight)
     run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(s),
-           "teacher": dataclasses.asdict(teacher.config), "teacher_folder": str(target_folder),
-           "start": str(start), "generated_rows": rows, "generated_total": len(generated)}
+           **teacher_record(teacher), "teacher_folder": str(target_folder),
+           "start": str(start), "generated_rows": rows, "generated_total": len(generated),
+           "data": digest(tokens, generated)}
     params, history = fit(objective, init.params, teacher.params, None, s, workdir / run_name,
                           run, evaluate_fn=evaluate_fn, progress=progress,
                           on_eval=_log_eval(workdir, run_name),
@@ -484,7 +490,7 @@ def stage_draft_bpe4k_soft(workdir: pathlib.Path, minutes: float | None,
     from ..model import Model
     from ..tokenizer import load_tokenizer
     from . import crossvocab
-    from .loop import fit
+    from .loop import digest, fit, teacher_record
     target_folder = target_folder or bundled("code-target")
     teacher = load_model(target_folder, dtype="float32")
     target_tokenizer = load_tokenizer(target_folder)
@@ -520,10 +526,10 @@ def stage_draft_bpe4k_soft(workdir: pathlib.Path, minutes: float | None,
 
     before = estimate(init)
     run = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(s),
-           "teacher": dataclasses.asdict(teacher.config), "objective": "soft labels at "
+           **teacher_record(teacher), "objective": "soft labels at "
            "aligned boundaries, the draft reading target tokens spelled", "start": str(start),
            "draft_len": SOFT_DRAFT_LEN, "generated_share": SOFT_GENERATED_SHARE,
-           "generated_rows": len(generated)}
+           "generated_rows": len(generated), "data": digest(tokens, generated)}
     params, history = fit(objective, init.params, aux, None, s, workdir / "draft-bpe4k-soft",
                           run, evaluate_fn=evaluate_fn, progress=progress,
                           on_eval=_log_eval(workdir, "draft-bpe4k-soft"),
