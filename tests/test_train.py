@@ -2,6 +2,7 @@
 pulls the student towards the teacher, the corpus split is by file."""
 
 import json
+import pathlib
 import shutil
 import warnings
 
@@ -274,7 +275,8 @@ def test_pair_stages_end_to_end(tmp_path):
                                                   dtype="stored").params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     card = (tmp_path / "gen" / "code-draft" / "README.md").read_text()
-    assert "export --gen" in card and "draft-gen" in card and "{" not in card
+    assert "`draft-gen --from B/code-draft --teacher B/code-target`, `export --gen --from " \
+           "B/code-target --out C`" in card and "{" not in card
     assert f"{pair.DRAFT_GEN_ROWS} rows of" in card
     assert json.loads((tmp_path / "gen" / "code-target" / "training.json").read_text())[
         "acceptance"] == json.loads((tmp_path / "gen" / "code-draft" / "training.json"
@@ -293,7 +295,8 @@ def test_pair_stages_end_to_end(tmp_path):
                                                     ("draft-gen-long", draft, longer)),
                       draft_vocab_size=100, calibration=fit, shipped={"target-long": shipped})
     card = (tmp_path / "gen-long" / "code-draft" / "README.md").read_text()
-    assert "export --gen-long" in card and "draft-gen|draft-gen-long" in card
+    assert "`export --gen-long --from B/code-target --out D`" in card
+    assert "`draft-gen-long --from C/code-draft --teacher B/code-target`" in card
     assert f"{pair.DRAFT_GEN_LONG_ROWS} rows of" in card and "{" not in card
     # each export fits the draft's calibration for its own weights; a calibration beside other
     # weights is ignored, with a warning naming the file
@@ -360,3 +363,32 @@ def test_weight_decay_skips_norms_and_biases():
     assert layer["mlp"]["up_proj"]["kernel"] and mask["embed_tokens"]["embedding"]
     assert not mask["norm"]["weight"] and not layer["input_layernorm"]["weight"]
     assert not layer["self_attn"]["q_proj"]["bias"]
+
+
+def test_the_cards_rebuild_chain_reads_each_export_before_it(tmp_path, monkeypatch):
+    """The shipped pair's Rebuild line (target, draft, their -long continuations, the draft on
+    the target's own text), run through `specjax train pair` with the stages recorded instead
+    of run: each stage that continues a model reads the export before it, never the bundled
+    folders (their default), and draft-gen distils from the -long target."""
+    from specjax.train import pair
+    calls = []
+    for stage in ("stage_data", "stage_target", "stage_draft", "stage_export",
+                  "stage_target_long", "stage_draft_long", "stage_draft_gen"):
+        monkeypatch.setattr(pair, stage, lambda *a, _s=stage, **k: calls.append((_s, a, k)))
+    monkeypatch.chdir(tmp_path)
+    chain = pair.rebuild_steps(True, "draft-gen")
+    steps = [s.strip(" `") for s in chain.split(",")]
+    for step in steps:
+        assert pair.main([*step.split(), "--workdir", "W"]) == 0, step
+    got = {name: (a, k) for name, a, k in calls}
+    A, B = pathlib.Path("A"), pathlib.Path("B")
+    assert got["stage_target_long"][0][2] == A / "code-target"
+    assert got["stage_draft_long"][0][2] == A / "code-draft"
+    assert got["stage_draft_gen"][0][2] == B / "code-draft"
+    assert got["stage_draft_gen"][1]["target_folder"] == B / "code-target"
+    exports = [(a[1], k) for name, a, k in calls if name == "stage_export"]
+    assert [out for out, _ in exports] == [A, B, pathlib.Path("C")]
+    assert exports[-1][1]["shipped"]["target-long"] == B / "code-target"
+    assert [name for name, _, _ in calls] == [
+        "stage_data", "stage_target", "stage_draft", "stage_export", "stage_target_long",
+        "stage_draft_long", "stage_export", "stage_draft_gen", "stage_export"]

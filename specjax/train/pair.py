@@ -180,6 +180,26 @@ CALIBRATION = dict(num_prompts=256, max_new_tokens=128, temperature=0.8)
 log = logging.getLogger(__name__)
 
 
+def rebuild_steps(long: bool, gen: str | None) -> str:
+    """The card's chain of stages that builds an exported pair from nothing: each stage that
+    continues a model reads the export before it (A: target and draft; B: their -long
+    continuations; C: the draft trained on the target's own text beside that target; D: that
+    draft trained on again on rows that fill the context, ``gen`` "draft-gen-long")."""
+    steps = ["`data`", "`target`", "`draft`", "`export --out A`"]
+    if not long and gen is None:
+        return ", ".join(steps)
+    steps += ["`target-long --from A/code-target`", "`draft-long --from A/code-draft`",
+              "`export --long --out B`"]
+    if gen is None:
+        return ", ".join(steps)
+    steps += ["`draft-gen --from B/code-draft --teacher B/code-target`",
+              "`export --gen --from B/code-target --out C`"]
+    if gen == "draft-gen-long":
+        steps += ["`draft-gen-long --from C/code-draft --teacher B/code-target`",
+                  "`export --gen-long --from B/code-target --out D`"]
+    return ", ".join(steps)
+
+
 def stage_data(workdir: pathlib.Path, corpus_root: pathlib.Path | None = None,
                vocab_size: int = VOCAB_SIZE) -> None:
     corpus = python_corpus(corpus_root)
@@ -634,11 +654,12 @@ held-out files ({heldout_tokens:,} tokens), split by a hash of each file's path
 (`specjax/train/data.py`); the held-out file list is in `training.json`. Tokenizer: byte-level BPE,
 {vocab} tokens, trained on the training files; token 0 `<|endoftext|>` ends a file and is the EOS.
 
-**Rebuild.** {rebuild} (settings are the constants in `specjax/train/pair.py`; each training
-stage resumes from its checkpoints). `target-long`, `draft-long` and `draft-gen` continue the
-bundled folders unless given `--from FOLDER`, and `export` writes into `--out` (default
-`checkpoints`, the shipped folders when run from the repository's root): run from another
-folder, or give `--out`, to keep the shipped ones.
+**Rebuild.** {rebuild} (`specjax train pair STAGE --workdir W ...`; settings are the constants
+in `specjax/train/pair.py`, and each training stage resumes from its checkpoints). Each stage
+that continues a model reads the folder given with `--from` (and `--teacher`), by default the
+bundled ones; `export` writes into `--out`. The shipped target's and draft's first schedules were
+changed by hand during training (docs/training.md): the constants give the same settings, not
+those changes.
 
 It is a small model for benchmarks and demos: it writes plausible-looking Python, not correct
 programs.
@@ -731,15 +752,8 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             print("calibration: held-out ECE " + ", ".join(
                 f"{m} {report[m]['ece']:.3f}" for m in ("greedy", "sampled")))
         long = any(d["run"].endswith("-long") for d in info.values())
-        rebuild = ("`specjax train pair data|target|draft|target-long|draft-long --workdir W`, "
-                   "then `specjax train pair export --long --workdir W`" if long else
-                   "`specjax train pair data|target|draft|export --workdir W`")
         gen = [d["run"] for d in info.values() if d["run"].startswith("draft-gen")]
-        if gen:
-            stages = "|".join(["draft-gen", *(["draft-gen-long"] if gen[0] != "draft-gen" else [])])
-            rebuild = rebuild.replace("draft-long --workdir W`", f"draft-long|{stages} "
-                                      "--workdir W`").replace(
-                "--long", "--gen" if gen[0] == "draft-gen" else "--gen-long")
+        rebuild = rebuild_steps(long, gen[0] if gen else None)
         for name, d in info.items():
             c, s = d["config"], d["settings"]
             (d["where"] / "training.json").write_text(json.dumps(
@@ -1006,6 +1020,9 @@ def main(argv=None) -> int:
                          "folder to continue from (default: the bundled code-target, "
                          "code-draft, code-draft, code-draft-bpe4k); export --gen: the target "
                          "to write beside the draft")
+    ap.add_argument("--teacher", type=pathlib.Path, default=None,
+                    help="draft-gen, draft-gen-long, draft-bpe4k-soft: the target folder to "
+                         "distil from and generate with (default: the bundled code-target)")
     ap.add_argument("--gen", action="store_true",
                     help="export: write draft-gen as code-draft, with the target (--from, "
                          "default the bundled one) written again beside it")
@@ -1039,11 +1056,12 @@ def main(argv=None) -> int:
         stage_draft_long(args.workdir, args.minutes, args.start or bundled("code-draft"))
     elif args.stage == "draft-gen":
         from ..bundle import bundled
-        stage_draft_gen(args.workdir, args.minutes, args.start or bundled("code-draft"))
+        stage_draft_gen(args.workdir, args.minutes, args.start or bundled("code-draft"),
+                        target_folder=args.teacher)
     elif args.stage == "draft-gen-long":
         from ..bundle import bundled
         stage_draft_gen(args.workdir, args.minutes, args.start or bundled("code-draft"),
-                        settings=DRAFT_GEN_LONG_TRAINING, rows=DRAFT_GEN_LONG_ROWS,
+                        target_folder=args.teacher, settings=DRAFT_GEN_LONG_TRAINING, rows=DRAFT_GEN_LONG_ROWS,
                         generate_minutes=DRAFT_GEN_LONG_MINUTES, run_name="draft-gen-long",
                         lengths=long_rows(DRAFT.max_position_embeddings))
     elif args.stage == "draft-bpe4k":
@@ -1053,7 +1071,8 @@ def main(argv=None) -> int:
     elif args.stage == "draft-bpe4k-soft":
         from ..bundle import bundled
         stage_draft_bpe4k_soft(args.workdir, args.minutes,
-                               args.start or bundled("code-draft-bpe4k"))
+                               args.start or bundled("code-draft-bpe4k"),
+                               target_folder=args.teacher)
     elif args.stage == "export-bpe4k":
         stage_export_bpe4k(args.workdir, args.out)
     elif args.stage == "export-bpe4k-soft":
