@@ -392,12 +392,13 @@ def test_model_card_describes_each_kind(trained, method, what, tmp_path):
 
     from specjax.train.heads import model_card
     args = argparse.Namespace(
-        target="t", workdir="w", steps=60, minutes=None, init=None, draft_vocab_size=28,
+        target="t", data="d", workdir="w", steps=60, minutes=None, init=None, draft_vocab_size=28,
         intermediate_size=None, layer_width=None, ce_weight=0.5, reg_weight=1.0, num_layers=2,
         block_size=16, taps=None, out=str(tmp_path / method), save_dtype="bfloat16")
     card = model_card(tmp_path / method, trained[method], args, quick(), trained[method + "_evals"],
                       60)
     assert card.startswith(f"# {method}\n\n{what}") and "{" not in card
+    assert " --data d " in card and "float32 weights as trained" in card
     # trained on the target's own text too: the card says so, and counts its tokens
     args.generated, args.generated_rows, args.generated_length = "gen", 4, 65
     card = model_card(tmp_path / method, trained[method], args, quick(), trained[method + "_evals"],

@@ -562,7 +562,7 @@ self-distillation on the frozen target (`specjax train heads {method}`; see docs
   of {batch} x {seq} tokens{generated}; held-out loss on `heldout.npy`.
 * Training: {steps} optimizer steps of a {schedule}-step schedule (AdamW, peak learning rate
   {lr}), {tokens:,} tokens{init}.
-* Held-out loss (the training objective on held-out batches): {evals}.
+* Held-out loss (the training objective on held-out batches, float32 weights as trained): {evals}.
 * Load with `sj.load_heads("{folder_path}", target)`; it refuses any other target.
 
 Command: `{command}`

@@ -644,7 +644,7 @@ from scratch on this machine (2-core CPU) on Python source code. {blurb}
 | shape | hidden {hidden}, {layers} layers, {heads} heads ({kv} key/value heads), MLP {inter}, vocabulary {vocab}, context {ctx}{attends} |
 | stored as | bfloat16 safetensors, Hugging Face `{layout}` layout (`sj.load_model` computes in float32 on CPU and in bfloat16 on GPU/TPU by default) |
 | training | {steps} optimizer steps of {batch} sequences x {seq} tokens ({tokens:.1f}M tokens), AdamW, peak lr {lr}, cosine decay{distil}{note} |
-| held-out loss | {loss:.3f} nats/token on held-out files (32 batches, stored bf16 weights) |
+| held-out loss | {loss:.3f} nats/token on held-out files (next-token cross-entropy, also for a distilled draft; 32 batches, stored bf16 weights) |
 | context | trained on sequences of {seq} tokens, `max_position_embeddings` {ctx}; held-out loss by position in windows of {window} tokens: {by_position} |
 | acceptance (draft vs target, γ = 4, bench prompts) | greedy {acc_g:.3f} (mean accepted length {len_g:.2f}); T = 0.8: {acc_t:.3f} ({len_t:.2f}) |
 {long_row}{vocab_row}
