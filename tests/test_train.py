@@ -392,3 +392,27 @@ def test_the_cards_rebuild_chain_reads_each_export_before_it(tmp_path, monkeypat
     assert [name for name, _, _ in calls] == [
         "stage_data", "stage_target", "stage_draft", "stage_export", "stage_target_long",
         "stage_draft_long", "stage_export", "stage_draft_gen", "stage_export"]
+
+
+def test_generated_text_resumes_after_a_crash_between_a_chunk_and_its_time(tmp_path,
+                                                                           monkeypatch):
+    """A crash after a chunk of the target's text is written but before its time is appended
+    (or halfway through that line): the resumed generation makes that chunk again, counts each
+    chunk's seconds once, and the times file reads back whole."""
+    from specjax.train import pair
+    made = []
+
+    def continuations(target, stream, i, lengths=None):
+        made.append(i)
+        return np.full((2, 3), i, np.int32), 25.0
+    monkeypatch.setattr(pair, "_continuations", continuations)
+    rows = pair._generated_text(tmp_path, None, None, minutes=1)  # 25 s a chunk: 3 chunks
+    assert made == [0, 1, 2] and rows.shape == (6, 3)
+    lines = (tmp_path / "times.jsonl").read_text().splitlines()
+    (tmp_path / "times.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:9])  # torn
+    made.clear()
+    rows = pair._generated_text(tmp_path, None, None, minutes=1)
+    assert made == [2] and rows.shape == (6, 3) and (rows[-2:] == 2).all()
+    made.clear()
+    rows = pair._generated_text(tmp_path, None, None, minutes=1.5)  # 90 s: one more chunk
+    assert made == [3] and rows.shape == (8, 3)

@@ -469,16 +469,27 @@ def _generated_text(folder: pathlib.Path, target, stream: np.ndarray,
     giving (prompt, new) (``long_rows``), must give every chunk the same total."""
     folder.mkdir(parents=True, exist_ok=True)
     times = folder / "times.jsonl"
-    spent = sum(json.loads(line)["seconds"] for line in times.read_text().splitlines()) \
-        if times.exists() else 0.0
-    chunks = sorted(folder.glob("chunk-*.npy"))
+    recorded = {}  # chunk -> seconds; a line a crash cut short is skipped
+    for line in (times.read_text().splitlines() if times.exists() else ()):
+        try:
+            record = json.loads(line)
+            recorded[int(record["chunk"])] = float(record["seconds"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    # the chunks whose time was recorded; one written just before a crash, without its time, is
+    # made again (so the generation's minutes count every chunk once)
+    chunks = []
+    while len(chunks) in recorded and (folder / f"chunk-{len(chunks):05d}.npy").is_file():
+        chunks.append(folder / f"chunk-{len(chunks):05d}.npy")
+    spent = sum(recorded[i] for i in range(len(chunks)))
     while spent < minutes * 60:
         i = len(chunks)
         rows, seconds = _continuations(target, stream, i, None if lengths is None else lengths(i))
         path = folder / f"chunk-{i:05d}.npy"
         save_npy(path, rows.astype(np.int32))
-        with open(times, "a") as f:
-            f.write(json.dumps({"chunk": i, "seconds": seconds}) + "\n")
+        cut = times.exists() and not times.read_bytes().endswith(b"\n") and times.stat().st_size
+        with open(times, "a") as f:  # after a line a crash cut short, on a line of its own
+            f.write(("\n" if cut else "") + json.dumps({"chunk": i, "seconds": seconds}) + "\n")
         spent += seconds
         chunks.append(path)
         log.info("target text chunk %d: %d rows, %.0f s of %.0f", i, len(rows), spent,
