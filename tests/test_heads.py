@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -288,6 +289,18 @@ def test_a_run_over_two_sessions_keeps_both_sessions_evaluations(target, trained
     evals = json.loads((tmp_path / "out" / "drafter.json").read_text())["training"]["evals"]
     assert [e["step"] for e in evals] == [1, 2, 3, 4]
     assert "at step 1," in (tmp_path / "out" / "README.md").read_text()
+    # --init and --out one folder (as the shipped commands are), over two sessions: the first
+    # session's save rewrites --init, yet the record names what --init held when the run began
+    shutil.copytree(tmp_path / "out", tmp_path / "same")
+    began = json.loads((tmp_path / "same" / "drafter.json").read_text())["training"]
+    again = ["medusa", "--target", str(tmp_path / "t"), "--data", str(data), "--steps", "4",
+             "--batch-size", "2", "--seq-len", "16", "--workdir", str(tmp_path / "w2"),
+             "--init", str(tmp_path / "same"), "--out", str(tmp_path / "same")]
+    assert heads_main(again + ["--minutes", "0"]) == 0
+    assert heads_main(again) == 0
+    record = json.loads((tmp_path / "same" / "drafter.json").read_text())["training"]
+    assert record["continued_from"]["training"] == began
+    assert [e["step"] for e in record["evals"]] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "mtp", "dflash"])

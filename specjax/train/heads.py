@@ -36,6 +36,7 @@ from ..config import ModelConfig
 from ..draft import heads as heads_lib
 from ..draft.heads import Heads, HeadsConfig
 from ..draft.vocab import DraftVocab, frequent_tokens, lm_head
+from ..files import write_atomic
 from ..model import Model, forward
 from .data import sample_batch, sample_rows
 from .loop import POSITION_BINS, TrainConfig, configure_logging, digest, eval_log, fit, read_evals
@@ -423,6 +424,17 @@ def heads_main(argv=None) -> int:
         if init.config.method != args.method:
             ap.error(f"--init {args.init} holds a {init.config.method} drafter, not "
                      f"{args.method}")
+        # What --init held when this run began, kept in the run's folder: a later session (a
+        # --minutes stop, then the same command) finds --init rewritten by the earlier one's
+        # --out when the two are one folder, and would record that as the earlier training.
+        began = workdir / "continued_from.json"
+        if not began.is_file():
+            earlier = json.loads((pathlib.Path(args.init) / "drafter.json").read_text())
+            workdir.mkdir(parents=True, exist_ok=True)
+            write_atomic(began, json.dumps({
+                "folder": args.init, "training": earlier.get("training"),
+                "target": {k: v for k, v in earlier["target"].items() if k != "fingerprint"}},
+                indent=1) + "\n")
     args.num_heads = 4 if args.num_heads is None else args.num_heads
     args.num_layers = 2 if args.num_layers is None else args.num_layers
     args.block_size = 16 if args.block_size is None else args.block_size
@@ -458,12 +470,9 @@ def heads_main(argv=None) -> int:
             training["generated"] = {"folder": args.generated, "rows": len(generated),
                                      "length": args.generated_length,
                                      "rows_per_step": args.generated_rows}
-        if args.init:  # the earlier training stays on record
-            earlier = json.loads((pathlib.Path(args.init) / "drafter.json").read_text())
-            training["continued_from"] = {"folder": args.init,
-                                          "training": earlier.get("training"),
-                                          "target": {k: v for k, v in earlier["target"].items()
-                                                     if k != "fingerprint"}}
+        if args.init:  # the earlier training stays on record, as --init held it at the start
+            training["continued_from"] = json.loads(
+                (workdir / "continued_from.json").read_text())
         heads_lib.save_heads(drafter, args.out, target, dtype=args.save_dtype,
                              extra={"training": training}, files={"README.md": card})
         print(f"saved {args.method} drafter for {args.target} to {args.out}")
@@ -498,7 +507,7 @@ def _record(folder: pathlib.Path, key: str, value: dict, prefix: str, figures: s
                   next((i for i, x in enumerate(card) if x.startswith("* Load with")),
                        len(card)))
         card.insert(at, line)
-    from ..files import write_atomic  # a crash leaves the old file or the new one, whole
+    # write_atomic: a crash leaves the old file or the new one, whole
     write_atomic(folder / "drafter.json", json.dumps(meta, indent=1) + "\n")
     write_atomic(folder / "README.md", "\n".join(card) + "\n")
 
