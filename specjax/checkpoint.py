@@ -65,6 +65,10 @@ _FAMILY_DEFAULTS = {
                               max_position_embeddings=131072, query_pre_attn_scalar=256,
                               sliding_window=4096, final_logit_softcapping=None),
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
+    # transformers' MistralConfig: a config without the keys slides over 4096 positions
+    "MistralForCausalLM": dict(sliding_window=4096, max_position_embeddings=131072),
+    "Qwen2ForCausalLM": dict(max_position_embeddings=32768),
+    "Qwen3ForCausalLM": dict(max_position_embeddings=32768),
 }
 MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.",
                                                  ("vision_tower.", "multi_modal_projector."))}
@@ -163,6 +167,9 @@ def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
                               f"default, linear, llama3")
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
     kw = {k: v for k, v in merged.items() if k in fields and k != "rope_type"}
+    if kind == "llama3" and "original_max_position_embeddings" not in kw \
+            and "max_position_embeddings" in d:  # what transformers fills in
+        kw["original_max_position_embeddings"] = d["max_position_embeddings"]
     return theta, RopeScaling(rope_type=kind, **kw)
 
 
@@ -178,8 +185,10 @@ def _gemma3_rope(d: dict, source: str) -> tuple[float, RopeScaling | None, float
             raise CheckpointError(f"{source}: RoPE scaling on the sliding layers "
                                   f"({local.get('rope_type', local.get('type'))!r}) is not "
                                   f"supported")
-        theta, scaling = _rope_from_hf({"rope_parameters": {"rope_theta": 1e6, **full}})
-        return theta, scaling, float(local.get("rope_theta", 1e4))
+        # a nested entry without its theta takes the top-level one, as transformers does
+        theta, scaling = _rope_from_hf({"rope_parameters": {
+            "rope_theta": d.get("rope_theta", 1e6), **full}})
+        return theta, scaling, float(local.get("rope_theta", d.get("rope_local_base_freq", 1e4)))
     theta, scaling = _rope_from_hf({"rope_theta": 1e6, **d})
     return theta, scaling, float(d.get("rope_local_base_freq", 1e4))
 
@@ -233,10 +242,12 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
         if kind in ("longrope", "su", "yarn"):
             raise CheckpointError(f"{source}: Phi-3's long-context RoPE ({kind!r}, the 128k "
                                   f"models) is not supported; the 4k-context models load")
-        if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise CheckpointError(f"{source}: partial_rotary_factor="
-                                  f"{d['partial_rotary_factor']!r} (RoPE on part of each head) "
-                                  f"is not supported")
+        partial = next((x["partial_rotary_factor"] for x in (
+            d, d.get("rope_parameters") or {}, d.get("rope_scaling") or {})
+            if "partial_rotary_factor" in x), 1.0)
+        if partial != 1.0:
+            raise CheckpointError(f"{source}: partial_rotary_factor={partial!r} (RoPE on part "
+                                  f"of each head) is not supported")
     if d.get("use_bidirectional_attention"):
         raise CheckpointError(f"{source}: use_bidirectional_attention=true is not supported")
     local_theta = None
@@ -294,11 +305,12 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"), rope_scaling=scaling,
             sliding_window=window, dtype=dtype, hidden_act=act, scale_embeddings=gemma,
             norm_unit_offset=gemma, sandwich_norms=arch in GEMMAS[1:],
-            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if arch in GEMMAS[1:] else None,
             # Gemma 3 keeps attn_logit_softcapping in its config but never applies it
             attn_logit_softcapping=d.get("attn_logit_softcapping")
             if arch == "Gemma2ForCausalLM" else None,
-            final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
+            final_logit_softcapping=d.get("final_logit_softcapping")
+            if arch in GEMMAS[1:] else None,
             layer_types=layer_types if window is not None else None,
             rope_local_theta=local_theta if window is not None else None)
     except KeyError as e:

@@ -364,6 +364,46 @@ def test_a_window_in_a_llama_config_is_ignored_as_transformers_ignores_it(tmp_pa
     assert diff <= 1e-4, diff
 
 
+def test_keys_a_config_leaves_out_mean_what_transformers_reads_them_as():
+    """Configs with keys left out or in the other format (transformers 5's nested
+    rope_parameters), parsed as transformers' own config classes read them: no silent
+    difference. Each case failed before: full attention for a Mistral without sliding_window
+    (transformers: 4096); llama3 RoPE without original_max_position_embeddings at 8192
+    (transformers: the model's max_position_embeddings); Gemma 3's nested RoPE without thetas
+    at 1e6 / 1e4 (transformers: the top-level ones); Gemma 1 applying a query scale and logit
+    soft-cap its transformers class never reads; Phi-3 RoPE on part of each head, given inside
+    rope_parameters, taken as whole-head RoPE (now refused, as at the top level)."""
+    base = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4)
+    mistral = checkpoint.config_from_hf({**base, "architectures": ["MistralForCausalLM"]})
+    hf = transformers.MistralConfig(**base)
+    assert (mistral.sliding_window, mistral.max_position_embeddings) == (
+        hf.sliding_window, hf.max_position_embeddings) == (4096, 131072)
+    assert checkpoint.config_from_hf({**base, "architectures": ["MistralForCausalLM"],
+                                      "sliding_window": None}).sliding_window is None
+    rope = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
+    llama = checkpoint.config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
+                                       "max_position_embeddings": 512, "rope_scaling": rope})
+    hf = transformers.LlamaConfig(**base, max_position_embeddings=512, rope_scaling=dict(rope))
+    assert llama.rope_scaling.original_max_position_embeddings == hf.rope_parameters[
+        "original_max_position_embeddings"] == 512
+    gemma3 = checkpoint.config_from_hf({
+        **base, "architectures": ["Gemma3ForCausalLM"], "head_dim": 8, "rope_theta": 5e5,
+        "rope_local_base_freq": 2e4, "rope_parameters": {
+            "full_attention": {"rope_type": "default"},
+            "sliding_attention": {"rope_type": "default"}}})
+    assert (gemma3.rope_theta, gemma3.rope_local_theta) == (5e5, 2e4)
+    gemma = checkpoint.config_from_hf({**base, "architectures": ["GemmaForCausalLM"],
+                                       "head_dim": 8, "num_key_value_heads": 4,
+                                       "query_pre_attn_scalar": 144,
+                                       "final_logit_softcapping": 30.0})
+    assert gemma.query_pre_attn_scalar is None and gemma.final_logit_softcapping is None
+    with pytest.raises(checkpoint.CheckpointError, match="partial_rotary_factor=0.75"):
+        checkpoint.config_from_hf({**base, "architectures": ["Phi3ForCausalLM"],
+                                   "rope_parameters": {"rope_type": "default",
+                                                       "partial_rotary_factor": 0.75}})
+
+
 def test_qwen_partial_sliding_window_is_refused(tmp_path):
     folder = saved(hf_model("qwen2"), tmp_path)
     d = json.loads((folder / "config.json").read_text())
