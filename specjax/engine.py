@@ -287,10 +287,17 @@ def prefill_state(plan: Plan, target_params, draft_params, prompts: Array, promp
             (jnp.zeros((B, S), jnp.float32), jnp.zeros((B, S, K), jnp.int32),
              jnp.zeros((B, S, K), jnp.float32)),
             _logprobs(plan, request, last_logits[:, None], first[:, None]), prompt_lengths)
+    counters = Counters.zeros(plan.depth, B)
+    if plan.mesh is not None:  # per-row counters split by rows, as every round leaves them (a
+        #                        stream's segments then run one executable from the first on)
+        counters = dataclasses.replace(counters, **{
+            name: sharding.constrain(getattr(counters, name), plan.mesh,
+                                     PartitionSpec(sharding.DATA))
+            for name in ("proposed_by_row", "rounds_by_row")})
     state = LoopState(
         history=history, length=prompt_lengths, num_generated=finite.astype(jnp.int32),
         done=done, cache=cache, draft_state=draft_state,
-        counters=Counters.zeros(plan.depth, B), step=jnp.zeros((), jnp.int32),
+        counters=counters, step=jnp.zeros((), jnp.int32),
         logprobs=logprobs, nonfinite=jnp.where(finite, -1, 0).astype(jnp.int32))
     if ahead and _per_row_lengths(plan, target_params, draft_params, request, state):
         if idle_rounds(plan):
@@ -909,12 +916,18 @@ class Program:
             elif until:
                 step = int(np.clip(STREAM_SECONDS * until / max(decode_seconds, 1e-6), 1, 64))
             until += step
-            args = (target_params, draft_params, inputs.request, state,
-                    jnp.asarray(until, jnp.int32))
             if exe is None:  # the same signature every segment: looked up once
-                exe, spent = self.executable("segment", *args)
+                exe, spent = self.executable("segment", target_params, draft_params,
+                                             inputs.request, state, jnp.asarray(until, jnp.int32))
                 compile_seconds += spent
                 t0 += spent
+            elif self.plan.mesh is not None:
+                # on a mesh a segment may leave some of the state laid out otherwise than the
+                # prefill did (a counter replicated, then split; an axis of size 1 named or
+                # not): put back where the executable takes it (a no-op where it already is)
+                state = jax.device_put(state, exe.input_shardings[0][3])
+            args = (target_params, draft_params, inputs.request, state,
+                    jnp.asarray(until, jnp.int32))
             state, ahead = exe(*args)  # runs while the host reads and hands out the last view
             yield timing, view, None
             state, view = stop(state, _fetch(ahead))
@@ -1291,12 +1304,14 @@ class Inputs:
     request: Request
 
 
-def _as_key(key) -> Array:
+def _as_key(key, shared: bool = False) -> Array:
     """One PRNG key from None (a fresh seed from the operating system's randomness), an int
-    seed, a typed key or a legacy uint32 [2] key."""
+    seed, a typed key or a legacy uint32 [2] key. ``shared``: the call runs on a mesh over
+    several processes, which must all draw alike (a seed broadcast from the first; a call in
+    one process alone, off such a mesh, must not wait for the others)."""
     if key is None:
         seed = secrets.randbits(63)
-        if jax.process_count() > 1:  # every process of a multi-process run draws alike
+        if shared:
             from jax.experimental import multihost_utils
             seed = int(multihost_utils.broadcast_one_to_all(np.int64(seed)))
         return _seed_key(seed)
@@ -1360,7 +1375,8 @@ def build_inputs(rows: list[np.ndarray], sampling: SamplingParams, key, shapes: 
         stop = np.full((MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, np.int32)
         for i, sequence in enumerate(sampling.stop_token_ids):
             stop[i, MAX_STOP_LENGTH - len(sequence):] = sequence
-    root = _as_key(key)
+    root = _as_key(key, shared=mesh is not None and len(
+        {d.process_index for d in mesh.devices.flat}) > 1)
     keys = _row_keys(root, B_pad)
     per_row = dict(temperature=np.full((B_pad,), sampling.temperature, np.float32),
                    top_k=np.full((B_pad,), sampling.top_k, np.int32),

@@ -70,7 +70,8 @@ def run(args) -> int:
         from jax.experimental import multihost_utils
 
         from .engine import _as_key
-        keys = multihost_utils.process_allgather(jax.random.key_data(_as_key(None))[None])
+        keys = multihost_utils.process_allgather(jax.random.key_data(
+            _as_key(None, shared=True))[None])  # as a call on this mesh over every process draws
         out["fresh_keys_agree"] = bool((np.asarray(keys) == np.asarray(keys)[0]).all())
     if jax.process_index() == 0:
         print(f"{jax.process_count()} processes, {jax.device_count()} devices "

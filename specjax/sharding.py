@@ -124,6 +124,13 @@ def check_mesh(mesh) -> None:
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (DATA, MODEL):
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('data', 'model') "
                          f"(sj.make_mesh), got {mesh!r}")
+    # jax.make_mesh makes Explicit axes by default (JAX 0.7 on); the engine places arrays with
+    # sharding constraints, which only Auto axes take
+    types = getattr(mesh, "axis_types", None) or ()
+    if any(t != jax.sharding.AxisType.Auto for t in types):
+        raise ValueError(f"mesh axes must be Auto, got axis_types={tuple(types)!r} (jax.make_mesh "
+                         f"makes Explicit ones by default): build it with sj.make_mesh, or "
+                         f"jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * 2)")
 
 
 def param_axes(path: str) -> tuple[str | None, ...]:

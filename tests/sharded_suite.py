@@ -371,3 +371,61 @@ def test_programs_over_several_cpu_devices_skip_the_disk_cache(models, monkeypat
     assert list(folder.iterdir())  # one device: stored
     np.testing.assert_array_equal(sharded.tokens, one.tokens)
     engine.PROGRAMS.clear()
+
+
+class Digits:
+    """A tokenizer for TARGET's 64 ids: id i is the character chr(48 + i)."""
+
+    vocab_size = 64
+    eos_token_ids = ()
+
+    def encode(self, text):
+        return [ord(c) - 48 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(48 + int(i)) for i in ids)
+
+
+@pytest.mark.parametrize("mesh_shape,name", [((2, 4), "chain"), ((8, 1), "autoregressive")])
+def test_streams_and_stop_strings_on_a_mesh_equal_one_device(models, mesh_shape, name):
+    """sj.stream (a segment of rounds at a time, one executable for every segment) and stop
+    strings (matched between segments) on meshes that split rows: the same chunks, tokens and
+    text as one device. Each segment once met state laid out otherwise than the prefill left
+    it (per-row counters replicated, then split by rows) and failed from the second segment."""
+    target, draft, _ = models
+    spec, d = (sj.SpecConfig(num_speculative_tokens=3), draft) if name == "chain" else (None, None)
+    mesh = sj.make_mesh(data=mesh_shape[0], model=mesh_shape[1])
+    sampling = sj.SamplingParams(temperature=1.0, max_new_tokens=16)
+    one = list(sj.stream(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7,
+                         rounds_per_chunk=1))
+    many = list(sj.stream(target, PROMPTS, sampling=sampling, spec=spec, draft=d, key=7,
+                          rounds_per_chunk=1, mesh=mesh))
+    assert len(many) == len(one) > 3
+    for a, b in zip(many, one):
+        assert [list(t) for t in a.tokens] == [list(t) for t in b.tokens]
+    np.testing.assert_array_equal(many[-1].generation.tokens, one[-1].generation.tokens)
+    program = engine.PROGRAMS.programs()[-1]
+    assert len(program.executables("segment")) == 1  # one layout from the first segment on
+    tok = Digits()
+    text = tok.decode(one[-1].generation.tokens[1, 4:6])
+    stopped = sj.SamplingParams(temperature=1.0, max_new_tokens=16, stop=[text])
+    want = sj.generate(target, PROMPTS, sampling=stopped, spec=spec, draft=d, key=7,
+                       tokenizer=tok)
+    got = sj.generate(target, PROMPTS, sampling=stopped, spec=spec, draft=d, key=7,
+                      tokenizer=tok, mesh=mesh)
+    assert got.text == want.text and want.lengths[1] <= 6
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_a_mesh_of_explicit_axes_is_refused_by_name(models):
+    """jax.make_mesh's default axes are Explicit (JAX 0.7 on), which the engine's sharding
+    constraints cannot take: refused before anything compiles, naming the fix."""
+    target, _, _ = models
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    with traces_and_compiles() as traced, pytest.raises(ValueError, match="mesh axes must be Auto"):
+        sj.generate(target, PROMPTS, sampling=sj.SamplingParams(max_new_tokens=2), mesh=mesh)
+    assert traced == []
+    auto = jax.make_mesh((2, 4), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    assert sj.generate(target, PROMPTS, sampling=sj.SamplingParams(max_new_tokens=2),
+                       mesh=auto).tokens.shape == (3, 2)

@@ -371,6 +371,23 @@ def test_max_new_tokens_one(target, draft):
     assert out.stats.num_rounds == 0
 
 
+def test_a_fresh_seed_is_broadcast_only_over_a_mesh_of_several_processes(target, monkeypatch):
+    """key=None in a multi-process run: a call on a mesh over several processes takes the
+    first process's seed (all must draw alike, and all call); a call off such a mesh, which
+    one process may make alone, draws its own and waits for no other (it hung before)."""
+    from jax.experimental import multihost_utils
+
+    def no_other_process(x):
+        raise AssertionError("waited for the other processes")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", no_other_process)
+    out = sj.generate(target, [[1, 2]], sampling=sj.SamplingParams(max_new_tokens=3))
+    assert out.lengths[0] == 3
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.int64(5))
+    np.testing.assert_array_equal(jax.random.key_data(engine._as_key(None, shared=True)),
+                                  jax.random.key_data(engine._as_key(5)))
+
+
 def test_keys_and_numpy_values_are_accepted(target):
     sampling = sj.SamplingParams(temperature=np.float32(0.9), top_k=np.int64(8),
                                  max_new_tokens=np.int32(6), eos_token_id=np.array([30, 31]))
