@@ -604,7 +604,11 @@ def _orbax():
     return ocp
 
 
-def _load_orbax(folder: pathlib.Path, dtype: str | None, mesh=None) -> Model:
+def _load_orbax(folder: pathlib.Path, dtype: str | None, mesh=None,
+                replicate: bool = False) -> Model:
+    """Restore a ``save_model`` folder. On a mesh every array is restored straight into its
+    place (split by the sharding rules, or whole on every device with ``replicate``): restoring
+    to the default device and moving it after fails when the mesh spans several processes."""
     meta_path = folder / SPECJAX_FILE
     try:
         meta = json.loads(meta_path.read_text())
@@ -630,6 +634,11 @@ def _load_orbax(folder: pathlib.Path, dtype: str | None, mesh=None) -> Model:
     abstract = _abstract_params(cfg)
     if version == 1:  # layers stacked on a leading axis: restored whole, then split per layer
         stacked = jax.eval_shape(lambda p: stack_layers(p, cfg.num_hidden_layers), abstract)
+        if mesh is not None:  # whole on every device, then placed by the rules
+            from jax.sharding import NamedSharding, PartitionSpec
+            whole = NamedSharding(mesh, PartitionSpec())
+            stacked = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                  sharding=whole), stacked)
         try:
             params = ckpt.restore(params_dir, stacked)
         except (ValueError, KeyError, FileNotFoundError) as e:
@@ -637,12 +646,12 @@ def _load_orbax(folder: pathlib.Path, dtype: str | None, mesh=None) -> Model:
         model = Model(cfg, unstack_layers(params, cfg.num_hidden_layers))
         if mesh is not None:
             from .sharding import shard
-            model = shard(model, mesh)
+            model = shard(model, mesh, replicate=replicate)
         return cast(model, dtype) if dtype else model
-    if mesh is not None:  # each device reads only its own shards
+    if mesh is not None:  # each device reads only its own shards (all of them with replicate)
         from .sharding import param_shardings
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                abstract, param_shardings(cfg, abstract, mesh))
+                                abstract, param_shardings(cfg, abstract, mesh, replicate))
     try:
         params = ckpt.restore(params_dir, abstract)
     except (ValueError, KeyError, FileNotFoundError) as e:
@@ -717,11 +726,7 @@ def load_model(path: str | os.PathLike, dtype: str | None = None, *, mesh=None,
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     if (folder / SPECJAX_FILE).exists():
-        model = _load_orbax(folder, dtype, None if replicate else mesh)
-        if mesh is not None and replicate:
-            from .sharding import shard
-            model = shard(model, mesh, replicate=True)
-        return model
+        return _load_orbax(folder, dtype, mesh, replicate)
     if (folder / "config.json").exists():
         if mesh is None:  # one parameter at a time on the host
             return _load_hf(folder, dtype,

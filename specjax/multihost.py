@@ -4,7 +4,7 @@ Every process runs this same script; together they form one mesh over all their 
 
 On a TPU pod slice (every host runs the same command; JAX finds the coordinator itself):
 
-    python -m specjax.multihost --target gs-or-local/ckpt --draft ... --model 8
+    python -m specjax.multihost --target ckpt/ --draft draft/ --model 8
 
 On GPU nodes (one process per node, or per GPU), name the coordinator and each process's id:
 
@@ -15,10 +15,13 @@ Here, on one CPU machine (two local processes, loopback, 4 CPU devices each, glo
 
     python -m specjax.multihost --local-demo
 
-Without --target it builds a small random target and draft from --seed, identically in every
-process. Every process passes the whole batch of prompts to ``sj.generate(..., mesh=mesh)``: the
-rows are split over "data", the target over "model", and every process gets the whole result.
-Process 0 prints it (with --json, also writes it).
+--target and --draft are model folders every process can read at the same path (a copy on each
+host, or a shared file system; ``sj.load_model`` reads local paths only). Each process reads only
+the slices of the target its own devices hold (``sj.load_model(path, mesh=)``); the draft is
+replicated. Without them it builds a small random target and draft from --seed, identically in
+every process (``tiny_pair``). Every process passes the whole batch of prompts to
+``sj.generate(..., mesh=mesh)``: the rows are split over "data", the target over "model", and
+every process gets the whole result. Process 0 prints it (with --json, also writes it).
 """
 
 from __future__ import annotations
@@ -45,19 +48,13 @@ def run(args) -> int:
 
     import specjax as sj
 
-    if args.target:
-        target, draft = sj.load_model(args.target), sj.load_model(args.draft)
-    else:
-        target = sj.init_model(sj.ModelConfig(
-            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256),
-            jax.random.key(args.seed), init_std=0.3)
-        draft = sj.init_model(sj.ModelConfig(
-            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256),
-            jax.random.key(args.seed + 1), init_std=0.3)
     mesh = (None if args.reference
             else sj.make_mesh(data=jax.device_count() // args.model, model=args.model))
+    if args.target:  # straight into the mesh's layout: each process reads its own slices
+        target = sj.load_model(args.target, mesh=mesh)
+        draft = sj.load_model(args.draft, mesh=mesh, replicate=mesh is not None)
+    else:
+        target, draft = tiny_pair(args.seed)
     prompts = [[1 + i, 2 + i, 3 + 2 * i, 4] for i in range(args.batch)]
     out = {}
     for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
@@ -87,6 +84,23 @@ def run(args) -> int:
     return 0
 
 
+def tiny_pair(seed: int):
+    """The small random target and draft the script runs without --target (same in every
+    process for one seed)."""
+    import jax
+
+    import specjax as sj
+    target = sj.init_model(sj.ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256),
+        jax.random.key(seed), init_std=0.3)
+    draft = sj.init_model(sj.ModelConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256),
+        jax.random.key(seed + 1), init_std=0.3)
+    return target, draft
+
+
 def local_demo(args) -> int:
     """Two processes on this machine, 4 CPU devices each, talking over loopback."""
     import socket
@@ -99,6 +113,8 @@ def local_demo(args) -> int:
             "--num-processes", "2", "--cpu-devices", "--model", str(args.model),
             "--batch", str(args.batch), "--max-new-tokens", str(args.max_new_tokens),
             "--seed", str(args.seed)]
+    if args.target:
+        base += ["--target", args.target, "--draft", args.draft]
     procs = [subprocess.Popen(base + ["--process-id", str(i)]
                               + (["--json", args.json] if args.json and i == 0 else []),
                               env=env) for i in range(2)]
@@ -117,14 +133,18 @@ def main() -> int:
                     help="start two local processes with 4 CPU devices each")
     ap.add_argument("--reference", action="store_true",
                     help="one process, one device, no mesh (the result to compare with)")
-    ap.add_argument("--target")
-    ap.add_argument("--draft")
+    ap.add_argument("--target", help="target model folder, the same path in every process")
+    ap.add_argument("--draft", help="draft model folder (required with --target)")
     ap.add_argument("--model", type=int, default=4, help='devices on the "model" axis')
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="process 0 writes the tokens here")
     args = ap.parse_args()
+    if bool(args.target) != bool(args.draft):
+        ap.error("--target and --draft go together: give both model folders, or neither")
+    if args.model < 1:
+        ap.error(f"--model must be >= 1, got {args.model}")
     return local_demo(args) if args.local_demo else run(args)
 
 

@@ -81,9 +81,30 @@ def _sizes(config: ModelConfig) -> dict[str, int]:
             "head_dim": config.head_dim}
 
 
+LOGICAL_AXES = frozenset({a for _, axes in PARAM_AXES for a in axes}
+                         | set(CACHE_AXES) | set(ROW_AXES))
+
+
+def check_rules(rules, mesh_shape) -> None:
+    """A rules table maps logical axis names (``LOGICAL_AXES``) to axes of the mesh, or to None
+    (replicated); a typo on either side would otherwise replicate silently or fail deep in JAX."""
+    if not isinstance(rules, dict):
+        raise ValueError(f"rules must be a dict of logical axis -> mesh axis, got {rules!r}")
+    for name, axis in rules.items():
+        if name not in LOGICAL_AXES:
+            raise ValueError(f"rules names an unknown logical axis {name!r}; the logical axes "
+                             f"are {sorted(LOGICAL_AXES)}")
+        if axis is not None and axis not in mesh_shape:
+            raise ValueError(f"rules maps {name!r} to {axis!r}, not an axis of the mesh "
+                             f"{tuple(mesh_shape)}; use one of them or None (replicated)")
+
+
 def logical_spec(axes, config: ModelConfig, mesh_shape: dict, rules: dict | None = None) -> P:
     """The PartitionSpec of an array whose dimensions have the logical names ``axes``."""
-    rules = RULES if rules is None else rules
+    if rules is None:
+        rules = RULES
+    else:
+        check_rules(rules, mesh_shape)
     sizes = _sizes(config)
     spec = []
     for name in axes:
@@ -187,6 +208,8 @@ def cache_spec(config: ModelConfig, mesh: Mesh, rules: dict | None = None) -> P:
 
 def rows(mesh: Mesh, ndim: int, rules: dict | None = None) -> NamedSharding:
     """Per-row arrays [B, ...]: split over "data"."""
+    if rules is not None:
+        check_rules(rules, dict(mesh.shape))
     axis = (RULES if rules is None else rules).get(ROW_AXES[0])
     return NamedSharding(mesh, P(axis, *([None] * (ndim - 1))))
 

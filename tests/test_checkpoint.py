@@ -202,10 +202,13 @@ def test_a_version_1_orbax_checkpoint_with_stacked_layers_still_loads(tmp_path):
     ckpt.save((tmp_path / "m" / "params").resolve(), stack_layers(model.params, 3))
     ckpt.wait_until_finished()
     meta_path.write_text(json.dumps({**meta, "version": 1}))
-    back = sj.load_model(tmp_path / "m", dtype="stored")
-    assert jax.tree.structure(back.params) == jax.tree.structure(model.params)
-    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mesh = sj.make_mesh()
+    for back in (sj.load_model(tmp_path / "m", dtype="stored"),
+                 sj.load_model(tmp_path / "m", dtype="stored", mesh=mesh),
+                 sj.load_model(tmp_path / "m", dtype="stored", mesh=mesh, replicate=True)):
+        assert jax.tree.structure(back.params) == jax.tree.structure(model.params)
+        for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     meta_path.write_text(json.dumps({**meta, "version": 7}))
     with pytest.raises(sj.CheckpointError, match="version 7"):
         sj.load_model(tmp_path / "m")

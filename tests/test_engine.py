@@ -574,6 +574,14 @@ def test_helpers_outside_generate_refuse_bad_input_by_name(target, tmp_path):
     with pytest.raises(ValueError, match="lists a device more than once"):
         sj.make_mesh(devices=[jax.devices()[0]] * 2)
     assert dict(sj.make_mesh(data=np.int64(1)).shape) == {"data": 1, "model": 1}
+    mesh = sj.make_mesh()
+    for rules, message in (({"mpl": "model"}, "unknown logical axis 'mpl'"),
+                           ({"mlp": "tensor"}, "maps 'mlp' to 'tensor', not an axis of the mesh"),
+                           ([("mlp", "model")], "rules must be a dict")):
+        with pytest.raises(ValueError, match=message):
+            sj.shard(target, mesh, rules=rules)
+    assert sj.sharding.placed_on(sj.shard(target, mesh, rules={"mlp": None, "batch": "data"}),
+                                 mesh)
     with pytest.raises(ValueError, match="num_heads must be an int, got 2.5"):
         sj.init_heads(target, "medusa", jax.random.key(0), num_heads=2.5)
     with pytest.raises(ValueError, match="dtype must be 'float32', 'bfloat16' or 'float16', "

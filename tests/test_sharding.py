@@ -33,7 +33,16 @@ def test_sharded_suite_on_8_devices():
 
 
 def test_two_processes_equal_one(tmp_path):
-    script = [sys.executable, "-m", "specjax.multihost"]
+    """Two processes of 4 devices each load the models from folders straight onto their mesh
+    (a Hugging Face target split, each process reading its own slices; an orbax draft
+    replicated: restoring it to one device first fails on a mesh over several processes)."""
+    import specjax as sj
+    from specjax.multihost import tiny_pair
+    target, draft = tiny_pair(0)
+    sj.save_model(target, tmp_path / "target", format="hf")
+    sj.save_model(draft, tmp_path / "draft")
+    script = [sys.executable, "-m", "specjax.multihost", "--target", str(tmp_path / "target"),
+              "--draft", str(tmp_path / "draft")]
     two, one = tmp_path / "two.json", tmp_path / "one.json"
     run = subprocess.run([*script, "--local-demo", "--json", str(two)],
                          cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=600)
