@@ -329,6 +329,13 @@ def _label(spec: SpecConfig) -> str:
     return f"tree {tree.num_nodes - 1}/{tree.depth}"  # nodes / depth
 
 
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+    """A forward timer's key: the tokens it verifies and the cache capacity it runs in."""
+    width: int
+    capacity: int
+
+
 def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | None = None,
               drafters: dict | None = None,
               temperatures=(0.0, 0.8), top_k: int = 0, top_p: float = 1.0,
@@ -396,14 +403,26 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
     prompt = sorted(prompts, key=len)[len(prompts) // 2]
     decoded = max_new_tokens // 2
     context = len(prompt) + decoded
-    sizes = sorted({forward_width(s) for s in specs})
-    capacity = cache_capacity(target.config, max(sizes) - 1,
-                              slots_needed(len(prompt), max_new_tokens, max(sizes) - 1))
+    # Each forward in the cache capacity (tier) its own program runs in: autoregressive
+    # decoding's step in autoregressive decoding's, a variant's verify in the variant's (a
+    # variant that reaches a larger tier walks a longer cache, and the figures say so).
+    def capacity_of(gamma: int) -> int:
+        return cache_capacity(target.config, gamma,
+                              slots_needed(len(prompt), max_new_tokens, gamma))
+
     # the forwards at the rows generate runs (B padded to its batch bucket), as its rounds are
     rows_run = engine.bucket(B, minimum=1)
-    timers = {1: forward_timer(target, 1, capacity, context, batch=rows_run)}
-    timers.update({n: forward_timer(target, n, capacity, context, batch=rows_run)
-                   for n in sizes if n != 1})
+    timers = {}
+
+    def time_forward(width: int, capacity: int) -> _Forward:
+        key = _Forward(width, capacity)
+        if key not in timers:
+            timers[key] = forward_timer(target, width, capacity, context, batch=rows_run)
+        return key
+
+    step_key = time_forward(1, capacity_of(0))
+    verify_keys = [time_forward(forward_width(s), capacity_of(forward_width(s) - 1))
+                   for s in specs]
     samples: dict = {}
     round_widths: dict = {}  # (temperature, spec) -> the width its timed round verified at
     inner = -(-verify_repeats // repeats)  # samples of each part per repeat
@@ -413,7 +432,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             for k in keys:
                 t = timers[k]()
                 samples.setdefault(k, []).append(t)
-                if not isinstance(k, tuple):  # a forward: pooled, and this temperature's own
+                if isinstance(k, _Forward):  # a forward: pooled, and this temperature's own
                     samples.setdefault((temperature, "forward", k), []).append(t)
 
     rows = []
@@ -436,11 +455,9 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             outs = run_all(*v)
             memory[name] = _memory(target, v[1], outs[-1])
         for i, spec in enumerate(specs):
-            g = forward_width(spec) - 1
             parts = round_timers(target, prompt, sampling=sampling, spec=spec,
                                  draft=drafts.get(spec.method), decoded=decoded, key=seed,
-                                 max_cache_len=cache_capacity(target.config, g, slots_needed(
-                                     len(prompt), max_new_tokens, g)), allow_synthetic=True,
+                                 max_cache_len=verify_keys[i].capacity, allow_synthetic=True,
                                  batch=B)
             timers.update({(temperature, i, k): f for k, f in parts.items()})
             # a chain with per-row lengths (n-gram, suffix; the engine's own decision) verifies
@@ -449,9 +466,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             round_widths[(temperature, i)] = parts["round"].width
             if parts["round"].width is not None:
                 for n in engine.loop_widths(spec.num_speculative_tokens):
-                    if n not in timers:
-                        timers[n] = forward_timer(target, n, capacity, context,
-                                                  batch=rows_run)
+                    time_forward(n, verify_keys[i].capacity)
             # the timers hold executables of their own (an adaptive chain of 8: ~5,400 memory
             # mappings each); past the cache's budget, generate's programs make room, and
             # compile again (untimed) when run
@@ -523,9 +538,11 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         # runs and parts: a phase of the machine that hit one temperature's runs hits them too.
         forward = {k[2]: v for k, v in seconds.items()
                    if isinstance(k, tuple) and k[:2] == (row["temperature"], "forward")}
-        step = forward[1]
+        step = forward[step_key]
+        capacity = verify_keys[i].capacity
         row["target_step_ms"] = 1e3 * step
-        row["verify_cost"] = forward[row["verify_tokens"]] / step
+        row["verify_capacity"] = capacity
+        row["verify_cost"] = forward[verify_keys[i]] / step
         row["propose_ms"] = 1e3 * seconds[(row["temperature"], i, "propose")]
         row["round_ms"] = 1e3 * seconds[(row["temperature"], i, "round")]
         # c: the proposer's time per draft in target steps, its propose timed alone (a draft
@@ -541,7 +558,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         width = round_widths[(row["temperature"], i)]
         row["round_verify_tokens"] = row["verify_tokens"] if width is None else width
         row["round_over_parts"] = row["round_ms"] / (row["propose_ms"] + 1e3 * forward[
-            row["round_verify_tokens"]])
+            _Forward(row["round_verify_tokens"], capacity)])
         # What a round spends besides the verify forward, per draft, from the generate loops'
         # own times: in autoregressive rounds (one token a row), so that γ·this + v over the
         # measured tokens a round gives the measured speed-up
@@ -558,7 +575,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                   else row["mean_accepted_length"] if not chain else float("nan"))
         verify = row["verify_cost"]
         if ok and width is not None:  # per-row lengths: the widths' forwards were timed
-            width_costs = {n: forward[n] / step for n in engine.loop_widths(g)}
+            width_costs = {n: forward[_Forward(n, capacity)] / step
+                           for n in engine.loop_widths(g)}
             tokens, verify = _varied_round(alpha, row["proposed_length_distribution"],
                                            row["batch_size"], width_costs)
             # [width, cost in target steps] of each width its loop verifies over, and their
@@ -573,8 +591,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         weight_bytes = step_weight_bytes(target)
         bytes_per_second = memory_bandwidth()
         roof = dict(weight_bytes=weight_bytes, bandwidth_bytes_per_second=bytes_per_second,
-                    step_ms=1e3 * seconds[1],
-                    fraction=weight_bytes / seconds[1] / bytes_per_second,
+                    step_ms=1e3 * seconds[step_key],
+                    fraction=weight_bytes / seconds[step_key] / bytes_per_second,
                     report=roofline_lib.report(target, batches=roofline_batches,
                                                context=context, bandwidth=bytes_per_second,
                                                log=log))
@@ -592,8 +610,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                       draft_params=use_draft.config.num_params if use_draft is not None else 0,
                       draft_vocab_size=(use_draft.vocab_size if use_draft is not None
                                         else None),
-                      target_step_ms=1e3 * seconds[1], verify_context=context,
-                      parts_prompt_tokens=len(prompt), parts_capacity=capacity,
+                      target_step_ms=1e3 * seconds[step_key], verify_context=context,
+                      parts_prompt_tokens=len(prompt), parts_capacity=step_key.capacity,
                       dtype=target.config.dtype),
         rows=rows)
 

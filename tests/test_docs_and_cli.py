@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import cli, theory
+from specjax import bench, cli, engine, theory
 from specjax.bench import _varied_round
 from specjax.checkpoint import compute_dtype
 
@@ -236,11 +236,16 @@ BENCH_FIELDS = {
     "rounds", "row_rounds", "proposed_tokens", "accepted_tokens", "c", "verify_cost",
     "predicted_speedup", "ar_round_ms",
     "predicted_speedup_with_verify_cost", "measured_over_predicted", "propose_ms", "round_ms",
-    "round_over_parts", "round_verify_tokens", "draft_cost_per_draft", "target_step_ms"}
+    "round_over_parts", "round_verify_tokens", "draft_cost_per_draft", "target_step_ms",
+    "verify_capacity"}
 
 
-def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
+def test_bench_json_has_every_field(model_folders, capsys, tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
+    timed = []  # (tokens, capacity) of every forward the bench times
+    forward_timer = bench.forward_timer
+    monkeypatch.setattr(bench, "forward_timer", lambda model, T, capacity, *a, **k: (
+        timed.append((T, capacity)) or forward_timer(model, T, capacity, *a, **k)))
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                      str(model_folders / "d"), "--gammas", "1,3", "--temperatures", "0,0.8",
                      "--max-new-tokens", "10", "--repeats", "2", "--verify-repeats", "2",
@@ -267,8 +272,14 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path):
     # each temperature's rows are counted in the step timed in its own repeats, not one pooled
     steps = {t: {r["target_step_ms"] for r in rows if r["temperature"] == t} for t in (0, 0.8)}
     assert all(len(s) == 1 for s in steps.values()) and steps[0] != steps[0.8]
+    # each forward timed in the cache capacity its own program runs in: the tiny target's
+    # context (128) caps the tier, so autoregressive decoding's is 128 and a chain of γ's 128 + γ
+    assert result["settings"]["parts_capacity"] == engine.cache_capacity(model.config, 0, 1) == 128
+    assert (1, 128) in timed and sorted(set(timed)) == sorted(timed)  # each once
     for r in rows:
         assert BENCH_FIELDS <= set(r), BENCH_FIELDS - set(r)
+        assert r["verify_capacity"] == 128 + r["verify_tokens"] - 1
+        assert (r["verify_tokens"], r["verify_capacity"]) in timed
         assert len(r["per_position_acceptance"]) == r["depth"]
         # prompts of 40 tokens, 10 new: every round starts in the first bin
         assert [b[:2] + b[3:] for b in r["accepted_length_by_position"]] == [
