@@ -442,9 +442,11 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
         variants = {"ar": (None, None)}
         variants.update({i: (s, drafts.get(s.method)) for i, s in enumerate(specs)})
 
-        def run_all(spec, d, sampling=sampling):
+        filled = {}  # a suffix cache as one pass left it: what the timed round reads
+
+        def run_all(spec, d, sampling=sampling, filled=filled):
             if isinstance(d, SuffixCache):  # each pass starts empty and fills as it goes
-                d = d.fresh()
+                d = filled[id(spec)] = d.fresh()
             return [generate(target, g, sampling=sampling, spec=spec, draft=d, key=seed + i,
                              allow_synthetic=True)  # labelled so in every row it touches
                     for i, g in enumerate(groups)]
@@ -456,7 +458,8 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             memory[name] = _memory(target, v[1], outs[-1])
         for i, spec in enumerate(specs):
             parts = round_timers(target, prompt, sampling=sampling, spec=spec,
-                                 draft=drafts.get(spec.method), decoded=decoded, key=seed,
+                                 draft=filled.get(id(spec), drafts.get(spec.method)),
+                                 decoded=decoded, key=seed,
                                  max_cache_len=verify_keys[i].capacity, allow_synthetic=True,
                                  batch=B)
             timers.update({(temperature, i, k): f for k, f in parts.items()})

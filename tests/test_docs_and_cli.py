@@ -439,6 +439,10 @@ def test_bench_suffix_with_a_corpus_per_pass(model_folders, capsys, tmp_path, mo
     fresh = suffix.SuffixCache.fresh
     monkeypatch.setattr(suffix.SuffixCache, "fresh",
                         lambda self: passes.append(len(self)) or fresh(self))
+    read = []  # what each variant's timed round drafts from: the cache its warm-up filled
+    round_timers = bench.round_timers
+    monkeypatch.setattr(bench, "round_timers", lambda *a, draft, **k: (
+        read.append(len(draft)) or round_timers(*a, draft=draft, **k)))
     out = tmp_path / "suffix.json"
     workload = ROOT / "specjax" / "data" / "repeat_prompts.json"
     assert cli.main(["bench", "--target", str(model_folders / "t"), "--method", "suffix",
@@ -453,6 +457,7 @@ def test_bench_suffix_with_a_corpus_per_pass(model_folders, capsys, tmp_path, mo
     assert f"3 prompts from {workload}, batch 1" in capsys.readouterr().out  # not "held-out"
     assert result["settings"]["drafters"]["suffix"].startswith("SuffixCache(")
     assert passes == [0] * 6  # each variant's warm-up and two repeats, each from an empty copy
+    assert len(read) == 2 and all(n >= 3 * 8 for n in read), read  # 3 outputs of 8 tokens
 
 
 def test_bench_prediction_for_chains_of_varied_length():
