@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import pathlib
 
 import jax
@@ -58,6 +59,10 @@ def _logit(c):
     return jnp.log(c) - jnp.log1p(-c)
 
 
+SEQUENTIAL_DRAFTERS = ("draft_model", "eagle")
+"""Methods whose chain drafts one step per draft and stops drafting with the verify budget
+(``Budget.sequential``); Medusa, MTP and the block drafter draft the same whatever it decides."""
+
 POSITIONS = 16
 """Draft positions a Calibration holds a map for (the deepest block a block drafter makes);
 drafts deeper in a chain use the last position's."""
@@ -66,11 +71,16 @@ drafts deeper in a chain use the last position's."""
 def _per_position(value, mode: str, name: str) -> np.ndarray:
     """A calibration parameter as [POSITIONS] float64: a number (every position alike), or a
     list of one per position from the first (the last repeated to POSITIONS)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    numbers_only = not any(isinstance(v, (str, bytes, bool, np.bool_))
+                           for v in items)  # "2.5" or true in a file is not a number
     try:
-        x = np.atleast_1d(np.asarray(value, np.float64))
+        # float32, as the program holds it: 1e40 is inf there and 1e-50 is 0, both refused
+        with np.errstate(over="ignore"):
+            x = np.atleast_1d(np.asarray(value, np.float64)).astype(np.float32).astype(np.float64)
     except (TypeError, ValueError):
         x = np.zeros((0,))
-    if x.ndim != 1 or not 1 <= x.size <= POSITIONS:
+    if not numbers_only or x.ndim != 1 or not 1 <= x.size <= POSITIONS:
         raise ValueError(f"a calibration's {mode} {name} must be a number or a list of 1 to "
                          f"{POSITIONS} numbers (one per draft position), got {value!r}")
     return np.concatenate([x, np.full(POSITIONS - x.size, x[-1])])
@@ -177,9 +187,17 @@ def load_calibration(folder, model=None) -> Calibration | None:
     path = pathlib.Path(folder) / FILE
     if not path.is_file():
         return None
-    record = json.loads(path.read_text())
-    calibration = Calibration.from_json(record, str(path))
-    fitted_for = record.get("fitted_for") if isinstance(record, dict) else None
+    from .files import read_json_object
+    record = read_json_object(path, ": fit it again with `specjax train calibrate`, or remove it")
+    try:
+        calibration = Calibration.from_json(record, str(path))
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(message if str(path) in message else f"{path}: {message}") from None
+    fitted_for = record.get("fitted_for")
+    if fitted_for is not None and (not isinstance(fitted_for, dict) or not fitted_for):
+        raise ValueError(f"{path}: fitted_for must be the fingerprint of the drafter's weights "
+                         f"(a non-empty object), got {fitted_for!r}")
     if model is not None and fitted_for is not None:
         from .draft.heads import Heads, differing_weight
         if differing_weight(fitted_for, getattr(model, "model", model)) is not None:
@@ -237,12 +255,15 @@ class Budget:
     its forward. Numbers of a call, not of its program: ``generate`` passes them as data
     (``Tuning``), so other costs run the same compiled program.
 
-    A round verifying k >= 1 drafts costs o + c·k + v_n, where n + 1 is the narrowest of
-    ``loop_widths(γ)`` (1, 2, 3, 5, 9, ..., γ + 1) holding k + 1 tokens: the decode loop has a
-    forward of each of those widths only, so three drafts at γ = 8 are verified by the forward
-    over five tokens. One verifying none costs 1 + c (its draft still reads the newest token to
-    score draft 1, and nothing else of the round's fixed part runs in it: with ``idle_rounds``
-    the rounds after such rounds skip the draft too).
+    A round verifying k >= 1 drafts costs o + c·min(k + 1, γ) + v_n, where n + 1 is the
+    narrowest of ``loop_widths(γ)`` (1, 2, 3, 5, 9, ..., γ + 1) holding k + 1 tokens: the decode
+    loop has a forward of each of those widths only, so three drafts at γ = 8 are verified by
+    the forward over five tokens; below γ it has run the draft step that scored draft k + 1 to
+    decide not to verify it. One verifying none costs 1 + c (its draft still reads the newest
+    token to score draft 1, and nothing else of the round's fixed part runs in it: with
+    ``idle_rounds`` the rounds after such rounds skip the draft too). A drafter that is not
+    ``sequential`` (its drafting costs the same whatever the lengths: Medusa, MTP, the block
+    drafter) pays c once a round, verifying none included: o + c + v_n and 1 + c.
 
     The batch verifies as many draft positions as pay for themselves. Every row shares the
     forward's width (the verify forward is [B, width]), so the budget is a width. Before draft k
@@ -275,39 +296,51 @@ class Budget:
     # are then empty), so its decisions are those of the same numbers compiled in (None:
     # computed from the fields)
     table: Array | None = None
+    # True: one draft step per draft scored, skipped once the batch stops (a draft model,
+    # EAGLE); False: the drafting costs the same every round, however many drafts are verified
+    # (Medusa, MTP, the block drafter: ``draft_cost`` is then the whole round's drafting)
+    sequential: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @classmethod
     def of(cls, verify_costs, draft_cost: float = 0.0, gamma: int | None = None,
-           round_cost: float = 0.0) -> Budget:
+           round_cost: float = 0.0, sequential: bool = True) -> Budget:
         """Checked: γ + 1 finite costs > 0 (divided by the first), a draft cost and a round
         cost >= 0 (in the first's units already)."""
+        def real(x):
+            return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
         costs = tuple(verify_costs) if isinstance(verify_costs, (tuple, list)) else None
+        if costs is not None and all(real(x) and x > 0 for x in costs):
+            with np.errstate(over="ignore"):  # as the program holds them: float32, over the first
+                scaled = np.float32(np.asarray(costs, np.float64) / float(costs[0]))
         if (costs is None or len(costs) < 2 or (gamma is not None and len(costs) != gamma + 1)
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                           and np.isfinite(x) and x > 0 for x in costs)):
+                or not all(real(x) and np.isfinite(x) and x > 0 for x in costs)
+                or not np.all(np.isfinite(scaled) & (scaled > 0))):
             want = "γ + 1" if gamma is None else f"{gamma + 1} (γ + 1)"
             raise ValueError(f"verify_costs must be {want} finite costs > 0 (a target forward "
                              f"over 1, 2, ... tokens, in one-token steps), got {verify_costs!r}")
         for name, value, what in (("draft_cost", draft_cost, "one draft step"),
                                   ("round_cost", round_cost, "a round's fixed part")):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not np.isfinite(value) or value < 0):
+            if not real(value) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0 ({what} in target "
                                  f"steps), got {value!r}")
         return cls(tuple(float(x) / float(costs[0]) for x in costs), float(draft_cost),
-                   float(round_cost))
+                   float(round_cost), sequential=bool(sequential))
 
     def cost(self, k: int) -> float:
-        """A round verifying k >= 1 drafts: its fixed part, k draft steps and the forward of
+        """A round verifying k >= 1 drafts: its fixed part, its draft steps and the forward of
         the loop that verifies them, over the narrowest of ``loop_widths(γ)`` holding k + 1
         tokens (at γ = 8, three to seven drafts cost the forward over five or nine tokens);
-        verifying none (k = 0): a decode step and the one draft step that scored draft 1."""
+        verifying none (k = 0): a decode step and the draft step that scored draft 1. Draft
+        steps: min(k + 1, γ) when ``sequential`` (the rule stops after scoring draft k + 1,
+        which it then does not verify), else one round's drafting (``draft_cost``) whatever k."""
         if self.table is not None:
             return self.table[k]
         if k == 0:
             return self.verify_costs[0] + self.draft_cost
         width = next(w for w in loop_widths(self.gamma) if w > k)
-        return self.round_cost + self.draft_cost * k + self.verify_costs[width - 1]
+        steps = min(k + 1, self.gamma) if self.sequential else 1
+        return self.round_cost + self.draft_cost * steps + self.verify_costs[width - 1]
 
     @property
     def gamma(self) -> int:
@@ -542,20 +575,37 @@ def _fit_logistic(c: np.ndarray, y: np.ndarray, steps: int = 200,
                   weights: np.ndarray | None = None) -> tuple[float, float]:
     """(a, b) minimising the cross-entropy of sigmoid(a · logit(c) + b) against soft labels y
     in [0, 1] (each sample weighted by ``weights``, default 1), by Newton's method on the two
-    parameters; where the best a is below ``_MIN_SLOPE``, a is that and b the best for it."""
+    parameters, each step halved until the loss does not rise (a full Newton step from (1, 0)
+    can run away where many confidences sit at the same clipped logit); where the best a is
+    below ``_MIN_SLOPE``, a is that and b the best for it."""
     x = _np_logit(c)
     X = np.stack([x, np.ones_like(x)], axis=1)
     n = np.ones_like(x) if weights is None else np.asarray(weights, np.float64)
     n = n / n.sum()
+
+    def loss(w):  # the weighted cross-entropy, from the logits (stable at any size)
+        z = X @ w
+        return float(np.sum(n * (np.logaddexp(0.0, z) - y * z)))
+
     w = np.array([1.0, 0.0])
+    current = loss(w)
     for _ in range(steps):
         p = _sigmoid(X @ w)
         grad = X.T @ (n * (p - y))
         hess = (X * (n * p * (1 - p))[:, None]).T @ X + 1e-6 * np.eye(2)
         step = np.linalg.solve(hess, grad)
-        w = w - step
+        for _ in range(60):
+            tried = loss(w - step)
+            if tried <= current:
+                break
+            step = step / 2
+        else:
+            break  # no step lowers the loss: at the optimum to rounding
+        w, current = w - step, tried
         if np.abs(step).max() < 1e-9:
             break
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"the calibration fit did not converge (a, b = {w.tolist()})")
     if w[0] >= _MIN_SLOPE:
         return float(w[0]), float(w[1])
     # The best slope is not positive (confidence says nothing, or the wrong thing, here): the
@@ -750,8 +800,11 @@ def round_points(target, drafter, prompts: list[list[int]], *, method: str | Non
     out = generate(target, prompts, spec=spec, draft=_uncalibrated(drafter), key=seed,
                    sampling=SamplingParams(temperature=temperature,
                                            max_new_tokens=max_new_tokens))
-    return [np.asarray(bins, np.float64).reshape(-1, 3)
-            for bins in out.stats.reliability_by_draft_position]
+    points = [np.asarray(bins, np.float64).reshape(-1, 3)
+              for bins in out.stats.reliability_by_draft_position]
+    if len(points) > POSITIONS:  # a Calibration's last map serves every deeper position too
+        points = points[:POSITIONS - 1] + [np.concatenate(points[POSITIONS - 1:])]
+    return points
 
 
 MIN_POSITION_DRAFTS = 1000
@@ -910,7 +963,9 @@ def calibrate_main(argv=None) -> int:
                     help="teacher: the target's text, both models run over it once (draft "
                          "models; the default for them); rounds: real rounds of a γ-draft "
                          "chain with every draft verified (any drafter; the only way for heads)")
-    ap.add_argument("--gamma", type=int, default=4, help="--fit rounds: the chain's γ")
+    ap.add_argument("--gamma", type=int, default=None,
+                    help="--fit rounds: the chain's γ (default 4; positions past 16 share the "
+                         "16th's map)")
     ap.add_argument("--data", default="~/specjax-work",
                     help="the folder `specjax train pair data` wrote (corpus.json, heldout.npy)")
     ap.add_argument("--prompts", choices=("definitions", "windows"), default="definitions",
@@ -933,6 +988,19 @@ def calibrate_main(argv=None) -> int:
         ap.error("--heads fits on real rounds only (--fit rounds): heads draft from their own "
                  "features, which teacher forcing does not give")
     fit = args.fit or ("rounds" if args.heads else "teacher")
+    if args.gamma is not None and fit != "rounds":
+        ap.error("--gamma is the chain of --fit rounds; --fit teacher scores every position of "
+                 "the target's text")
+    args.gamma = 4 if args.gamma is None else args.gamma
+    for name in ("num_prompts", "prompt_tokens", "max_new_tokens", "gamma"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    least = 4 if fit == "rounds" else 2  # what calibrate_rounds and calibrate split
+    if args.num_prompts < least:
+        ap.error(f"--num-prompts must be >= {least} for --fit {fit} (half fit, half score), got "
+                 f"{args.num_prompts}")
+    if not args.temperature > 0:
+        ap.error(f"--temperature must be > 0 (the sampled rows' fit), got {args.temperature}")
     from .bundle import bundled
     from .checkpoint import load_model
     try:
@@ -942,9 +1010,6 @@ def calibrate_main(argv=None) -> int:
     except FileNotFoundError as e:
         ap.error(str(e))
     from .draft.draft_model import load_draft_model
-    for name in ("num_prompts", "prompt_tokens", "max_new_tokens", "gamma"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     data = pathlib.Path(args.data).expanduser()
     need = data / ("corpus.json" if args.prompts == "definitions" else "heldout.npy")
     if not need.is_file():

@@ -33,6 +33,7 @@ import numpy as np
 
 from . import files
 from .config import ModelConfig, RopeScaling
+from .files import read_json_object
 from .model import Model, init_model, stack_layers, unstack_layers
 
 log = logging.getLogger(__name__)
@@ -541,10 +542,7 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
              place: Callable[[tuple[str, ...], tuple[int, ...], Fetch, ModelConfig], Any]
              ) -> Model:
     config_path = folder / "config.json"
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
+    hf_config = read_json_object(config_path, error=CheckpointError)
     cfg = config_from_hf(hf_config, dtype, str(config_path))
     text_config, prefix = language_model(hf_config)
     fused = hf_config_architecture(text_config) == "Phi3ForCausalLM"

@@ -576,9 +576,10 @@ class SpecConfig:
         """The verify budget (``adaptive.Budget``, costs divided by the first), or None."""
         if self.verify_costs is None:
             return None
-        from .adaptive import Budget
+        from .adaptive import SEQUENTIAL_DRAFTERS, Budget
         return Budget.of(self.verify_costs, self.draft_cost or 0.0,
-                         round_cost=self.round_cost or 0.0)
+                         round_cost=self.round_cost or 0.0,
+                         sequential=self.method in SEQUENTIAL_DRAFTERS)
 
     def _synthetic_profile(self) -> tuple[float, ...]:
         """synthetic_acceptance as one α per draft position, checked."""

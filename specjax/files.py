@@ -63,6 +63,21 @@ def new_file_mode() -> int:
     return 0o666 & ~mask
 
 
+def read_json_object(path: str | os.PathLike, remedy: str = "",
+                     error: type[Exception] = ValueError) -> dict:
+    """The JSON object (a dict) in the file ``path``; ``error`` naming the file, with ``remedy``
+    after it, when the file is not valid JSON or holds something other than an object."""
+    import json
+    path = pathlib.Path(path)
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path} is not valid JSON ({e}){remedy}") from None
+    if not isinstance(record, dict):
+        raise error(f"{path} must hold a JSON object, got {type(record).__name__}{remedy}")
+    return record
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes,
                  writer: Callable[[pathlib.Path], None] | None = None) -> None:
     """Replace ``path`` with ``data`` (text is UTF-8) or with what ``writer(tmp)`` writes to a

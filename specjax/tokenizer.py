@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .files import read_json_object
+
 
 def _ids(value) -> tuple[int, ...]:
     if value is None:
@@ -109,10 +111,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         f = folder / name
         if not f.exists():
             continue
-        try:
-            d = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{f} is not valid JSON ({e})") from None
+        d = read_json_object(f)
         if name == "tokenizer_config.json":  # token strings, not ids
             for key in ("bos_token", "eos_token"):
                 tok = d.get(key)

@@ -3,6 +3,7 @@ chosen on the draft side only, greedy equality, lengths 0..γ in one round, no r
 bad input."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,34 @@ def test_calibration_is_order_preserving_and_round_trips(tmp_path):
     assert adaptive.load_calibration(tmp_path / "nothing") is None
     with pytest.raises(ValueError, match="a > 0 .* got \\(-1.0, 0.0\\)"):
         Calibration.of((-1.0, 0.0), (1.0, 0.0))
+
+
+def test_a_broken_calibration_file_is_refused_naming_it(tmp_path):
+    """calibration.json that is not JSON, not an object, holds strings or booleans where numbers
+    go, values float32 turns into inf or 0, or a fitted_for that is no fingerprint: a
+    ValueError naming the file, not a bare JSONDecodeError or AttributeError, or a map that
+    loads and fails later."""
+    good = Calibration.of((2.0, -0.5), (0.7, 0.3)).to_json()
+    path = tmp_path / adaptive.FILE
+    for text, message in (("{'greedy': 1}", "is not valid JSON"),
+                          ("", "is not valid JSON"),
+                          ("[1, 2]", "must hold a JSON object, got list"),
+                          (json.dumps({**good, "greedy": {"a": "2.5", "b": 0}}),
+                           "greedy a must be a number"),
+                          (json.dumps({**good, "greedy": {"a": True, "b": 0}}),
+                           "greedy a must be a number"),
+                          (json.dumps({**good, "sampled": {"a": 1e40, "b": 0}}),
+                           "sampled \\(a, b\\) must be finite"),
+                          (json.dumps({**good, "sampled": {"a": 1e-50, "b": 0}}),
+                           "sampled \\(a, b\\) must be finite with a > 0"),
+                          (json.dumps({**good, "fitted_for": "abc"}), "fitted_for must be"),
+                          (json.dumps({**good, "fitted_for": {}}), "fitted_for must be")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message) as raised:
+            adaptive.load_calibration(tmp_path)
+        assert str(path) in str(raised.value), raised.value
+    path.write_text(json.dumps(good))
+    np.testing.assert_allclose(adaptive.load_calibration(tmp_path).a[0, 0], 2.0)
 
 
 def test_a_calibration_holds_a_map_per_draft_position(tmp_path):
@@ -153,6 +182,42 @@ def test_the_fit_recovers_a_known_calibration():
     fitted = 1 / (1 + np.exp(-(a * np.log(c / (1 - c)) + b)))
     assert adaptive.expected_calibration_error(fitted, y) < 0.02
     assert adaptive.expected_calibration_error(c, y) > 0.05  # the raw confidence is not
+
+
+def test_the_fit_converges_where_many_confidences_sit_at_one():
+    """A peaked draft gives many confidences of exactly 1.0 in float32 (one clipped logit): a
+    plain Newton step from (1, 0) could run off to a ~ 1e6 there and save a map that predicts
+    1 for everything. The fit must do at least as well as the map the data were drawn from, on
+    the data's own cross-entropy."""
+    def loss(a, b, x, y):
+        z = a * x + b
+        return np.mean(np.logaddexp(0.0, z) - y * z)
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        sure = rng.random(4000) < rng.uniform(0.1, 0.7)
+        c = np.where(sure, 1 - 10 ** rng.uniform(-9, -2, 4000), rng.uniform(0.05, 0.95, 4000))
+        c = c.astype(np.float32).astype(np.float64)
+        x = adaptive._np_logit(c)
+        ta, tb = rng.uniform(0.3, 1.5), rng.uniform(-1, 2)
+        y = (rng.random(c.size) < 1 / (1 + np.exp(-(ta * x + tb)))).astype(float)
+        a, b = adaptive._fit_logistic(c, y)
+        assert loss(a, b, x, y) <= loss(ta, tb, x, y) + 1e-9, (seed, a, b, ta, tb)
+
+
+def test_rounds_deeper_than_a_calibration_holds_share_its_last_map(monkeypatch):
+    """A chain longer than POSITIONS (16) is fitted with its deeper drafts pooled into the
+    last position's points, the map they are predicted by (not a fit that fails at the end)."""
+    deep = [np.full((1, 3), [0.5, 0.5, float(k + 1)]) for k in range(20)]
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: type("Out", (), dict(
+        stats=type("Stats", (), dict(reliability_by_draft_position=deep)))))
+    points = adaptive.round_points(None, Calibration.identity(), [[1]], method="draft_model",
+                                   gamma=20, temperature=0.0)
+    assert len(points) == adaptive.POSITIONS
+    assert [p[0, 2] for p in points[:15]] == list(range(1, 16))
+    np.testing.assert_array_equal(points[-1][:, 2], np.arange(16, 21))
+    maps, _ = adaptive.fit_positions(points)
+    assert len(maps) == adaptive.POSITIONS
+    Calibration.of(([a for a, _ in maps], [b for _, b in maps]), (1.0, 0.0))  # fits in one
 
 
 def test_the_weighted_fit_recovers_a_known_calibration_from_bins():
@@ -703,7 +768,8 @@ def test_the_stats_score_the_calibration_on_the_calls_own_drafts(target):
 
 def test_bad_budgets_are_refused_by_name():
     for bad in ((1.0, 2.0), (1.0, -1.0, 2.0, 3.0, 4.0), (1.0, float("nan"), 1, 1, 1), "1,2",
-                (1.0, True, 1.0, 1.0, 1.0)):
+                (1.0, True, 1.0, 1.0, 1.0),
+                (1e-320, 1.0, 1.0, 1.0, 1.0)):  # over the first: inf in float32
         with pytest.raises(ValueError, match="verify_costs must be 5 \\(γ \\+ 1\\) finite"):
             sj.SpecConfig(num_speculative_tokens=4, verify_costs=bad)
     with pytest.raises(ValueError, match="draft_cost must be a finite number >= 0"):
@@ -721,6 +787,10 @@ def test_bad_budgets_are_refused_by_name():
     spec = sj.SpecConfig.parse('{"num_speculative_tokens": 2, "verify_costs": [2, 3, 4], '
                                '"draft_cost": 0.1, "round_cost": 0.3}')
     assert spec.budget == adaptive.Budget((1.0, 1.5, 2.0), 0.1, 0.3)
+    # numpy numbers (what a measurement gives) are numbers
+    spec = sj.SpecConfig(num_speculative_tokens=2, verify_costs=tuple(np.float32([2, 3, 4])),
+                         draft_cost=np.float32(0.25), round_cost=np.float64(0.5))
+    assert spec.budget == adaptive.Budget((1.0, 1.5, 2.0), 0.25, 0.5)
 
 
 def test_a_rounds_fixed_cost_is_paid_by_rounds_that_draft():
@@ -734,7 +804,7 @@ def test_a_rounds_fixed_cost_is_paid_by_rounds_that_draft():
     widths = []
     for o in (0.0, 0.3, 20.0):
         budget = adaptive.Budget.of([1.0, 1.5, 2.1, 2.8, 3.6], 0.02, round_cost=o)
-        assert budget.cost(0) == 1.02 and budget.cost(2) == o + 0.04 + 2.1
+        assert budget.cost(0) == 1.02 and budget.cost(2) == o + 0.06 + 2.1  # 3 draft steps
         valid = control_valid(scores, greedy, active, None, budget)
         ref = budget_reference(np.asarray(Calibration.identity().predict(scores, greedy)),
                                np.asarray(active), None, budget)
@@ -756,7 +826,7 @@ def test_a_round_is_charged_the_forward_its_loop_runs():
     held = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}  # k drafts: the forward over n + 1
     assert budget.cost(0) == pytest.approx(1.02)
     for k, n in held.items():
-        assert budget.cost(k) == pytest.approx(0.1 + 0.02 * k + v[n]), k
+        assert budget.cost(k) == pytest.approx(0.1 + 0.02 * min(k + 1, 8) + v[n]), k
     # the rule with it, rows equally confident: a round stops at the end of a loop's width
     # (charged k + 1 tokens, confidences 0.74, 0.8, 0.88 and 0.92 took 3, 3, 5 and 7 drafts)
     B, G = 4, 8
@@ -764,6 +834,46 @@ def test_a_round_is_charged_the_forward_its_loop_runs():
     for p, want in ((0.6, 2), (0.74, 2), (0.8, 4), (0.88, 4), (0.92, 8), (0.97, 8)):
         valid = control_valid(jnp.full((B, G), p, jnp.float32), greedy, active, None, budget)
         assert int(valid.sum(axis=1).max()) == want, (p, valid.sum(axis=1))
+
+
+def test_a_round_is_charged_the_draft_steps_it_runs(target):
+    """A draft model's round that verifies k < γ drafts has run k + 1 draft steps (the one
+    that scored draft k + 1 decided against it), γ at k = γ, and one at k = 0: what
+    Budget.cost charges, counted from the chain's own forwards over rounds of every length. A
+    drafter whose drafting costs the same every round (MTP, Medusa, the block drafter) is
+    charged it once, by rounds verifying no draft too."""
+    B, G = 1, 4
+    d = DraftModel(target, None, None)
+    prompts = jnp.asarray(np.random.default_rng(0).integers(0, 32, (B, 16)), jnp.int32)
+    sampling_arrays = SamplingArrays(temperature=jnp.zeros((B,)),
+                                     top_k=jnp.zeros((B,), jnp.int32), top_p=jnp.ones((B,)))
+    steps = {}  # drafts verified -> draft steps run
+    for c in (0.0, 0.05, 0.3):
+        budget = adaptive.Budget.of([1.0, 1.02, 1.04, 1.06, 1.08], c)
+        proposer = DraftModelProposer(target.config, G, budget=budget)
+        cache = proposer.init(d, prompts, jnp.full((B,), 4, jnp.int32), 32)
+        propose = jax.jit(proposer.propose, static_argnums=6)
+        for length in range(3, 15):
+            chain, _ = propose(d, cache, prompts, jnp.full((B,), length, jnp.int32),
+                               jax.random.split(jax.random.key(0), B), sampling_arrays,
+                               Filters(greedy=True), None)
+            k, run = int(chain.valid.sum()), int(chain.forwards)
+            steps.setdefault(k, set()).add(run)
+            if c:  # the budget's own charge for the draft steps of a round of k drafts
+                v = budget.verify_costs[next(w for w in adaptive.loop_widths(G) if w > k) - 1]
+                assert budget.cost(k) - (budget.round_cost if k else 0) - v == \
+                    pytest.approx(c * run), (k, run)
+    assert len(steps) >= 3 and all(v == {min(k + 1, G) if k else 1} for k, v in steps.items()), \
+        steps
+    spec = sj.SpecConfig(method="mtp", num_speculative_tokens=G,
+                         verify_costs=(1.0, 1.1, 1.2, 1.3, 1.4), draft_cost=0.2, round_cost=0.1)
+    fixed = spec.budget
+    assert not fixed.sequential and sj.SpecConfig(
+        method="eagle", num_speculative_tokens=G, verify_costs=(1.0, 1.1, 1.2, 1.3, 1.4)
+    ).budget.sequential
+    assert fixed.cost(0) == pytest.approx(1.2)
+    for k, n in ((1, 2), (2, 3), (3, 5), (4, 5)):
+        assert fixed.cost(k) == pytest.approx(0.1 + 0.2 + spec.verify_costs[n - 1]), k
 
 
 def test_a_partial_last_group_gets_the_rule_of_its_own_rows(monkeypatch):

@@ -407,7 +407,7 @@ def load_heads(path: str | os.PathLike, target: Model, *, same_target: bool = Tr
     (``specjax train heads --init``); such a drafter must not be used for decoding as is."""
     import orbax.checkpoint as ocp
 
-    from ..files import recover_folder
+    from ..files import read_json_object, recover_folder
     if not isinstance(target, Model):
         raise ValueError(f"target must be an sj.Model (sj.load_model), got "
                          f"{type(target).__name__}")
@@ -417,13 +417,8 @@ def load_heads(path: str | os.PathLike, target: Model, *, same_target: bool = Tr
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a drafter directory (no drafter.json); train one "
                                 f"with `specjax train heads`")
-    try:
-        record = json.loads(meta.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{meta} is not valid JSON ({e}); save the drafter again with "
-                         f"sj.save_heads or `specjax train heads`") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{meta} must hold a JSON object, got {type(record).__name__}")
+    record = read_json_object(meta, "; save the drafter again with sj.save_heads or `specjax "
+                                    "train heads`")
     missing = [k for k in ("target", "method", "num_heads", "dtype") if k not in record]
     if missing and record.get("format_version") == FORMAT_VERSION:
         raise ValueError(f"{meta} lacks {missing}; save the drafter again")
