@@ -756,6 +756,18 @@ def shaped_drafters(name: str, target: Model, needs_draft: bool, heads: list[str
     return draft, drafters
 
 
+def finite_json(value):
+    """``value`` with every NaN or infinite float replaced by None, so ``json.dumps`` writes
+    standard JSON (``null``: a figure that does not apply to the row) that every parser reads."""
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if np.isfinite(value) else None
+    return value
+
+
 def _check_args(args) -> None:
     """Refuse bad settings by their flag before anything loads, compiles or runs: each
     temperature's sampling settings, every batch size, trees where no method takes them (and
@@ -779,6 +791,17 @@ def _check_args(args) -> None:
     if args.json and not pathlib.Path(args.json).resolve().parent.is_dir():
         raise ValueError(f"--json {args.json}: the folder {pathlib.Path(args.json).parent} "
                          f"does not exist")
+    if args.json and pathlib.Path(args.json).is_dir():
+        raise ValueError(f"--json {args.json} is a folder: give the file to write")
+    plots_dir = getattr(args, "plots", None)
+    if plots_dir and pathlib.Path(plots_dir).exists() and not pathlib.Path(plots_dir).is_dir():
+        raise ValueError(f"--plot {plots_dir} is a file: give the folder to write the PNGs to")
+    for b in getattr(args, "roofline_batches", None) or ():
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"--roofline-batches values must be ints >= 1, got {b!r}")
+    if getattr(args, "suffix_cache", None) is not None and args.suffix_cache < 1:
+        raise ValueError(f"--suffix-cache must be a number of tokens >= 16 (leave it out for "
+                         f"no cache), got {args.suffix_cache}")
 
 
 def main(args) -> int:
@@ -827,7 +850,7 @@ def main(args) -> int:
                  if needs_draft else None)
         drafters = {m: load_heads(getattr(args, m, None) or bundled(f"code-{m}"), target)
                     for m in heads}
-    if "suffix" in methods and getattr(args, "suffix_cache", None):
+    if "suffix" in methods and getattr(args, "suffix_cache", None) is not None:
         drafters["suffix"] = SuffixCache(args.suffix_cache)  # the prompts' outputs, in order
     specs = []
     for m in methods:
@@ -901,13 +924,14 @@ def main(args) -> int:
             result["settings"]["draft_tokenizer_level"] = "string"
         print(format_table(result), flush=True)
         results.append(result)
+    if args.json:  # before the plots: a figure that fails to draw loses no numbers
+        out = results[0] if len(results) == 1 else {"runs": results}
+        pathlib.Path(args.json).write_text(json.dumps(finite_json(out), indent=1,
+                                                      allow_nan=False) + "\n")
+        print(f"\nwrote {args.json}")
     if getattr(args, "plots", None):
         from . import plots
         for path in plots.write(results, args.plots):
             print(f"wrote {path}")
-    if args.json:
-        out = results[0] if len(results) == 1 else {"runs": results}
-        pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
-        print(f"\nwrote {args.json}")
     return 0 if all(r.get("identical_to_autoregressive", True)
                     for result in results for r in result["rows"]) else 1

@@ -183,12 +183,14 @@ def _generate(args) -> int:
     compile_seconds = {}
     for name, s, d in runs:  # compiling takes seconds: say so instead of staying silent
         print(f"compiling the {name} program...", end="", file=sys.stderr, flush=True)
+        _PROGRESS[0] = True  # a refusal from here on starts a line of its own
         done = warmup(target, prompt_tokens=len(tok.encode(args.prompt)), sampling=sampling,
                       spec=s, draft=d, max_cache_len=args.max_cache_len,
                       stream=name == runs[0][0] and not args.no_stream)
         compile_seconds[name] = done.compile_seconds
         print(f" done in {done.compile_seconds:.1f} s (cache capacity {done.capacity} tokens)",
               file=sys.stderr, flush=True)
+        _PROGRESS[0] = False
     shown_name = runs[0][0]
     first = {}
     if not args.no_stream:  # the shown run's text as it is written, then the others
@@ -501,6 +503,15 @@ TRAIN_HELP = """usage: specjax train {pair,heads,calibrate} ...
       fit a drafter's confidence calibration; `specjax train calibrate --help`"""
 
 
+_PROGRESS = [False]  # whether stderr is in the middle of a "compiling ..." line
+
+
+def _end_progress_line() -> None:
+    if _PROGRESS[0]:
+        print(file=sys.stderr, flush=True)
+        _PROGRESS[0] = False
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -520,28 +531,33 @@ def main(argv=None) -> int:
         parser.error("specjax train needs one of pair, heads, calibrate (got "
                      + (repr(argv[1]) if argv[1:] else "none") + ")\n" + TRAIN_HELP)
     args = parser.parse_args(argv)
+    # errors in the words of the subcommand's own parser ("specjax bench: error: ...")
+    command = next((a.choices[args.command] for a in parser._actions
+                    if isinstance(a, argparse._SubParsersAction)
+                    and args.command in a.choices), parser)
     if args.command == "generate":
         try:
             _default_models(args)
             return _generate(args)
-        except (ValueError, FileNotFoundError) as e:
-            parser.error(str(e))
+        except (ValueError, OSError) as e:
+            _end_progress_line()
+            command.error(str(e))
     if args.command == "bench":
         from .bench import main as bench_main
         try:
             return bench_main(args)
-        except (ValueError, FileNotFoundError) as e:
-            parser.error(str(e))
+        except (ValueError, OSError) as e:
+            command.error(str(e))
     if args.command == "demo":
         if args.repeats < 1:
-            parser.error(f"--repeats must be >= 1, got {args.repeats}")
+            command.error(f"--repeats must be >= 1, got {args.repeats}")
         if not 1 <= args.draft_layers < DEMO_TARGET.num_hidden_layers:
-            parser.error(f"--draft-layers must be in [1, {DEMO_TARGET.num_hidden_layers - 1}], "
-                         f"got {args.draft_layers}")
+            command.error(f"--draft-layers must be in [1, {DEMO_TARGET.num_hidden_layers - 1}], "
+                          f"got {args.draft_layers}")
         try:
             return _demo(args)
         except ValueError as e:
-            parser.error(str(e))
+            command.error(str(e))
     return 0
 
 

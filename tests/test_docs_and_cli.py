@@ -254,7 +254,9 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path, monkeypatch
     printed = capsys.readouterr().out
     assert "per-position acceptance" in printed and "of the roofline" in printed
     assert "identical to autoregressive on every prompt: True" in printed
-    result = json.loads(out.read_text())
+    def no_constants(name):
+        raise AssertionError(f"{name} in the JSON: not standard JSON")
+    result = json.loads(out.read_text(), parse_constant=no_constants)
     assert result["settings"]["prompts"] == 2 and result["machine"]["cpu_count"] >= 1
     assert result["settings"]["dtype"] == (
         compute_dtype("auto", jax.default_backend()) or "float32")  # tiny models are float32
@@ -311,7 +313,7 @@ def test_bench_json_has_every_field(model_folders, capsys, tmp_path, monkeypatch
                 r["accepted_tokens"] / (r["accepted_tokens"] + r["rounds"] - full))
         else:  # the formula is for chains: a tree's prediction starts from its measured length
             assert r["tree"] == [[0], [1], [0, 0]] and r["depth"] == 2 and r["verify_tokens"] == 4
-            assert np.isnan(r["predicted_speedup"])
+            assert r["predicted_speedup"] is None
             assert r["predicted_speedup_with_verify_cost"] == pytest.approx(
                 r["mean_accepted_length"] / (r["gamma"] * r["c"] + r["verify_cost"]))
     assert all(r["identical_to_autoregressive"] for r in rows if r["temperature"] == 0)
@@ -360,8 +362,8 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
         scored = run["rows"][1]  # the adaptive chain: its predictions against its verdicts
         assert bool(scored["reliability"]) == (scored["proposed_tokens"] > 0)
         assert sum(n for _, _, n in scored["reliability"]) <= scored["proposed_tokens"]
-        assert run["rows"][0]["reliability"] == [] and np.isnan(run["rows"][0][
-            "calibration_error"])
+        # a figure that does not apply is null (standard JSON: no NaN)
+        assert run["rows"][0]["reliability"] == [] and run["rows"][0]["calibration_error"] is None
         # one TPOT per generate call: 2 prompts (one a call at batch 1), 1 repeat
         calls = 2 // run["settings"]["batch_size"]
         assert all(len(r["tpot_samples_ms"]["spec"]) == len(r["tpot_samples_ms"]["ar"]) == calls
@@ -383,8 +385,8 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
     step = adaptive["target_step_ms"]
     assert adaptive["c"] == pytest.approx(adaptive["propose_ms"] / step
                                           / max(adaptive["mean_proposed"], 1e-9))
-    assert np.isnan(adaptive["predicted_speedup"])
-    assert np.isnan(adaptive["predicted_speedup_with_verify_cost"])
+    assert adaptive["predicted_speedup"] is None
+    assert adaptive["predicted_speedup_with_verify_cost"] is None
     # the budget rows, their costs measured at this batch size
     assert cli.main([*common, "--batch-size", "2", "--verify-budget", "--without-rests",
                      "--json", str(out)]) == 0
@@ -531,11 +533,20 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path, monkeypatch):
                           (["--top-p", "1.5"], "top_p must be in [1.2e-38, 1]"),
                           (["--method", "ngram", "--tree", "[[0]]"],
                            "--tree is not supported by method 'ngram'"),
-                          (["--json", str(tmp_path / "none" / "x.json")], "does not exist")]:
-        with pytest.raises(SystemExit):
+                          (["--json", str(tmp_path / "none" / "x.json")], "does not exist"),
+                          (["--json", str(tmp_path)], "is a folder: give the file"),
+                          (["--plot", str(tmp_path / "a-file")], "is a file: give the folder"),
+                          (["--roofline", "--roofline-batches", "0"],
+                           "--roofline-batches values must be ints >= 1, got 0"),
+                          (["--method", "suffix", "--suffix-cache", "0"],
+                           "--suffix-cache must be a number of tokens >= 16")]:
+        (tmp_path / "a-file").write_text("")
+        with pytest.raises(SystemExit) as e:
             cli.main(["bench", "--target", str(model_folders / "t"), "--draft",
                       str(model_folders / "d")] + argv)
-        assert message in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, argv
+        assert "specjax bench: error:" in err  # the subcommand's own parser, its usage line
 
 
 def test_train_help_and_bad_subcommands(capsys):
@@ -605,7 +616,14 @@ def test_train_calibrate_names_missing_inputs(capsys, tmp_path):
     assert e.value.code == 2 and f"--out {tmp_path / 'a-file' / 'cal'}:" in \
         capsys.readouterr().err
     for extra, message in ((["--draft", "a", "--heads", "b"], "give --draft or --heads"),
-                           (["--heads", "b", "--fit", "teacher"], "--heads fits on real rounds")):
+                           (["--heads", "b", "--fit", "teacher"], "--heads fits on real rounds"),
+                           (["--gamma", "8"], "--gamma is the chain of --fit rounds"),
+                           (["--fit", "rounds", "--gamma", "0"], "--gamma must be >= 1, got 0"),
+                           (["--fit", "rounds", "--num-prompts", "3"],
+                            "--num-prompts must be >= 4 for --fit rounds"),
+                           (["--num-prompts", "1"], "--num-prompts must be >= 2 for --fit teacher"),
+                           (["--temperature", "0"], "--temperature must be > 0"),
+                           (["--temperature", "nan"], "--temperature must be > 0")):
         with pytest.raises(SystemExit) as e:
             cli.main(["train", "calibrate", "--data", str(tmp_path), *extra])
         assert e.value.code == 2 and message in capsys.readouterr().err

@@ -241,6 +241,37 @@ def data_folder(folder, tokens):
     return folder
 
 
+def test_train_heads_refuses_bad_settings_before_training(target, trained, tmp_path, capsys):
+    """`specjax train heads` with a setting it cannot train with: a one-line error naming the
+    flag, exit 2, before any training (was: a traceback, a failure after training for
+    --save-dtype, or a loss of NaN and exit 0 for a --seq-len too short for the deepest head)."""
+    from specjax.train.heads import heads_main
+    sj.save_model(target, tmp_path / "t")
+    data = data_folder(tmp_path / "data", trained["tokens"])
+    base = ["--target", str(tmp_path / "t"), "--data", str(data), "--workdir",
+            str(tmp_path / "w"), "--steps", "1", "--batch-size", "2"]
+    for argv, message in ((["medusa", "--steps", "0"], "--steps must be >= 1, got 0"),
+                          (["medusa", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+                          (["medusa", "--num-heads", "0"], "--num-heads must be >= 1, got 0"),
+                          (["medusa", "--minutes", "0"], "--minutes must be > 0, got 0.0"),
+                          (["medusa", "--learning-rate", "nan"], "--learning-rate must be"),
+                          (["medusa", "--seq-len", "1"], "--seq-len must be >= 6 for medusa"),
+                          (["mtp", "--num-heads", "3", "--seq-len", "4"],
+                           "--seq-len must be >= 5 for mtp"),
+                          (["dflash", "--block-size", "8", "--seq-len", "9"],
+                           "--seq-len must be >= 10 for dflash"),
+                          (["eagle", "--seq-len", "2"], "--seq-len must be >= 3 for eagle"),
+                          (["dflash", "--taps", "1,,x"], "comma-separated layer indices"),
+                          (["dflash", "--taps", "3,1"], "ascending distinct layer indices"),
+                          (["dflash", "--taps", "99"], "--taps must be layers of the target"),
+                          (["medusa", "--save-dtype", "bogus"], "invalid choice: 'bogus'")):
+        with pytest.raises(SystemExit) as e:
+            heads_main([argv[0], *base, *argv[1:]])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, (argv, err)
+        assert not (tmp_path / "w").exists(), argv  # nothing trained, not even a folder made
+
+
 def test_init_continues_a_drafter_for_a_target_trained_further(target, trained, tmp_path):
     """`specjax train heads --init`: a drafter trained for an earlier version of the target (the
     same sizes, other weights) is refused for decoding, but training can start from its weights;

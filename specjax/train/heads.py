@@ -336,6 +336,18 @@ def heldout_loss_by_position(drafter: Heads, target: Model, tokens: np.ndarray,
                for i, (lo, hi) in enumerate(bins)}}
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """--taps: comma-separated layer indices, ascending and distinct."""
+    import argparse
+    try:
+        taps = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated layer indices, got {text!r}") from None
+    if list(taps) != sorted(set(taps)):
+        raise argparse.ArgumentTypeError(f"ascending distinct layer indices, got {text!r}")
+    return taps
+
+
 def heads_main(argv=None) -> int:
     """``specjax train heads``: train, then save the drafter next to its target."""
     import argparse
@@ -380,20 +392,30 @@ def heads_main(argv=None) -> int:
     ap.add_argument("--block-size", type=int,
                     help="dflash: the most drafts a block makes (seq-len must exceed it by 2; "
                          "default 16)")
-    ap.add_argument("--taps", help="dflash: target layers it reads, e.g. 1,3,5 (default: three "
-                                   "spread to the last)")
+    ap.add_argument("--taps", type=_layer_list,
+                    help="dflash: target layers it reads, e.g. 1,3,5 (default: three spread to "
+                         "the last)")
     ap.add_argument("--generated", help="a folder of the target's own text (chunk-*.npy rows, "
                                         "as `specjax train pair draft-gen` writes into "
                                         "W/draft-gen-text): every other step trains on "
                                         "--generated-rows of them")
     ap.add_argument("--generated-rows", type=int, default=8,
                     help="rows of --generated a step (default 8)")
-    ap.add_argument("--save-dtype", default="bfloat16")
+    ap.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--verbose", action="store_true",
                     help="also show the INFO logs of orbax and absl")
     from ..cli import show_defaults
     args = show_defaults(ap).parse_args(argv)
     configure_logging(args.verbose)
+    for name in ("steps", "batch_size", "seq_len", "generated_rows", "num_heads", "num_layers",
+                 "block_size", "draft_vocab_size", "intermediate_size", "layer_width"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.minutes is not None and not args.minutes > 0:
+        ap.error(f"--minutes must be > 0, got {args.minutes}")
+    if not (np.isfinite(args.learning_rate) and args.learning_rate > 0):
+        ap.error(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
     workdir = pathlib.Path(args.workdir).expanduser()
     data = pathlib.Path(args.data).expanduser()
     missing = [n for n in ("train.npy", "heldout.npy") if not (data / n).is_file()]
@@ -438,6 +460,18 @@ def heads_main(argv=None) -> int:
     args.num_heads = 4 if args.num_heads is None else args.num_heads
     args.num_layers = 2 if args.num_layers is None else args.num_layers
     args.block_size = 16 if args.block_size is None else args.block_size
+    # the deepest draft must have a position to learn from in every sequence (a shorter one
+    # trained to a loss of NaN)
+    shaped = init.config if init is not None else args
+    deepest = {"medusa": shaped.num_heads, "mtp": shaped.num_heads,
+               "dflash": shaped.block_size}.get(args.method, 1)
+    if args.seq_len < deepest + 2:
+        ap.error(f"--seq-len must be >= {deepest + 2} for {args.method} (its deepest draft, "
+                 f"{deepest}, plus 2), got {args.seq_len}")
+    if args.taps is not None and not all(0 <= t < target.config.num_hidden_layers
+                                         for t in args.taps):
+        ap.error(f"--taps must be layers of the target, in [0, "
+                 f"{target.config.num_hidden_layers}), got {','.join(map(str, args.taps))}")
     generated = None
     if args.generated:
         chunks = sorted(pathlib.Path(args.generated).expanduser().glob("chunk-*.npy"))
@@ -454,7 +488,7 @@ def heads_main(argv=None) -> int:
         draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
         num_layers=args.num_layers, block_size=args.block_size, layer_width=args.layer_width,
         ce_weight=args.ce_weight, reg_weight=args.reg_weight,
-        taps=None if args.taps is None else tuple(int(t) for t in args.taps.split(",")),
+        taps=args.taps,
         heldout=heldout, init=init, generated=generated, generated_rows=args.generated_rows,
         max_seconds=None if args.minutes is None else args.minutes * 60,
         on_eval=eval_log(workdir / "evals.jsonl"))
@@ -616,7 +650,7 @@ def model_card(out: pathlib.Path, drafter: Heads, args, cfg: TrainConfig, histor
                + (f" --ce-weight {args.ce_weight:g}" if args.ce_weight != 0.5 else "")
                + (f" --reg-weight {args.reg_weight:g}" if args.reg_weight != 1.0 else "")
                + (f" --num-layers {args.num_layers} --block-size {args.block_size}"
-                  + (f" --taps {args.taps}" if args.taps else "")
+                  + (f" --taps {','.join(map(str, args.taps))}" if args.taps else "")
                   if c.method == "dflash" and not args.init else "")
                + f" --out {args.out}")
     return CARD.format(
