@@ -10,7 +10,7 @@
 import warnings as _warnings
 
 # Building blocks (pure functions, usable on their own)
-from . import draft, roofline, sampling, shapes, theory, verify
+from . import draft, roofline, sampling, shapes, testing, theory, verify
 from .bundle import bundled
 from .cache import KVCache
 
@@ -65,7 +65,7 @@ __all__ = [
     "generate", "Generation", "Logprobs", "NonFiniteError", "stream", "StreamChunk", "warmup",
     "Warmup", "Stats",
     "make_mesh", "shard", "set_compilation_cache",
-    "sampling", "verify", "theory", "draft", "shapes", "roofline",
+    "sampling", "verify", "theory", "draft", "shapes", "roofline", "testing",
 ]
 
 # Old names, kept for one version: each use warns with the new name.

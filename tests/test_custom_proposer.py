@@ -100,6 +100,55 @@ def test_a_dishonest_q_fails_the_same_test(models):  # noqa: F811
     assert g_test(samples, exact_joint(target, 1.0, 0, 1.0)) < 1e-6
 
 
+# -- sj.testing: the same check, offered to users ----------------------------------------------
+
+@pytest.mark.parametrize("settings", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0.0, 0, 1.0)])
+def test_the_offered_exact_joint_is_the_suites(models, settings):  # noqa: F811
+    from conftest import ref_process
+    target, _ = models
+    t, k, p = settings
+    sampling = sj.SamplingParams(temperature=t, top_k=k, top_p=p)
+    joint = sj.testing.exact_joint(target, PROMPT, sampling)
+    np.testing.assert_allclose(joint, exact_joint(target, t, k, p), rtol=1e-9, atol=1e-15)
+    assert joint.sum() == pytest.approx(1.0)
+    logits = np.random.default_rng(0).normal(size=(6, 8)) * 3
+    np.testing.assert_allclose(sj.testing.reference_probs(logits, t, k, p),
+                               ref_process(logits, t, k, p), rtol=1e-12)
+
+
+def test_the_offered_p_value_is_the_chi_squared_laws():
+    import scipy.stats
+    for x, df in ((0.5, 1), (3.0, 2), (30.0, 20), (80.0, 40), (400.0, 300), (5.0, 100)):
+        assert sj.testing._chi2_sf(x, df) == pytest.approx(scipy.stats.chi2.sf(x, df),
+                                                           rel=1e-9, abs=1e-300)
+
+
+def test_the_guides_lossless_check_runs_as_written_and_catches_a_dishonest_q(models):  # noqa: F811
+    """The guide's sj.testing block passes its honest proposer; the same call with a proposer
+    that reports the uniform q fails; a draw the target cannot make (cut by top-k) gives 0."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    block = next(b for b in blocks if "sj.testing.lossless_pvalue" in b)
+    scope = dict(EXAMPLE)
+    exec(compile("\n".join(line[3:] for line in block.splitlines()), str(DOC), "exec"), scope)
+    assert scope["p"] > 1e-6
+    target, _ = models
+    sampling = sj.SamplingParams(temperature=0.8, top_k=5)
+    lying = sj.testing.lossless_pvalue(target, PROMPT, sampling=sampling,
+                                       proposer=ClaimsUniformQ(gamma=2), draft=SKEWED)
+    assert lying < 1e-6, lying
+    joint = sj.testing.exact_joint(target, PROMPT, sampling)
+    likely = np.array(np.unravel_index(np.argmax(joint), joint.shape))
+    impossible = np.argwhere(joint == 0)[0]
+    assert sj.testing.g_test(np.array([likely] * 99), joint) > 0
+    assert sj.testing.g_test(np.array([likely] * 99 + [impossible]), joint) == 0.0
+    with pytest.raises(ValueError, match="give a temperature > 0"):
+        sj.testing.lossless_pvalue(target, PROMPT, sampling=sj.SamplingParams(temperature=0))
+    big = sj.init_model(sj.ModelConfig(vocab_size=300, hidden_size=8, intermediate_size=16,
+                                       num_hidden_layers=1, num_attention_heads=1), 0)
+    with pytest.raises(ValueError, match="300 \\*\\* 3 = 27,000,000 sequences"):
+        sj.testing.exact_joint(big, PROMPT, sampling)
+
+
 # -- the registry -----------------------------------------------------------------------------
 
 @pytest.fixture
