@@ -157,6 +157,13 @@ def _generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens,
                               stop=[_unescape(x) for x in args.stop] if args.stop else None)
+    if args.compare and spec is None:
+        raise ValueError("--compare sets speculative decoding beside autoregressive decoding: "
+                         "give a speculative --method (got none)")
+    if args.draft and not (spec is not None and (spec.needs_draft_model or spec.needs_heads)):
+        raise ValueError(f"--draft {args.draft}: method "
+                         f"{'none' if spec is None else repr(spec.method)} drafts without a "
+                         f"model; drop --draft")
     from .engine import _as_key
     _as_key(args.seed)  # a bad seed is refused before anything loads or compiles
     target = load_model(args.target, dtype=args.dtype)
@@ -173,6 +180,16 @@ def _generate(args) -> int:
     elif spec is not None and spec.needs_heads:
         from .draft import load_heads
         draft = load_heads(args.draft or bundled(f"code-{spec.method}"), target)
+    from .engine import build_proposer, check_request
+    check_request(target, [args.prompt], sampling, tok, True)  # its length, before compiling
+    if spec is not None:  # the method's own checks of its draft, before anything compiles
+        try:
+            build_proposer(spec, None, draft, target.config)  # what generate builds first
+        except ValueError as e:
+            where = (f"--draft {args.draft}" if args.draft else
+                     f"the default draft of --method {spec.method} (a bundled one, for the "
+                     f"bundled target; give --draft DIR)")
+            raise ValueError(f"{where}: {e}") from None
     runs = [("speculative" if spec else "autoregressive", spec, draft)]
     if args.compare and spec is not None:
         runs.append(("autoregressive", None, None))

@@ -100,10 +100,11 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     # streamed as it is written (the default) or printed at the end: the same text
     assert cli.main(base + ["--no-stream"]) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
-    assert cli.main(base + ["--method", "none"]) == 0
+    modelless = base[:3] + base[5:]  # no --draft: refused where the method drafts without one
+    assert cli.main(modelless + ["--method", "none"]) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
-    assert cli.main(base + ["--speculative-config", '{"method": "ngram", '
-                                                     '"num_speculative_tokens": 3}']) == 0
+    assert cli.main(modelless + ["--speculative-config", '{"method": "ngram", '
+                                                          '"num_speculative_tokens": 3}']) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
     assert cli.main(base + ["--speculative-config", '{"tree": [[0], [1], [0, 0]]}']) == 0
     assert capsys.readouterr().out.split("\n\n")[0] == spec_text
@@ -113,8 +114,8 @@ def test_generate_command_matches_method_none(model_folders, capsys):
         {"model": str(model_folders / "d"), "num_speculative_tokens": 3})]) == 0
     out = capsys.readouterr().out
     assert out.split("\n\n")[0] == spec_text and "acceptance rate" in out
-    ngram = base + ["--method", "ngram", "--num-speculative-tokens", "8", "--prompt-lookup-min",
-                    "1"]
+    ngram = modelless + ["--method", "ngram", "--num-speculative-tokens", "8",
+                         "--prompt-lookup-min", "1"]
     figures = {}
     for extra in ([], ["--prompt-lookup-length-factor", "0.5"]):
         assert cli.main(ngram + extra) == 0
@@ -128,7 +129,7 @@ def test_generate_command_matches_method_none(model_folders, capsys):
         cli.main(base + ["--compare", "--repeats", "0"])
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(base + ["--method", "ngram", "--prompt-lookup-length-factor", "-1"])
+        cli.main(modelless + ["--method", "ngram", "--prompt-lookup-length-factor", "-1"])
     assert "prompt_lookup_length_factor must be a finite number > 0 or None, got -1.0" in (
         capsys.readouterr().err)
 
@@ -220,11 +221,26 @@ def test_generate_command_errors(model_folders, capsys, tmp_path):
     assert "must be a draft folder path, got 3" in capsys.readouterr().err
     for argv, message in [(["--seed", str(2 ** 64)], "key seed 18446744073709551616"),
                           (["--prompt", ""], "--prompt '' encodes to no tokens"),
-                          (["--stop", "\\x"], "--stop '\\\\x': a bad escape")]:
+                          (["--stop", "\\x"], "--stop '\\\\x': a bad escape"),
+                          (["--method", "ngram"], "method 'ngram' drafts without a model; drop "
+                                                  "--draft"),
+                          (["--method", "none", "--compare"], "give a speculative --method")]:
         with pytest.raises(SystemExit):
             cli.main(["generate", "--target", str(model_folders / "t"), "--draft",
                       str(model_folders / "d")] + argv)
         assert message in capsys.readouterr().err, argv
+    # the draft a method gets by default does not fit a target of one's own: said before
+    # anything compiles, naming the flag to give
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--target", str(model_folders / "t"), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "compiling" not in err
+    assert "the default draft of --method draft_model (a bundled one, for the bundled target; " \
+           "give --draft DIR): draft vocab_size 8192 != target vocab_size 300" in err, err
+    with pytest.raises(SystemExit):  # longer than the target's context
+        cli.main(["generate", "--target", str(model_folders / "t"), "--method", "ngram"])
+    err = capsys.readouterr().err
+    assert "compiling" not in err and "beyond the target's max_position_embeddings=128" in err
 
 
 BENCH_FIELDS = {
