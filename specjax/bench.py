@@ -882,6 +882,9 @@ def main(args) -> int:
                 specs += [dataclasses.replace(spec, survival_threshold=t) for t in thresholds]
         if kinds[m].tree:
             specs += [SpecConfig(method=m, tree=_tree_json(tree)) for tree in args.tree or ()]
+    if not specs:
+        raise ValueError("nothing to compare: --gammas gives no γ (or none the drafters can "
+                         "draft) and no --tree was given")
     batches = getattr(args, "batch_size", None) or [1]
     budget = getattr(args, "verify_budget", False)
     if budget and not any(s.survival_threshold is not None for s in specs):

@@ -270,6 +270,8 @@ def _generate(args) -> int:
                   "there a verify forward and a one-token step may choose apart)" if at_tie else
                   "(the texts part where the target's choice is clear: not rounding; please "
                   "report this)")
+            if not at_tie:
+                return 1
     return 0
 
 
@@ -340,20 +342,27 @@ def _add_generate(sub) -> None:
 
 def _numbers(kind, allow_empty: bool = False):
     def parse(text: str):
+        items = [x.strip() for x in text.split(",")] if text.strip() else []
+        if "" in items:
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
         try:
-            values = [kind(x) for x in text.split(",") if x.strip()]
+            values = [kind(x) for x in items]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, "
                                              f"got {text!r}") from None
         if not values and not allow_empty:
             raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
+        if len(set(values)) < len(values):
+            raise argparse.ArgumentTypeError(f"a value given twice in {text!r}")
         return values
     return parse
 
 
 def _methods(text: str) -> list[str]:
     METHODS = draft_methods()
-    methods = [m.strip() for m in text.split(",") if m.strip()]
+    methods = [m.strip() for m in text.split(",")]
+    if "" in methods or len(set(methods)) < len(methods):
+        raise argparse.ArgumentTypeError(f"an empty item or a method given twice in {text!r}")
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise argparse.ArgumentTypeError(f"unknown method(s) {bad or text!r}; known: "

@@ -144,8 +144,8 @@ def test_a_draft_folder_with_a_draft_vocabulary(model_folders, capsys, tmp_path)
     base = ["generate", "--target", str(model_folders / "t"), "--draft", str(folder),
             "--max-new-tokens", "12"]
     texts = []
-    for extra in ([], ["--full-draft-vocab"], ["--method", "none"]):
-        assert cli.main(base + extra) == 0
+    for argv in (base, base + ["--full-draft-vocab"], base[:3] + base[5:] + ["--method", "none"]):
+        assert cli.main(argv) == 0
         texts.append(capsys.readouterr().out.split("\n\n")[0])
     assert texts[0] == texts[1] == texts[2]
     for extra, size, restricted in ([], 100, True), (["--full-draft-vocab"], 300, False):
@@ -537,7 +537,10 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path, monkeypatch):
                           (["--gammas", "x"], "comma-separated ints"),
                           (["--tree", "[[0, 0]]"], "has no parent"),
                           (["--tree", "[[0"], "--tree is not valid JSON"),
-                          (["--gammas", ""], "specs is empty"),
+                          (["--gammas", ""], "nothing to compare: --gammas gives no γ"),
+                          (["--gammas", "2,,4"], "an empty item in '2,,4'"),
+                          (["--gammas", "2,2"], "a value given twice in '2,2'"),
+                          (["--method", "draft_model,draft_model"], "given twice"),
                           (["--repeats", "0"], "repeats must be an int >= 1"),
                           (["--verify-repeats", "0"], "verify_repeats must be an int >= 1"),
                           (["--num-prompts", "0"], "--num-prompts must be >= 1"),

@@ -253,7 +253,8 @@ def test_train_heads_refuses_bad_settings_before_training(target, trained, tmp_p
     for argv, message in ((["medusa", "--steps", "0"], "--steps must be >= 1, got 0"),
                           (["medusa", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
                           (["medusa", "--num-heads", "0"], "--num-heads must be >= 1, got 0"),
-                          (["medusa", "--minutes", "0"], "--minutes must be > 0, got 0.0"),
+                          (["medusa", "--minutes", "-1"], "--minutes must be >= 0 (0: one "
+                                                          "step), got -1.0"),
                           (["medusa", "--learning-rate", "nan"], "--learning-rate must be"),
                           (["medusa", "--seq-len", "1"], "--seq-len must be >= 6 for medusa"),
                           (["mtp", "--num-heads", "3", "--seq-len", "4"],

@@ -394,6 +394,29 @@ def test_the_cards_rebuild_chain_reads_each_export_before_it(tmp_path, monkeypat
         "stage_draft_long", "stage_export", "stage_draft_gen", "stage_export"]
 
 
+def test_train_pair_refuses_bad_settings_by_flag(tmp_path, monkeypatch, capsys):
+    """`specjax train pair`: a negative --minutes, conflicting export flags and a missing
+    corpus are one-line errors (exit 2) before anything runs; --minutes 0 is a limit of zero
+    (stop after the first step), not "no limit"."""
+    from specjax.train import pair
+    for argv, message in ((["target", "--minutes", "-1"], "--minutes must be >= 0"),
+                          (["export", "--long", "--gen"], "export takes one of --long, --gen"),
+                          (["export", "--draft-from", "x"], "--draft-from is for export --gen"),
+                          (["data", "--corpus", str(tmp_path / "none")], "--corpus: ")):
+        with pytest.raises(SystemExit) as e:
+            pair.main([*argv, "--workdir", str(tmp_path / "W")])
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+    calls = []
+    monkeypatch.setattr(pair, "train", lambda *a, **k: calls.append(k) or (
+        None, [{"heldout_loss": 1.0, "step": 1}]))
+    monkeypatch.setattr(pair, "_tokens", lambda workdir: (None, None))
+    for minutes, limit in (("0", 0), ("1.5", 90)):
+        assert pair.main(["target", "--minutes", minutes, "--workdir", str(tmp_path / "W")]) == 0
+        assert calls.pop()["max_seconds"] == limit
+    assert pair.main(["target", "--workdir", str(tmp_path / "W")]) == 0
+    assert calls.pop()["max_seconds"] is None
+
+
 def test_generated_text_resumes_after_a_crash_between_a_chunk_and_its_time(tmp_path,
                                                                            monkeypatch):
     """A crash after a chunk of the target's text is written but before its time is appended

@@ -412,8 +412,8 @@ def heads_main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.minutes is not None and not args.minutes > 0:
-        ap.error(f"--minutes must be > 0, got {args.minutes}")
+    if args.minutes is not None and not args.minutes >= 0:
+        ap.error(f"--minutes must be >= 0 (0: one step), got {args.minutes}")
     if not (np.isfinite(args.learning_rate) and args.learning_rate > 0):
         ap.error(f"--learning-rate must be a finite number > 0, got {args.learning_rate}")
     workdir = pathlib.Path(args.workdir).expanduser()

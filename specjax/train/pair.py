@@ -229,7 +229,7 @@ def stage_target(workdir: pathlib.Path, minutes: float | None, config: ModelConf
     model, history = train(config, tokens, settings, workdir / "target", heldout=heldout,
                            progress=progress,
                            on_eval=_log_eval(workdir, "target"),
-                           max_seconds=minutes * 60 if minutes else None)
+                           max_seconds=None if minutes is None else minutes * 60)
     print(f"target: held-out loss {history[-1]['heldout_loss']:.4f} at step "
           f"{history[-1]['step']}")
 
@@ -244,7 +244,7 @@ def stage_target_long(workdir: pathlib.Path, minutes: float | None, start: pathl
     init = _start(start, config, "target")
     model, history = train(config, tokens, settings, workdir / "target-long", heldout=heldout,
                            init=init, progress=progress, on_eval=_log_eval(workdir, "target-long"),
-                           max_seconds=minutes * 60 if minutes else None)
+                           max_seconds=None if minutes is None else minutes * 60)
     print(f"target-long: held-out loss {history[-1]['heldout_loss']:.4f} at step "
           f"{history[-1]['step']} (sequences of {settings.seq_len})")
 
@@ -297,7 +297,7 @@ def stage_draft(workdir: pathlib.Path, minutes: float | None, config: ModelConfi
     model, history = train(config, tokens, settings, workdir / run, heldout=heldout,
                            teacher=teacher, init=init, progress=progress,
                            on_eval=_log_eval(workdir, run),
-                           max_seconds=minutes * 60 if minutes else None)
+                           max_seconds=None if minutes is None else minutes * 60)
     print(f"{run}: held-out loss {history[-1]['heldout_loss']:.4f} at step "
           f"{history[-1]['step']}")
 
@@ -351,7 +351,7 @@ def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib
     params, history = fit(objective, init.params, teacher.params, None, s, workdir / run_name,
                           run, evaluate_fn=evaluate_fn, progress=progress,
                           on_eval=_log_eval(workdir, run_name),
-                          max_seconds=minutes * 60 if minutes else None, batches=batches)
+                          max_seconds=None if minutes is None else minutes * 60, batches=batches)
     print(f"{run_name}: held-out loss {history[-1]['heldout_loss']:.4f} at step "
           f"{history[-1]['step']} ({len(generated)} rows of the target's text)")
 
@@ -372,7 +372,7 @@ def stage_draft_bpe4k(workdir: pathlib.Path, minutes: float | None,
     model, history = train(config, tokens, settings, workdir / "draft-bpe4k",
                            heldout=heldout, progress=progress,
                            on_eval=_log_eval(workdir, "draft-bpe4k"),
-                           max_seconds=minutes * 60 if minutes else None)
+                           max_seconds=None if minutes is None else minutes * 60)
     print(f"draft-bpe4k: held-out loss {history[-1]['heldout_loss']:.4f} (its own tokens) at "
           f"step {history[-1]['step']}")
 
@@ -456,7 +456,7 @@ def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
     model, history = train(config, tokens, settings, workdir / "draft-bpe4k-kd", heldout=heldout,
                            init=init, progress=progress,
                            on_eval=_log_eval(workdir, "draft-bpe4k-kd"),
-                           max_seconds=minutes * 60 if minutes else None)
+                           max_seconds=None if minutes is None else minutes * 60)
     print(f"draft-bpe4k-kd: {len(tokens)} tokens of the target's text; held-out loss "
           f"{history[-1]['heldout_loss']:.4f} at step {history[-1]['step']}")
 
@@ -564,7 +564,7 @@ def stage_draft_bpe4k_soft(workdir: pathlib.Path, minutes: float | None,
     params, history = fit(objective, init.params, aux, None, s, workdir / "draft-bpe4k-soft",
                           run, evaluate_fn=evaluate_fn, progress=progress,
                           on_eval=_log_eval(workdir, "draft-bpe4k-soft"),
-                          max_seconds=minutes * 60 if minutes else None, batches=batches)
+                          max_seconds=None if minutes is None else minutes * 60, batches=batches)
     after = estimate(Model(config, params))
     print(f"draft-bpe4k-soft: held-out objective {history[-1]['heldout_loss']:.4f} at step "
           f"{history[-1]['step']}; teacher-forced acceptance at aligned positions "
@@ -1052,9 +1052,20 @@ def main(argv=None) -> int:
     from ..cli import show_defaults
     args = show_defaults(ap).parse_args(argv)
     configure_logging(args.verbose)
+    if args.minutes is not None and not args.minutes >= 0:
+        ap.error(f"--minutes must be >= 0 (0: stop after the first step; leave it out for no "
+                 f"limit), got {args.minutes}")
+    if args.stage == "export":
+        if args.long + args.gen + args.gen_long > 1:
+            ap.error("export takes one of --long, --gen and --gen-long")
+        if args.draft_from is not None and not (args.gen or args.gen_long):
+            ap.error("--draft-from is for export --gen or --gen-long")
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.stage == "data":
-        stage_data(args.workdir, args.corpus)
+        try:
+            stage_data(args.workdir, args.corpus)
+        except (FileNotFoundError, ValueError) as e:
+            ap.error(f"--corpus: {e}")
     elif args.stage == "target":
         stage_target(args.workdir, args.minutes)
     elif args.stage == "target-long":
@@ -1089,10 +1100,6 @@ def main(argv=None) -> int:
     elif args.stage == "export-bpe4k-soft":
         stage_export_bpe4k_soft(args.workdir, args.out)
     else:
-        if args.long + args.gen + args.gen_long > 1:
-            raise SystemExit("export takes one of --long, --gen and --gen-long")
-        if args.draft_from is not None and not (args.gen or args.gen_long):
-            raise SystemExit("--draft-from is for export --gen or --gen-long")
         if args.gen or args.gen_long:
             from ..bundle import bundled
             runs = GEN_LONG_RUNS if args.gen_long else GEN_RUNS
