@@ -177,7 +177,10 @@ def test_the_draft_ships_its_draft_vocabulary(bundled):
     vocab = np.load(CKPT / "code-draft" / "draft_vocab.npy")
     assert vocab.shape == (pair.DRAFT_VOCAB_SIZE,) and len(np.unique(vocab)) == len(vocab)
     np.testing.assert_array_equal(draft.vocab.ids, vocab)
-    assert sj.load_draft_model(CKPT / "code-draft", full_vocab=True).vocab is None
+    assert draft.calibration is not None  # fitted over the draft vocabulary: used with it
+    with pytest.warns(UserWarning, match="fitted over its draft vocabulary"):
+        whole = sj.load_draft_model(CKPT / "code-draft", full_vocab=True)
+    assert whole.vocab is None and whole.calibration is None  # not over the whole one
     card = (CKPT / "code-draft" / "README.md").read_text()
     assert f"the {pair.DRAFT_VOCAB_SIZE} most frequent tokens" in card
 

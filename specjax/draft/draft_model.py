@@ -338,6 +338,13 @@ def load_draft_model(path, dtype: str | None = None, *, full_vocab: bool = False
     model = load_model(path, dtype)
     calibration = load_calibration(path, model)
     file = pathlib.Path(path) / VOCAB_FILE
+    if full_vocab and file.exists() and calibration is not None:
+        import warnings  # its confidences were those of the draft vocabulary, not of all tokens
+        warnings.warn(f"{path}: full_vocab=True drafts over the whole vocabulary, and the "
+                      f"folder's calibration.json was fitted over its draft vocabulary "
+                      f"({VOCAB_FILE}): not used, so adaptive lengths read the raw confidence",
+                      stacklevel=2)
+        calibration = None
     if full_vocab or not file.exists():
         return DraftModel(model, None, calibration)
     try:
