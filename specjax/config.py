@@ -514,6 +514,36 @@ class SpecConfig:
             if getattr(self, name) > most:
                 raise ValueError(f"SpecConfig.{name} must be at most {most}, got "
                                  f"{getattr(self, name)!r}")
+        # options of one method given to another: refused (a typo of the method would run
+        # another method without a word)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for prefix, owner in (("suffix_decoding_", "suffix"), ("lookahead_", "lookahead")):
+            changed = [n for n in defaults if n.startswith(prefix)
+                       and getattr(self, n) != defaults[n]]
+            if changed and self.method != owner:
+                raise ValueError(f"SpecConfig.{changed[0]}={getattr(self, changed[0])!r} is an "
+                                 f"option of method {owner!r}, not {self.method!r}")
+        if self.method in ("suffix", "lookahead") and self.tree is not None:
+            from .draft.base import MAX_CANDIDATES
+            from .tree import Tree
+            fanout = int(Tree(self.tree).children.shape[1])
+            most = (MAX_CANDIDATES if self.method == "suffix"
+                    else min(MAX_CANDIDATES, self.lookahead_pool_size))
+            if fanout > most:
+                raise ValueError(f"SpecConfig.tree gives a node {fanout} children; method "
+                                 f"{self.method!r} ranks at most {most} continuations a node"
+                                 + ("" if self.method == "suffix" or most == MAX_CANDIDATES
+                                    else f" (lookahead_pool_size={self.lookahead_pool_size})"))
+            if self.method == "lookahead" and self.lookahead_candidates != 1:
+                raise ValueError(f"SpecConfig.lookahead_candidates={self.lookahead_candidates} "
+                                 f"sets the chains of a lookahead round without a tree; with "
+                                 f"tree= the tree is the shape: leave it out")
+        if self.method == "lookahead" and self.lookahead_pool_size < max(
+                self.lookahead_window, 1 if self.tree is not None else self.lookahead_candidates):
+            raise ValueError(f"SpecConfig.lookahead_pool_size={self.lookahead_pool_size} is "
+                             f"smaller than the n-grams a round adds (lookahead_window="
+                             f"{self.lookahead_window}) or the chains it verifies "
+                             f"(lookahead_candidates={self.lookahead_candidates})")
         if self.method == "lookahead" and self.tree is None:
             from .tree import MAX_NODES
             nodes = self.lookahead_candidates * self.num_speculative_tokens

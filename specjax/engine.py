@@ -1243,12 +1243,13 @@ def cache_capacity(target: ModelConfig, gamma: int, needed: int,
     if max_cache_len > limit:
         raise ValueError(
             f"max_cache_len={max_cache_len} is more than the target can use: "
-            f"max_position_embeddings={target.max_position_embeddings} plus {gamma} draft "
-            f"slots = {limit}")
+            f"max_position_embeddings={target.max_position_embeddings} plus {gamma} slots a "
+            f"round writes past its tokens (drafts, and a lookahead window's) = {limit}")
     if needed > max_cache_len:
         raise ValueError(
             f"max_cache_len={max_cache_len} is too small for this request: it needs {needed} "
-            f"slots (longest prompt + max_new_tokens + {gamma} draft slots)")
+            f"slots (longest prompt + max_new_tokens + {gamma} slots a round writes past its "
+            f"tokens: drafts, and a lookahead window's)")
     return int(max_cache_len)
 
 

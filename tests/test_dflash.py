@@ -109,8 +109,10 @@ def test_bad_input_is_refused_by_name(target, trained):
         heads_lib.init_heads(target, "dflash", jax.random.key(0), taps=(1, 0))
     with pytest.raises(ValueError, match="num_layers must be an int >= 1, got 0"):
         heads_lib.init_heads(target, "dflash", jax.random.key(0), num_layers=0)
-    with pytest.raises(ValueError, match="block_size >= 1"):
-        heads_lib.init_heads(target, "dflash", jax.random.key(0), block_size=0)
+    for bad in (0, 17, 2.5, True):  # not an int of [1, 16] (2.5 and True were kept, and saved)
+        with pytest.raises(ValueError, match=f"an int block_size in \\[1, 16\\] .* got "
+                                             f"block_size={bad!r}"):
+            heads_lib.init_heads(target, "dflash", jax.random.key(0), block_size=bad)
     deeper = tiny_model(seed=0, vocab_size=32, hidden_size=32, layers=3, heads=4, kv_heads=2,
                         max_pos=128)
     reads_layer_2 = heads_lib.init_heads(deeper, "dflash", jax.random.key(0), taps=(2,))

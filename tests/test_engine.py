@@ -488,7 +488,9 @@ def test_settings_beyond_what_runs_are_refused_when_made(target, tmp_path):
                                              "drafts a tree that deep.*at most 16 levels"):
             sj.SpecConfig(method=method, num_speculative_tokens=17)
     assert sj.SpecConfig(method="suffix", num_speculative_tokens=16).num_speculative_tokens == 16
-    wide = tuple((i,) for i in range(20))  # 20 nodes, one level: a tree's γ counts nodes
+    # 20 nodes over two levels (16 children at most, what suffix and lookahead rank): a
+    # tree's γ counts nodes
+    wide = tuple((i,) for i in range(16)) + tuple((0, j) for j in range(4))
     for method in ("suffix", "lookahead"):
         assert sj.SpecConfig(method=method, tree=wide).num_speculative_tokens == 20
     with pytest.raises(ValueError, match="target must be an sj.Model"):

@@ -245,6 +245,30 @@ def test_bad_settings_are_refused(target):
             sj.SpecConfig(method="lookahead", **{key: value})
     with pytest.raises(ValueError, match="5 × 16 = 80 nodes a round; at most 64"):
         sj.SpecConfig(method="lookahead", lookahead_candidates=5, num_speculative_tokens=16)
+    # settings whose ranking or pool could not hold them (they failed inside JAX's top_k, or
+    # let a round's n-grams share pool slots)
+    for kw, message in ((dict(lookahead_candidates=4, lookahead_pool_size=2),
+                         "lookahead_pool_size=2 is smaller than"),
+                        (dict(lookahead_window=8, lookahead_pool_size=4),
+                         "lookahead_pool_size=4 is smaller than"),
+                        (dict(tree=[[i] for i in range(17)]),
+                         "gives a node 17 children; method 'lookahead' ranks at most 16"),
+                        (dict(tree=[[0], [1], [2]], lookahead_pool_size=2),
+                         "ranks at most 2 continuations a node \\(lookahead_pool_size=2\\)"),
+                        (dict(tree=[[0], [1]], lookahead_candidates=2),
+                         "with tree= the tree is the shape"),
+                        (dict(method="dflash", lookahead_candidates=2),
+                         "an option of method 'lookahead', not 'dflash'")):
+        with pytest.raises(ValueError, match=message):
+            sj.SpecConfig(**{"method": "lookahead", **kw})
+    from specjax.draft.lookahead import LookaheadProposer, chains
+    for kw, message in ((dict(pool_size=0), "pool_size must be an int >= 1, got 0"),
+                        (dict(window=0), "window must be an int >= 1"),
+                        (dict(window=4, pool_size=2), "pool_size=2 is smaller than the window=4"),
+                        (dict(candidates=1, shape=chains(2, 2)),
+                         "a node 2 children, more than the 1 candidates")):
+        with pytest.raises(ValueError, match=message):
+            LookaheadProposer(**{"shape": chains(1, 3), **kw})
     with pytest.raises(ValueError, match="uses no draft model; drop draft="):
         sj.generate(target, [[1, 2]], spec={"method": "lookahead"}, draft=target)
     with pytest.raises(ValueError, match="synthetic_acceptance is for chains; method "

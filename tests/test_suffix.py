@@ -4,6 +4,7 @@ distribution of sampled tokens (and a broken verifier that fails the same test),
 recompilation as the corpus fills, bad settings, and the corpus's save/load round trip."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -323,6 +324,56 @@ def test_bad_settings_and_caches_are_refused(target, tmp_path):
     unsized.add([[1, 2, 30]])  # no vocabulary yet: the target's is adopted on first use
     with pytest.raises(ValueError, match="holds token id 30, outside the target's vocabulary"):
         sj.generate(target, prompts, spec={"method": "suffix"}, draft=unsized)
+    # a call refused after the cache was checked leaves it without a vocabulary (it adopted
+    # the first target's, and then refused every other as "holding" its tokens)
+    empty = sj.draft.SuffixCache(64)
+    with pytest.raises(ValueError, match="max_cache_len=4 is too small"):
+        sj.generate(target, prompts, spec={"method": "suffix"}, draft=empty, max_cache_len=4)
+    assert empty.vocab_size is None
+    sj.generate(target, prompts, spec={"method": "suffix"}, draft=empty,
+                sampling=sj.SamplingParams(max_new_tokens=2))
+    assert empty.vocab_size == 24 and len(empty) == 2
+    # trees the method cannot fill, options of another method, proposers built directly
+    with pytest.raises(ValueError, match="gives a node 17 children; method 'suffix' ranks at "
+                                         "most 16"):
+        sj.SpecConfig(method="suffix", tree=[[i] for i in range(17)])
+    with pytest.raises(ValueError, match="lookahead_window=4 is an option of method "
+                                         "'lookahead', not 'suffix'"):
+        sj.SpecConfig(method="suffix", lookahead_window=4)
+    with pytest.raises(ValueError, match="suffix_decoding_max_tree_depth=8 is an option of "
+                                         "method 'suffix', not 'ngram'"):
+        sj.SpecConfig(method="ngram", suffix_decoding_max_tree_depth=8)
+    from specjax.draft.suffix import SuffixProposer, chain
+    for kw, message in ((dict(candidates=0), "candidates must be an int >= 1, got 0"),
+                        (dict(max_depth=0), "max_depth must be an int >= 1"),
+                        (dict(min_token_prob=2.0), "min_token_prob must be in \\[0, 1\\]"),
+                        (dict(max_spec_factor=float("nan")), "max_spec_factor must be a finite"),
+                        (dict(candidates=2, shape=sj.tree.Tree([[0], [1], [2]])),
+                         "a node 3 children, more than the 2 candidates")):
+        with pytest.raises(ValueError, match=message):
+            SuffixProposer(**{"shape": chain(3), **kw})
+
+
+def test_a_request_asked_again_finds_its_answer_with_include_prompts(target):
+    """include_prompts=True keeps each row's prompt and output as one document, so the same
+    request asked again drafts its earlier answer from its first round (kept apart, the prompt's
+    end was followed by a separator and drafted nothing); greedy output unchanged."""
+    prompt = [int(x) for x in np.random.default_rng(5).integers(0, 24, 30)]
+    greedy = sj.SamplingParams(temperature=0, max_new_tokens=40)
+    spec = dict(method="suffix", num_speculative_tokens=8)
+    plain = sj.generate(target, [prompt], sampling=greedy)
+    rounds = {}
+    for include in (True, False):
+        cache = sj.draft.SuffixCache(256, include_prompts=include)
+        first = sj.generate(target, [prompt], sampling=greedy, spec=spec, draft=cache)
+        again = sj.generate(target, [prompt], sampling=greedy, spec=spec, draft=cache)
+        for out in (first, again):
+            np.testing.assert_array_equal(out.tokens, plain.tokens)
+        rounds[include] = again.stats.num_rounds
+        if include:  # one document: the prompt, then its output
+            held = list(cache._tokens[:len(prompt) + 40])
+            assert held == prompt + [int(t) for t in plain.tokens[0]]
+    assert rounds[True] <= 40 // 9 + 1 < rounds[False], rounds  # 8 drafts + 1 token a round
 
 
 def test_the_corpus_survives_a_save_and_load(tmp_path):
@@ -337,6 +388,20 @@ def test_the_corpus_survives_a_save_and_load(tmp_path):
         sj.draft.SuffixCache.load(tmp_path / "corpus")
     with pytest.raises(ValueError, match="is not a saved SuffixCache"):
         sj.draft.SuffixCache.load(tmp_path / "nothing")
+    # damaged metadata: refused naming the folder, never a KeyError or a ring read from the
+    # middle of a document
+    cache.save(tmp_path / "corpus")
+    meta_path = tmp_path / "corpus" / "suffix_cache.json"
+    meta = json.loads(meta_path.read_text())
+    for damaged, message in (({k: v for k, v in meta.items() if k != "write"},
+                              "needs the format and capacity_tokens"),
+                             ([1, 2], "must hold a JSON object"),
+                             ({**meta, "write": "x"}, "write='x' is not where"),
+                             ({**meta, "write": 3.0}, "write=3.0 is not where"),
+                             ({**meta, "write": 1}, "write=1 is not where a document")):
+        meta_path.write_text(json.dumps(damaged))
+        with pytest.raises(ValueError, match=message):
+            sj.draft.SuffixCache.load(tmp_path / "corpus")
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["honest", "reused-round-keys"])

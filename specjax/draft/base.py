@@ -289,6 +289,20 @@ def expand_tree(tree, first: tuple[Array, Array | None],
     return tokens, (q if vocab is None else vocab.widen(q, vocab_size))
 
 
+MAX_CANDIDATES = 16
+"""The occurrences a suffix or lookahead round ranks continuations from (the newest or longest
+matches first): a tree node can have at most this many children there."""
+
+
+def check_fanout(shape, candidates: int, owner: str) -> None:
+    """A tree ``shape`` whose nodes have at most ``candidates`` children (ValueError naming
+    ``owner`` otherwise): more could never be filled, and ranking them fails in JAX."""
+    fanout = int(shape.children.shape[1])
+    if fanout > candidates:
+        raise ValueError(f"{owner}: the tree gives a node {fanout} children, more than the "
+                         f"{candidates} candidates it ranks continuations from")
+
+
 def rank_by_count(tokens: Array, support: Array, ranks: int) -> tuple[Array, Array]:
     """The ``ranks`` most frequent tokens among the supported candidates' tokens [B, M] (ties:
     the earlier candidate) -> (token ids [B, ranks], counts [B, ranks]; 0 and 0 past the

@@ -14,8 +14,9 @@ acceptance_floor``; ``ACCEPTANCE_FLOOR`` by default):
 * a round that proposed moves the estimate ``WEIGHT`` of the way to 1 (first draft accepted) or
   to 0 (rejected);
 * a round that did not (gated, or nothing matched) moves it ``RECOVERY`` of the way back to 1,
-  so a gated row tries again after a while (two to seven rounds at the default floor: a
-  rejection at an estimate of 0.2-0.27 takes it to 0.15-0.2).
+  so a gated row tries again after a while (at the default floor, a rejection at an estimate
+  of 0.2-0.27 takes it to 0.15-0.2, gated for one to seven rounds: it proposes again two to
+  eight rounds after the rejected one).
 
 Lossless: whether a row proposes depends only on how many tokens earlier rounds accepted (from
 the lengths the proposer is called with), never on the target's output at the positions it is

@@ -90,10 +90,13 @@ class HeadsConfig:
                              f"{self.num_heads}")
         if self.method in ("eagle", "dflash", "mtp") and self.layer is None:
             raise ValueError(f"an {self.method} drafter needs its layer config")
-        if self.method == "dflash" and (self.block_size < 1 or not self.taps):
-            raise ValueError(f"a dflash drafter needs block_size >= 1 and at least one target "
-                             f"layer to read, got block_size={self.block_size}, "
-                             f"taps={self.taps!r}")
+        from ..tree import MAX_DEPTH
+        if self.method == "dflash" and (
+                isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                or not 1 <= self.block_size <= MAX_DEPTH or not self.taps):
+            raise ValueError(f"a dflash drafter needs an int block_size in [1, {MAX_DEPTH}] and "
+                             f"at least one target layer to read, got "
+                             f"block_size={self.block_size!r}, taps={self.taps!r}")
 
     @property
     def max_depth(self) -> int | None:

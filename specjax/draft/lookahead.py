@@ -37,7 +37,7 @@ import numpy as np
 from jax import Array
 
 from ..tree import Tree
-from .base import Draft, fill_by_count
+from .base import MAX_CANDIDATES, Draft, check_fanout, fill_by_count
 
 
 def chains(count: int, depth: int) -> Tree:
@@ -64,7 +64,17 @@ class LookaheadProposer:
     shape: Tree
     window: int = 1
     pool_size: int = 64
-    candidates: int = 16
+    candidates: int = MAX_CANDIDATES
+
+    def __post_init__(self):  # built directly, as a custom proposer may be: checked as well
+        for name in ("window", "pool_size", "candidates"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"LookaheadProposer.{name} must be an int >= 1, got {value!r}")
+        if self.pool_size < self.window:  # a round's n-grams would share slots
+            raise ValueError(f"LookaheadProposer.pool_size={self.pool_size} is smaller than the "
+                             f"window={self.window} n-grams a round adds")
+        check_fanout(self.shape, min(self.candidates, self.pool_size), "LookaheadProposer")
 
     @property
     def gamma(self) -> int:

@@ -40,7 +40,7 @@ import numpy as np
 from jax import Array
 
 from ..tree import Tree
-from .base import Draft, fill_by_count
+from .base import MAX_CANDIDATES, Draft, check_fanout, fill_by_count
 from .gate import GateState, gated
 from .ngram import last_tokens, match_runs
 
@@ -55,7 +55,7 @@ class SuffixCache:
         out = sj.generate(target, prompts, spec={"method": "suffix"}, draft=cache)  # adds outputs
 
     ``vocab_size``: checked against the target (taken from the first target it is used with when
-    None). ``include_prompts``: also add each call's prompts."""
+    None). ``include_prompts``: add each row's prompt with its output, as one document."""
 
     def __init__(self, capacity_tokens: int = 32768, *, vocab_size: int | None = None,
                  include_prompts: bool = False):
@@ -76,6 +76,7 @@ class SuffixCache:
         self._tokens = np.full(self.capacity_tokens, SEPARATOR, np.int32)
         self._write = 0  # the next slot to write
         self._ordered = None
+        self._pending_vocab = None  # the vocabulary of the call being built (check_vocab)
 
     @property
     def tokens(self) -> Array:
@@ -115,13 +116,15 @@ class SuffixCache:
                            include_prompts=self.include_prompts)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Refuse a target of another vocabulary (adopting the first one seen)."""
+        """Refuse a target of another vocabulary. A cache without one takes this one when the
+        call has run (``after_call``): a call refused later, for another reason, leaves the
+        cache as it was."""
         if self.vocab_size is None:
             held = int(self._tokens.max())  # SEPARATOR (-1) where empty
             if held >= vocab_size:
                 raise ValueError(f"this SuffixCache holds token id {held}, outside the target's "
                                  f"vocabulary [0, {vocab_size})")
-            self.vocab_size = int(vocab_size)
+            self._pending_vocab = int(vocab_size)
         elif self.vocab_size != vocab_size:
             raise ValueError(f"this SuffixCache holds tokens of a {self.vocab_size}-token "
                              f"vocabulary; the target has {vocab_size}: use a cache per "
@@ -169,21 +172,32 @@ class SuffixCache:
     @classmethod
     def load(cls, path: str | os.PathLike) -> SuffixCache:
         """A cache written by ``save``."""
+        from ..files import read_json_object
         folder = pathlib.Path(path)
         try:
-            meta = json.loads((folder / "suffix_cache.json").read_text())
+            meta = read_json_object(folder / "suffix_cache.json")
             tokens = np.load(folder / "tokens.npy")
         except (OSError, ValueError) as e:
             raise ValueError(f"{folder} is not a saved SuffixCache ({e})") from None
-        if meta.get("format") != "specjax-suffix-cache" or tokens.shape != (
-                meta.get("capacity_tokens"),) or tokens.dtype != np.int32:
-            raise ValueError(f"{folder} is not a saved SuffixCache (or is damaged)")
+        keys = ("capacity_tokens", "vocab_size", "include_prompts", "write")
+        if meta.get("format") != "specjax-suffix-cache" or any(k not in meta for k in keys) \
+                or tokens.shape != (meta["capacity_tokens"],) or tokens.dtype != np.int32:
+            raise ValueError(f"{folder} is not a saved SuffixCache (or is damaged): its "
+                             f"suffix_cache.json needs the format and {', '.join(keys)}, and "
+                             f"tokens.npy int32 ids, one per slot")
         cache = cls(meta["capacity_tokens"], vocab_size=meta["vocab_size"],
                     include_prompts=meta["include_prompts"])
         if tokens.min() < SEPARATOR or (cache.vocab_size is not None
                                         and tokens.max() >= cache.vocab_size):
             raise ValueError(f"{folder / 'tokens.npy'} holds ids outside the vocabulary")
-        cache._tokens, cache._write = tokens, int(meta["write"]) % cache.capacity_tokens
+        write = meta["write"]
+        # the write point starts a document: the ring's start, or just after a separator
+        if (isinstance(write, bool) or not isinstance(write, int)
+                or not 0 <= write < cache.capacity_tokens
+                or (write and tokens[write - 1] != SEPARATOR)):
+            raise ValueError(f"{folder / 'suffix_cache.json'}: write={write!r} is not where a "
+                             f"document of its {cache.capacity_tokens}-slot ring may start")
+        cache._tokens, cache._write = tokens, write
         return cache
 
 
@@ -260,11 +274,27 @@ class SuffixProposer:
     max_depth: int = 24  # longest match looked for (vLLM's suffix_decoding_max_tree_depth)
     max_spec_factor: float = 1.0  # a match of n tokens drafts at most ceil(factor × n) deep
     min_token_prob: float = 0.1  # a node's least share of its parent's occurrences
-    candidates: int = 16  # occurrences kept a round, the longest matches first
+    candidates: int = MAX_CANDIDATES  # occurrences kept a round, the longest matches first
     min_match: int = 1  # the shortest match that drafts anything
     acceptance_floor: float = 0.0  # rows propose while their acceptance is this high (gate.py)
     own_spec_factor: float | None = 4.0  # the factor where the longest match is in the row's
     # own text (None: max_spec_factor; SpecConfig.suffix_decoding_own_spec_factor)
+
+    def __post_init__(self):  # built directly, as a custom proposer may be: checked as well
+        for name in ("max_depth", "candidates", "min_match"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"SuffixProposer.{name} must be an int >= 1, got {value!r}")
+        for name, value in (("max_spec_factor", self.max_spec_factor),
+                            ("own_spec_factor", self.own_spec_factor)):
+            if value is not None and not (np.isfinite(value) and value > 0):
+                raise ValueError(f"SuffixProposer.{name} must be a finite number > 0, got "
+                                 f"{value!r}")
+        for name in ("min_token_prob", "acceptance_floor"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"SuffixProposer.{name} must be in [0, 1], got "
+                                 f"{getattr(self, name)!r}")
+        check_fanout(self.shape, self.candidates, "SuffixProposer")
 
     @property
     def gamma(self) -> int:
@@ -347,10 +377,14 @@ def corpus(cache: SuffixCache) -> dict:
 
 def after_call(cache: SuffixCache, prompts, generation) -> None:
     """Add a call's outputs (and prompts, if the cache says so) to the corpus."""
-    if cache.include_prompts:
-        cache.add(prompts)
-    cache.add([generation.tokens[b, :generation.lengths[b]]
-               for b in range(len(generation.lengths))])
+    if cache.vocab_size is None:  # the vocabulary of the call that has now run
+        cache.vocab_size = cache._pending_vocab
+    outputs = [list(generation.tokens[b, :generation.lengths[b]])
+               for b in range(len(generation.lengths))]
+    # with the prompts, each row's prompt and output are one document: a request asked again
+    # then finds its earlier answer right after its own prompt's end, from the first round
+    cache.add([list(p) + o for p, o in zip(prompts, outputs)] if cache.include_prompts
+              else outputs)
 
 
 __all__ = ["SuffixCache", "SuffixProposer", "chain", "branching_tree", "SEPARATOR"]
