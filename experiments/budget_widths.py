@@ -12,7 +12,11 @@ speed-ups against autoregressive decoding in the same repeat (median), tokens a 
 drafts verified a round.
 
     .venv/bin/python experiments/budget_widths.py [--batch-size 1,4,16] [--temperatures 0,0.8]
-        [--gamma 8] [--repeats 3] [--max-new-tokens 96]
+        [--gamma 8] [--repeats 3] [--max-new-tokens 96] [--before k-plus-1-forward]
+
+``--before k-draft-steps`` compares instead the draft steps charged (2026-12-07): a round
+verifying k < γ drafts has run k + 1 draft steps (the one that scored draft k + 1 decided not to
+verify it), charged since then, against the k charged before.
 """
 
 from __future__ import annotations
@@ -29,20 +33,37 @@ CKPT = pathlib.Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 @contextlib.contextmanager
-def charged_k_plus_1(on: bool):
-    """Budget.cost as before: a round verifying k drafts charged the forward over k + 1."""
+def charged(rule, on: bool):
+    """Budget.cost of a round verifying k >= 1 drafts replaced by an earlier ``rule`` while on."""
     cost = adaptive.Budget.cost
 
     def old(self, k):
         if self.table is not None or k == 0:
             return cost(self, k)
-        return self.round_cost + self.draft_cost * k + self.verify_costs[k]
+        return rule(self, k)
     if on:
         adaptive.Budget.cost = old
     try:
         yield
     finally:
         adaptive.Budget.cost = cost
+
+
+def k_plus_1_forward(budget, k: int) -> float:
+    """Until 2026-12-06: the forward over k + 1 tokens (and k draft steps)."""
+    return budget.round_cost + budget.draft_cost * k + budget.verify_costs[k]
+
+
+def k_draft_steps(budget, k: int) -> float:
+    """Until 2026-12-07: the loop's forward, and k draft steps."""
+    width = next(w for w in adaptive.loop_widths(budget.gamma) if w > k)
+    return budget.round_cost + budget.draft_cost * k + budget.verify_costs[width - 1]
+
+
+BEFORE = {"k-plus-1-forward": ("budget, loop's forward", "budget, k + 1 forward",
+                               k_plus_1_forward),
+          "k-draft-steps": ("budget, k + 1 draft steps", "budget, k draft steps",
+                            k_draft_steps)}
 
 
 def main() -> None:
@@ -53,7 +74,10 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--before", choices=tuple(BEFORE), default="k-plus-1-forward",
+                    help="the earlier charge compared with today's")
     args = ap.parse_args()
+    now_name, before_name, charged_before = BEFORE[args.before]
     target = sj.load_model(CKPT / "code-target")
     draft = sj.load_draft_model(CKPT / "code-draft")  # with its draft vocabulary and calibration
     tok = sj.load_tokenizer(CKPT / "code-target")
@@ -70,14 +94,14 @@ def main() -> None:
         variants = {"autoregressive": (None, False),
                     "static 2": (dict(num_speculative_tokens=2), False),
                     f"static {G}": (dict(num_speculative_tokens=G), False),
-                    "budget, loop's forward": (dict(num_speculative_tokens=G, **budget), False),
-                    "budget, k + 1 forward": (dict(num_speculative_tokens=G, **budget), True)}
+                    now_name: (dict(num_speculative_tokens=G, **budget), False),
+                    before_name: (dict(num_speculative_tokens=G, **budget), True)}
         for T in (float(t) for t in args.temperatures.split(",")):
             sampling = sj.SamplingParams(temperature=T, max_new_tokens=args.max_new_tokens)
             runs = {name: [] for name in variants}
             for r in range(args.repeats + 1):  # the first: compiling
                 for name, (spec, old) in variants.items():
-                    with charged_k_plus_1(old):
+                    with charged(charged_before, old):
                         out = sj.generate(target, prompts, sampling=sampling, tokenizer=tok,
                                           spec=spec, draft=None if spec is None else draft,
                                           key=r)

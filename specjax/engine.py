@@ -903,7 +903,10 @@ class Program:
         state, view = stop(state, _fetch((state.done, state.num_generated, state.history)))
         prefill_seconds = time.perf_counter() - t0 - compile_seconds
         decode_seconds, exe, until, step = 0.0, None, 0, 1
-        t0 = time.perf_counter()
+        # seconds a round, from the first two segments (each waited for before it is handed
+        # on, so timed without the caller's loop; the second is long enough that a segment's
+        # fixed cost hardly counts)
+        per_round, timed = None, 0
         while True:
             timing = Timing(prefill_seconds, decode_seconds, compile_seconds)
             if view[0].all():
@@ -920,7 +923,6 @@ class Program:
                 exe, spent = self.executable("segment", target_params, draft_params,
                                              inputs.request, state, jnp.asarray(until, jnp.int32))
                 compile_seconds += spent
-                t0 += spent
             elif self.plan.mesh is not None:
                 # on a mesh a segment may leave some of the state laid out otherwise than the
                 # prefill did (a counter replicated, then split; an axis of size 1 named or
@@ -928,10 +930,23 @@ class Program:
                 state = jax.device_put(state, exe.input_shardings[0][3])
             args = (target_params, draft_params, inputs.request, state,
                     jnp.asarray(until, jnp.int32))
+            launched = time.perf_counter()
             state, ahead = exe(*args)  # runs while the host reads and hands out the last view
+            if timed < 2:
+                jax.block_until_ready(ahead)
+            handed = time.perf_counter()
             yield timing, view, None
+            in_caller = time.perf_counter() - handed
             state, view = stop(state, _fetch(ahead))
-            decode_seconds = time.perf_counter() - t0
+            # a segment's time, less the caller's: exact while the caller is quicker than the
+            # device (the read then waits for the segment); a segment that ended while the
+            # caller still held the last chunk is counted at the measured rate
+            spent = time.perf_counter() - launched - in_caller
+            if timed < 2:
+                per_round, timed = spent / step, timed + 1
+                decode_seconds += spent
+            else:
+                decode_seconds += max(spent, per_round * step)
 
 
 def memory_mappings() -> int | None:
@@ -1214,7 +1229,8 @@ class Shapes:
 
 CACHE_TIERS = (256, 1024, 4096, 16384, 65536, 262144)
 """The capacities a request picks from (the smallest that holds it), so a model compiles once per
-tier, not once per request size. A model's last tier is what its context can use at most."""
+tier, not once per request size; past the last, 4 times the one before (1,048,576, ...). A
+model's last tier is what its context can use at most."""
 
 TOP_K_BOUNDS = (64, 256)
 """The static top-k sizes a program compiles for when top-k is on: a request's top_k picks the
@@ -1236,7 +1252,12 @@ def cache_capacity(target: ModelConfig, gamma: int, needed: int,
     smallest of CACHE_TIERS that holds it, never more than the target can use."""
     limit = target.max_position_embeddings + gamma
     if max_cache_len is None:
-        return min(next((t for t in CACHE_TIERS if t >= needed), limit), limit)
+        tier = next((t for t in CACHE_TIERS if t >= needed), None)
+        if tier is None:  # a longer context: the tiers go on growing 4 times a step
+            tier = CACHE_TIERS[-1]
+            while tier < needed:
+                tier *= 4
+        return min(tier, limit)
     if (not isinstance(max_cache_len, numbers.Integral) or isinstance(max_cache_len, bool)
             or max_cache_len < 1):
         raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")

@@ -395,6 +395,25 @@ def check_span(config: ModelConfig, cache: KVCache, width: int) -> None:
                              f"KVCache.init(..., span={width}) or more")
 
 
+def check_chunk(tokens, positions, cache: KVCache) -> None:
+    """Called with concrete arrays (not inside a trace): refuse tokens and positions that are not
+    [B, T] alike with B the cache's rows, and a chunk that would run past the cache's capacity
+    (its writes would be dropped and its logits computed from slots that were never written)."""
+    shape = getattr(tokens, "shape", ())
+    if len(shape) != 2 or getattr(positions, "shape", None) != shape:
+        raise ValueError(f"tokens and positions must both be [B, T], got shapes {shape} and "
+                         f"{getattr(positions, 'shape', None)}")
+    if shape[0] != cache.length.shape[0]:
+        raise ValueError(f"tokens hold {shape[0]} rows; the cache holds {cache.length.shape[0]}")
+    if isinstance(cache.length, jax.core.Tracer):
+        return
+    longest = int(np.max(np.asarray(cache.length))) if shape[0] else 0
+    if longest + shape[1] > cache.capacity:
+        raise ValueError(f"a chunk of {shape[1]} tokens after {longest} cached ones needs "
+                         f"{longest + shape[1]} slots; the cache holds {cache.capacity} (make it "
+                         f"with KVCache.init(..., capacity) of at least that)")
+
+
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
             chunk_mask: Array | None = None, *, block: int | None = None, write: bool = True,
             taps: tuple[int, ...] = (), logits_at: tuple[int, ...] | None = None
@@ -428,6 +447,7 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
         logits_at = tuple(int(i) for i in logits_at)
     check_span(model.config, cache, tokens.shape[1] if chunk_mask is None else max(
         tokens.shape[1], chunk_mask.shape[-1]))
+    check_chunk(tokens, positions, cache)
     return _forward(model, tokens, positions, cache, chunk_mask, block=block, write=write,
                     taps=check_taps(model.config, taps), logits_at=logits_at)
 

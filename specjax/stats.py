@@ -224,7 +224,7 @@ class Stats:
         row_rounds = int(c.row_rounds)
         proposed = int(c.proposed)
         rounds = int(c.rounds)
-        decode_tokens = generated_tokens - batch
+        decode_tokens = max(generated_tokens - batch, 0)  # a row stopped at its first token: none
         return cls(
             acceptance_rate=float(c.accepted) / proposed if proposed else float("nan"),
             mean_accepted_length=float(c.emitted) / row_rounds if row_rounds else float("nan"),

@@ -1,6 +1,7 @@
 """Compile once, run any request: capacity tiers, chunked prefill, warm-up, and outputs that do
 not change across tiers, chunk boundaries and attention block sizes."""
 
+import dataclasses
 import re
 
 import jax
@@ -50,6 +51,12 @@ def test_capacity_tiers_and_max_cache_len(long_pair):
     assert engine.cache_capacity(cfg, 4, 10) == 256
     assert engine.cache_capacity(cfg, 4, 256) == 256
     assert engine.cache_capacity(cfg, 4, 257) == 604  # the 1024 tier, cut to what 600 can use
+    # a long-context model past the last listed tier: 4 times a step, not its whole context
+    # (a request of 262,145 slots on a 10M-token model took a 10M-slot cache)
+    huge = dataclasses.replace(cfg, max_position_embeddings=10_000_000)
+    assert engine.cache_capacity(huge, 4, 262_144) == 262_144
+    assert engine.cache_capacity(huge, 4, 262_145) == 1_048_576
+    assert engine.cache_capacity(huge, 4, 4_194_305) == 10_000_004  # 16M: cut to its context
     assert engine.cache_capacity(cfg, 0, 300, max_cache_len=300) == 300
     with pytest.raises(ValueError, match="max_cache_len=299 is too small"):
         engine.cache_capacity(cfg, 0, 300, max_cache_len=299)

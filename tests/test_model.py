@@ -97,6 +97,23 @@ def test_stale_entries_past_length_are_invisible():
     np.testing.assert_allclose(np.asarray(got2), np.asarray(got), atol=1e-6)
 
 
+def test_forward_refuses_a_chunk_its_cache_cannot_hold():
+    """sj.forward with concrete arrays: a chunk running past the cache's capacity (its writes
+    dropped, its logits read from slots never written: silently wrong before), tokens and
+    positions of other shapes, or rows the cache does not hold are refused by name."""
+    model = tiny_model(seed=4)
+    cache = sj.KVCache.init(model.config, 1, 6)
+    _, _, cache = sj.forward(model, jnp.array([[3, 1, 4, 1, 5]]), jnp.arange(5)[None], cache)
+    _, _, full = sj.forward(model, jnp.array([[9]]), jnp.array([[5]]), cache)  # slot 6 of 6
+    for tokens, positions, c, message in (
+            (jnp.array([[9]]), jnp.array([[6]]), full, "needs 7 slots; the cache holds 6"),
+            (jnp.array([[9, 2]]), jnp.array([[5, 6]]), cache, "needs 7 slots; the cache holds 6"),
+            (jnp.array([[9, 2]]), jnp.array([[5]]), cache, "both be \\[B, T\\]"),
+            (jnp.array([[9], [2]]), jnp.array([[5], [5]]), cache, "2 rows; the cache holds 1")):
+        with pytest.raises(ValueError, match=message):
+            sj.forward(model, tokens, positions, c)
+
+
 def test_rows_with_different_lengths_in_one_cache():
     model = tiny_model(seed=5)
     a, b = [2, 7, 1, 8, 2, 8], [3, 1, 4]

@@ -91,3 +91,6 @@ def test_a_prompt_holding_the_broken_token_yields_nothing(target):
         sj.generate(planted(target, 7, np.nan), PROMPTS, sampling=one)
     assert err.value.rows == [1] and err.value.positions == [0]
     assert list(err.value.generation.lengths) == [1, 0, 1]
+    # every row's first token came from the prefill (one of them none at all): no decode
+    # tokens, not minus one
+    assert err.value.generation.stats.decode_tokens_per_second == 0.0

@@ -123,6 +123,25 @@ def test_text_never_splits_a_character():
         "ab", "cd", "efg"]
 
 
+def test_a_slow_caller_is_not_counted_as_decoding(target, monkeypatch):
+    """The caller's own time between chunks (here 40 ms a chunk, far more than a tiny model's
+    round) is neither decode time in the stats nor a reason to hand out one round a chunk
+    (the chunk sizing reads the decode time). Counted as decoding, it made the streamed
+    tokens/s 50-170 times too low and every chunk one round."""
+    import time
+    sampling = sj.SamplingParams(temperature=0, max_new_tokens=60)
+    fast = list(sj.stream(target, PROMPTS[:1], sampling=sampling))
+    slept, chunks = 0.0, []
+    for chunk in sj.stream(target, PROMPTS[:1], sampling=sampling):
+        chunks.append(chunk)
+        time.sleep(0.04)
+        slept += 0.04
+    np.testing.assert_array_equal(chunks[-1].generation.tokens, fast[-1].generation.tokens)
+    stats = chunks[-1].generation.stats
+    assert stats.decode_seconds < slept / 4, (stats.decode_seconds, slept)
+    assert len(chunks) < 1 + stats.num_rounds / 2, (len(chunks), stats.num_rounds)
+
+
 def test_streamed_text_adds_up_to_generate_text():
     tok = BytesTokenizer()
     target = tiny_model(seed=3, vocab_size=256, hidden_size=16, max_pos=128)
