@@ -1102,8 +1102,8 @@ def _one_prompt(prompts) -> bool:
 
 
 def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
-    if (isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__")
-            or getattr(prompts, "ndim", 1) == 0):
+    if (isinstance(prompts, (str, bytes, collections.abc.Mapping, collections.abc.Set))
+            or not hasattr(prompts, "__len__") or getattr(prompts, "ndim", 1) == 0):
         raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     try:
         flat = np.asarray(prompts)
@@ -1140,6 +1140,31 @@ def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
     return rows
 
 
+@functools.lru_cache(maxsize=16)
+def _param_shapes(config: ModelConfig) -> dict:
+    """{path: shape} of the parameters ``config`` makes (``init_model``'s, traced, not run)."""
+    from .model import init_model
+    abstract = jax.eval_shape(lambda k: init_model(config, k).params, jax.random.key(0))
+    return {jax.tree_util.keystr(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+
+
+def check_params(name: str, model: Model) -> None:
+    """Refuse parameters that are not those of the model's config (a Model built by hand with
+    another config's params, a missing or extra weight): named by path, before tracing (they
+    failed deep in flax, or in the program's signature)."""
+    want = _param_shapes(model.config)
+    got = {jax.tree_util.keystr(path): leaf
+           for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]}
+    for path in sorted(want.keys() | got.keys()):
+        shape = tuple(getattr(got.get(path), "shape", ())) if path in got else None
+        if shape != want.get(path):
+            raise ValueError(
+                f"the {name}'s params do not match its config at {path}: "
+                + ("missing" if path not in got else "not in the config" if path not in want
+                   else f"shape {shape}, the config makes {want[path]}"))
+
+
 def _check_context(name: str, config: ModelConfig, rows: list[np.ndarray], max_new: int) -> None:
     longest = max(len(r) for r in rows)
     if longest + max_new > config.max_position_embeddings:
@@ -1160,6 +1185,7 @@ def check_request(target: Model, prompts, sampling: SamplingParams | None, token
     if not isinstance(target, Model):
         raise ValueError(f"target must be an sj.Model (from sj.init_model or sj.load_model), "
                          f"got {type(target).__name__}")
+    check_params("target", target)
     cfg = target.config
     if sampling.logprobs is not None and sampling.logprobs > cfg.vocab_size:
         raise ValueError(f"SamplingParams.logprobs={sampling.logprobs} exceeds the target's "

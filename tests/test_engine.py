@@ -1,6 +1,7 @@
 """sj.generate: greedy exactness, per-row independence, limits, EOS, stats, compile reuse and
 errors."""
 
+import dataclasses
 import json
 
 import jax
@@ -495,6 +496,26 @@ def test_settings_beyond_what_runs_are_refused_when_made(target, tmp_path):
         assert sj.SpecConfig(method=method, tree=wide).num_speculative_tokens == 20
     with pytest.raises(ValueError, match="target must be an sj.Model"):
         sj.load_heads(tmp_path, "x")
+
+
+def test_params_that_are_not_the_configs_are_refused_by_path(target):
+    """A Model built by hand with another config's params, or with a weight too many: named by
+    its path before anything is traced (a flax shape error, or an AttributeError in the
+    program's signature, before); a mapping of prompts is refused as one, not read by keys."""
+    narrow = dataclasses.replace(target.config, hidden_size=target.config.hidden_size // 2,
+                                 head_dim=None)
+    for model, message in (
+            (sj.Model(narrow, target.params), "params do not match its config at "
+                                              "\\['embed_tokens'\\]\\['embedding'\\]: "
+                                              "shape \\(32, 32\\), the config makes \\(32, 16\\)"),
+            (sj.Model(target.config, {**target.params, "extra": 1}),
+             "at \\['extra'\\]: not in the config"),
+            (sj.Model(target.config, {k: v for k, v in target.params.items() if k != "norm"}),
+             "at \\['norm'\\]\\['weight'\\]: missing")):
+        with pytest.raises(ValueError, match=message):
+            sj.generate(model, [[1, 2]])
+    with pytest.raises(ValueError, match="prompts must be a list of token-id lists, got dict"):
+        sj.generate(target, {"a": [1, 2]})
 
 
 def test_a_ragged_prompt_is_refused_by_its_index(target):
