@@ -34,7 +34,7 @@ import numpy as np
 from . import files
 from .config import ModelConfig, RopeScaling
 from .files import read_json_object
-from .model import Model, init_model, stack_layers, unstack_layers
+from .model import Model, abstract_params, stack_layers, unstack_layers
 
 log = logging.getLogger(__name__)
 
@@ -499,10 +499,6 @@ def _fused_part(path: tuple[str, ...], cfg: ModelConfig
     return f"{prefix}.{name}.weight", (first, rows, total)
 
 
-def _abstract_params(cfg: ModelConfig):
-    return jax.eval_shape(lambda k: init_model(cfg, k).params, jax.random.key(0))
-
-
 # ---------------------------------------------------------------------------------------------
 # Loading and saving.
 
@@ -581,7 +577,7 @@ def _load_hf(folder: pathlib.Path, dtype: str | None,
         return fetch
 
     params: dict = {}
-    for path, leaf in _leaves(_abstract_params(cfg)):
+    for path, leaf in _leaves(abstract_params(cfg)):
         name, transpose = hf_name(path)
         part = _fused_part(path, cfg) if fused else None
         if part is not None:
@@ -629,7 +625,7 @@ def _load_orbax(folder: pathlib.Path, dtype: str | None, mesh=None,
     if not params_dir.exists():
         raise FileNotFoundError(f"{folder} has {SPECJAX_FILE} but no params/ folder")
     ckpt = _orbax().StandardCheckpointer()
-    abstract = _abstract_params(cfg)
+    abstract = abstract_params(cfg)
     if version == 1:  # layers stacked on a leading axis: restored whole, then split per layer
         stacked = jax.eval_shape(lambda p: stack_layers(p, cfg.num_hidden_layers), abstract)
         if mesh is not None:  # whole on every device, then placed by the rules

@@ -524,16 +524,12 @@ class SpecConfig:
                 raise ValueError(f"SpecConfig.{changed[0]}={getattr(self, changed[0])!r} is an "
                                  f"option of method {owner!r}, not {self.method!r}")
         if self.method in ("suffix", "lookahead") and self.tree is not None:
-            from .draft.base import MAX_CANDIDATES
+            from .draft.base import MAX_CANDIDATES, check_fanout
             from .tree import Tree
-            fanout = int(Tree(self.tree).children.shape[1])
-            most = (MAX_CANDIDATES if self.method == "suffix"
-                    else min(MAX_CANDIDATES, self.lookahead_pool_size))
-            if fanout > most:
-                raise ValueError(f"SpecConfig.tree gives a node {fanout} children; method "
-                                 f"{self.method!r} ranks at most {most} continuations a node"
-                                 + ("" if self.method == "suffix" or most == MAX_CANDIDATES
-                                    else f" (lookahead_pool_size={self.lookahead_pool_size})"))
+            pool = self.lookahead_pool_size if self.method == "lookahead" else MAX_CANDIDATES
+            check_fanout(Tree(self.tree), min(MAX_CANDIDATES, pool),
+                         f"SpecConfig.tree with method {self.method!r}"
+                         + (f" and lookahead_pool_size={pool}" if pool < MAX_CANDIDATES else ""))
             if self.method == "lookahead" and self.lookahead_candidates != 1:
                 raise ValueError(f"SpecConfig.lookahead_candidates={self.lookahead_candidates} "
                                  f"sets the chains of a lookahead round without a tree; with "

@@ -1140,20 +1140,13 @@ def _prompt_rows(prompts, vocab_size: int) -> list[np.ndarray]:
     return rows
 
 
-@functools.lru_cache(maxsize=16)
-def _param_shapes(config: ModelConfig) -> dict:
-    """{path: shape} of the parameters ``config`` makes (``init_model``'s, traced, not run)."""
-    from .model import init_model
-    abstract = jax.eval_shape(lambda k: init_model(config, k).params, jax.random.key(0))
-    return {jax.tree_util.keystr(path): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-
-
 def check_params(name: str, model: Model) -> None:
     """Refuse parameters that are not those of the model's config (a Model built by hand with
     another config's params, a missing or extra weight): named by path, before tracing (they
     failed deep in flax, or in the program's signature)."""
-    want = _param_shapes(model.config)
+    from .model import abstract_params
+    want = {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf
+            in jax.tree_util.tree_flatten_with_path(abstract_params(model.config))[0]}
     got = {jax.tree_util.keystr(path): leaf
            for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]}
     for path in sorted(want.keys() | got.keys()):

@@ -395,6 +395,12 @@ def check_span(config: ModelConfig, cache: KVCache, width: int) -> None:
                              f"KVCache.init(..., span={width}) or more")
 
 
+@functools.lru_cache(maxsize=16)
+def abstract_params(config: ModelConfig):
+    """The parameter tree ``init_model(config)`` makes, as shapes and dtypes (traced, not run)."""
+    return jax.eval_shape(lambda k: init_model(config, k).params, jax.random.key(0))
+
+
 def check_chunk(tokens, positions, cache: KVCache) -> None:
     """Called with concrete arrays (not inside a trace): refuse tokens and positions that are not
     [B, T] alike with B the cache's rows, and a chunk that would run past the cache's capacity

@@ -252,9 +252,11 @@ def test_bad_settings_are_refused(target):
                         (dict(lookahead_window=8, lookahead_pool_size=4),
                          "lookahead_pool_size=4 is smaller than"),
                         (dict(tree=[[i] for i in range(17)]),
-                         "gives a node 17 children; method 'lookahead' ranks at most 16"),
+                         "method 'lookahead': the tree gives a node 17 children, more than "
+                         "the 16 candidates"),
                         (dict(tree=[[0], [1], [2]], lookahead_pool_size=2),
-                         "ranks at most 2 continuations a node \\(lookahead_pool_size=2\\)"),
+                         "lookahead_pool_size=2: the tree gives a node 3 children, more "
+                         "than the 2 candidates"),
                         (dict(tree=[[0], [1]], lookahead_candidates=2),
                          "with tree= the tree is the shape"),
                         (dict(method="dflash", lookahead_candidates=2),

@@ -334,8 +334,8 @@ def test_bad_settings_and_caches_are_refused(target, tmp_path):
                 sampling=sj.SamplingParams(max_new_tokens=2))
     assert empty.vocab_size == 24 and len(empty) == 2
     # trees the method cannot fill, options of another method, proposers built directly
-    with pytest.raises(ValueError, match="gives a node 17 children; method 'suffix' ranks at "
-                                         "most 16"):
+    with pytest.raises(ValueError, match="method 'suffix': the tree gives a node 17 children, "
+                                         "more than the 16 candidates"):
         sj.SpecConfig(method="suffix", tree=[[i] for i in range(17)])
     with pytest.raises(ValueError, match="lookahead_window=4 is an option of method "
                                          "'lookahead', not 'suffix'"):

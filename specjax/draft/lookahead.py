@@ -67,10 +67,9 @@ class LookaheadProposer:
     candidates: int = MAX_CANDIDATES
 
     def __post_init__(self):  # built directly, as a custom proposer may be: checked as well
+        from ..config import _require_int
         for name in ("window", "pool_size", "candidates"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"LookaheadProposer.{name} must be an int >= 1, got {value!r}")
+            _require_int(self, name, getattr(self, name), 1)
         if self.pool_size < self.window:  # a round's n-grams would share slots
             raise ValueError(f"LookaheadProposer.pool_size={self.pool_size} is smaller than the "
                              f"window={self.window} n-grams a round adds")

@@ -281,19 +281,16 @@ class SuffixProposer:
     # own text (None: max_spec_factor; SpecConfig.suffix_decoding_own_spec_factor)
 
     def __post_init__(self):  # built directly, as a custom proposer may be: checked as well
+        from ..config import _require_int, _require_real
         for name in ("max_depth", "candidates", "min_match"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"SuffixProposer.{name} must be an int >= 1, got {value!r}")
-        for name, value in (("max_spec_factor", self.max_spec_factor),
-                            ("own_spec_factor", self.own_spec_factor)):
-            if value is not None and not (np.isfinite(value) and value > 0):
-                raise ValueError(f"SuffixProposer.{name} must be a finite number > 0, got "
-                                 f"{value!r}")
+            _require_int(self, name, getattr(self, name), 1)
+        _require_real(self, "max_spec_factor", self.max_spec_factor,
+                      lambda x: np.isfinite(x) and x > 0, "a finite number > 0")
+        if self.own_spec_factor is not None:
+            _require_real(self, "own_spec_factor", self.own_spec_factor,
+                          lambda x: np.isfinite(x) and x > 0, "a finite number > 0 or None")
         for name in ("min_token_prob", "acceptance_floor"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"SuffixProposer.{name} must be in [0, 1], got "
-                                 f"{getattr(self, name)!r}")
+            _require_real(self, name, getattr(self, name), lambda x: 0 <= x <= 1, "in [0, 1]")
         check_fanout(self.shape, self.candidates, "SuffixProposer")
 
     @property
