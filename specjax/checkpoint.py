@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import numbers
 import os
 import pathlib
 from collections.abc import Callable, Iterator
@@ -100,7 +101,6 @@ class SafetensorsFile:
     def __init__(self, path: pathlib.Path):
         self.path = path
         with self._open() as f:
-            self.metadata = f.metadata() or {}
             self.entries = {name: (f.get_slice(name).get_dtype(),
                                    tuple(f.get_slice(name).get_shape())) for name in f.keys()}
 
@@ -744,21 +744,26 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
                eos_token_id: int | list[int] | None = None, tokenizer=None,
                dtype: str | None = None) -> None:
     """Save a model folder. format="orbax": params through orbax plus ``specjax.json``;
-    format="hf": ``config.json`` and ``model.safetensors`` that ``transformers`` loads as is (plus
-    ``generation_config.json`` when BOS/EOS ids are given, or a tokenizer has them). With
+    format="hf": ``config.json`` and ``model.safetensors`` that ``transformers`` loads as is. Both:
+    ``generation_config.json`` when BOS/EOS ids are given, or a tokenizer has them. With
     ``tokenizer=`` (an ``sj.Tokenizer``): also ``tokenizer.json`` and ``tokenizer_config.json``,
     so ``transformers.AutoTokenizer``, ``sj.load_tokenizer`` and ``specjax generate --target``
     read the folder. The new save replaces an earlier one (of either format) in one atomic swap:
     interrupted at any point, the folder holds the complete earlier save or the complete new one
     (``specjax/files.py``). Files of the user's in the folder (a README, a tokenizer when none is
-    given) are kept.
+    given) are kept, and so are the BOS/EOS ids the earlier save recorded when none are given
+    (in ``generation_config.json``, written in both formats). A folder that is a symbolic
+    link is saved where it points.
 
     dtype: store the parameters in this dtype ("float32", "bfloat16", "float16" or a dtype
     object); None stores them as the model holds them (a bfloat16 checkpoint loaded on a CPU
     computes in float32 and so saves twice its size unless given "bfloat16")."""
     folder = pathlib.Path(path)
     if dtype is not None:
-        name = compute_dtype(dtype, "cpu")
+        try:  # compute_dtype's own message would offer "auto" and "stored", refused here
+            name = compute_dtype(dtype, "cpu")
+        except ValueError:
+            name = None
         if name is None or (isinstance(dtype, str) and dtype in ("auto", "stored")):
             raise ValueError(f"save_model's dtype must be 'float32', 'bfloat16', 'float16' or "
                              f"None, got {dtype!r}")
@@ -784,10 +789,20 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
                          f"draft model with a draft vocabulary, save its .model and the vocabulary "
                          f"ids beside it as draft_vocab.npy)")
     cfg = model.config
+    if bos_token_id is None and eos_token_id is None and tokenizer is None:
+        try:  # a save over a save keeps them, unless they are not this model's tokens
+            bos_token_id, eos_token_id = _check_ids(*_folder_ids(folder), cfg.vocab_size)
+        except ValueError:
+            pass
+    bos_token_id, eos_token_id = _check_ids(bos_token_id, eos_token_id, cfg.vocab_size)
     arch = hf_architecture(cfg) if format == "hf" else None  # refuse before writing anything
     with files.replace_folder(folder, _model_file) as tmp:
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp, cfg.max_position_embeddings)
+        if bos_token_id is not None or eos_token_id is not None:  # load_tokenizer reads them
+            generation = {k: v for k, v in (("bos_token_id", bos_token_id),
+                                            ("eos_token_id", eos_token_id)) if v is not None}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if format == "orbax":
             with _orbax().StandardCheckpointer() as ckpt:  # waits for its threads, even when
                 ckpt.save((tmp / "params").resolve(), model.params, force=True)  # interrupted
@@ -808,10 +823,36 @@ def save_model(model: Model, path: str | os.PathLike, format: str = "orbax", *,
             tensors[name] = leaf.T if transpose else leaf
         write_safetensors(tmp / "model.safetensors", tensors)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        if bos_token_id is not None or eos_token_id is not None:
-            generation = {k: v for k, v in (("bos_token_id", bos_token_id),
-                                            ("eos_token_id", eos_token_id)) if v is not None}
-            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _folder_ids(folder: pathlib.Path) -> tuple[Any, Any]:
+    """The BOS and EOS ids a model folder records (config.json, then generation_config.json
+    over it, as load_tokenizer reads them); (None, None) where it records none. Its
+    generation_config.json is the save's own, replaced by the next: without this a save over an
+    earlier one (an HF folder converted in place) lost the EOS ids its tokenizer needs."""
+    bos = eos = None
+    for name in ("config.json", "generation_config.json"):
+        f = folder / name
+        if f.is_file():
+            record = files.read_json_object(f)
+            bos = record.get("bos_token_id", bos)
+            eos = record.get("eos_token_id", eos)
+    return bos, eos
+
+
+def _check_ids(bos, eos, vocab_size: int) -> tuple[Any, Any]:
+    """BOS and EOS ids as plain ints (EOS: one, or a list), or None; each a token of the
+    model."""
+    def checked(name, value, many):
+        if value is None:
+            return None
+        ids = list(value) if many and isinstance(value, (list, tuple)) else [value]
+        if not ids or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                              and 0 <= i < vocab_size for i in ids):
+            raise ValueError(f"{name} must be {'token ids' if many else 'a token id'} in "
+                             f"[0, {vocab_size}), got {value!r}")
+        return [int(i) for i in ids] if isinstance(value, (list, tuple)) else int(value)
+    return checked("bos_token_id", bos, False), checked("eos_token_id", eos, True)
 
 
 def _model_file(name: str) -> bool:

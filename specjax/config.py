@@ -25,6 +25,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_int(label: str, value: Any, minimum: int) -> None:
+    """A ValueError "``label`` must be an int >= ``minimum``, got ..." unless ``value`` is an
+    int (not a bool) that large."""
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{label} must be an int >= {minimum}, got {value!r}")
+
+
 def _plain(value: Any) -> Any:
     """A 0-d array (``jnp.float32(0.5)``, ``np.array(3)``) as the Python number it holds; any
     other value as it is."""
@@ -42,9 +49,7 @@ def _require_int(owner: Any, name: str, value: Any, minimum: int,
     plain int. Above ``maximum`` it is refused as a corrupt model config, or, with ``bound`` (why
     the maximum is what it is), as a setting out of range."""
     value = _plain(value)
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{type(owner).__name__}.{name} must be an int >= {minimum}, "
-                         f"got {value!r}")
+    check_int(f"{type(owner).__name__}.{name}", value, minimum)
     if maximum is not None and value > maximum and bound is not None:
         raise ValueError(f"{type(owner).__name__}.{name} must be at most {maximum:,} ({bound}), "
                          f"got {value!r}")

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import glob
 import os
 import pathlib
 import shutil
@@ -124,7 +125,8 @@ def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
 
 
 def _siblings(folder: pathlib.Path, kind: str) -> list[pathlib.Path]:
-    return sorted(folder.parent.glob(f".{folder.name}{kind}*"))
+    # escaped: a folder named "m[12]" must not match another's ".m1..." siblings
+    return sorted(folder.parent.glob(f".{glob.escape(folder.name)}{kind}*"))
 
 
 def recover_folder(folder: str | os.PathLike) -> None:
@@ -163,8 +165,11 @@ def replace_folder(folder: str | os.PathLike,
     without an exception, the entries of the old folder for which ``owned(name)`` is false and
     that the new save did not write are carried over, and the new folder replaces the old one
     in one atomic swap. On an exception the temporary folder is removed and ``folder`` is
-    untouched."""
+    untouched. A ``folder`` that is a symbolic link is saved where it points (replacing the
+    link by a real folder left the old save there, for anyone loading it by its own path)."""
     folder = pathlib.Path(folder).absolute()
+    if folder.is_symlink():
+        folder = folder.resolve()
     recover_folder(folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} exists and is not a folder")
@@ -180,6 +185,10 @@ def replace_folder(folder: str | os.PathLike,
                 if not owned(entry.name) and not os.path.lexists(tmp / entry.name):
                     _carry(entry, tmp / entry.name)
         fsync_tree(tmp)
+        try:  # a process working in the folder works in the new one after the swap
+            inside = pathlib.Path.cwd() == folder
+        except OSError:
+            inside = False
         if not folder.exists():
             os.rename(tmp, folder)
         elif _exchange(tmp, folder):
@@ -190,6 +199,8 @@ def replace_folder(folder: str | os.PathLike,
             os.rename(tmp, folder)
             tmp = old
         fsync_path(folder.parent)
+        if inside:
+            os.chdir(folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

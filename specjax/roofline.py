@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from . import timing
+from .config import check_int
 from .model import Model
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16)
@@ -80,6 +81,10 @@ def report(model: Model, *, batches=(1, 8, 32), widths=WIDTHS, context: int = 64
     batches = sorted(set(int(b) for b in batches))
     if min(widths) < 1 or min(batches) < 1:
         raise ValueError(f"batches and widths must be >= 1, got {batches} and {widths}")
+    # before anything compiles: a negative context reported negative KV bytes, and no
+    # repeats failed after every forward had compiled
+    for name, value, low in (("context", context, 0), ("repeats", repeats, 1)):
+        check_int(f"roofline report's {name}", value, low)
     capacity = capacity or context + max(widths) + 1
     if context + max(widths) > capacity:
         raise ValueError(f"capacity {capacity} cannot hold context {context} + width "

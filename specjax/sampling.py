@@ -134,9 +134,10 @@ def _top_p_threshold(descending: Array, peak: Array, total: Array, top_p: Array
     found among them is right either way."""
     sorted_probs = jnp.exp(descending - peak) / total
     mass_before = prefix_sum(sorted_probs) - sorted_probs
-    keep = (mass_before < top_p) | (top_p >= 1.0)
+    keep = mass_before < top_p
     threshold = jnp.min(jnp.where(keep, sorted_probs, jnp.inf), axis=-1, keepdims=True)
-    return threshold, ~keep[..., -1] | (top_p[..., 0] >= 1.0)
+    # top_p >= 1 keeps every token, also those beyond the first n
+    return jnp.where(top_p >= 1.0, 0.0, threshold), ~keep[..., -1] | (top_p[..., 0] >= 1.0)
 
 
 def process_logits(logits: Array, params: SamplingArrays,
@@ -198,6 +199,7 @@ def _filtered(logits: Array, params: SamplingArrays, filters: Filters):
         kth = jnp.where(off, -jnp.inf, kth)
         x = jnp.where(x < kth, -jnp.inf, x)
         descending = jnp.where(top < kth, -jnp.inf, top)  # the kept logits, largest first
+        k_on = ~off[..., 0]  # a row whose top-k is off may keep more than kmax tokens
     elif filters.top_p:  # the likeliest TOP_P_CANDIDATES first (a full sort only if needed)
         descending = jax.lax.top_k(x, min(TOP_P_CANDIDATES, V))[0]
     # One softmax shared by the full and the sorted view, so their values compare exactly.
@@ -209,9 +211,12 @@ def _filtered(logits: Array, params: SamplingArrays, filters: Filters):
     if filters.top_p:
         top_p = _per_row(params.top_p, x)[..., None]
         threshold, covered = _top_p_threshold(descending, peak, total, top_p)
-        if not filters.top_k and descending.shape[-1] < V:
+        if filters.top_k:  # a row with top-k on keeps at most kmax tokens (and their ties)
+            covered = covered | k_on
+        if descending.shape[-1] < V:
             # Where some row keeps all of its candidates, the threshold may lie beyond them:
-            # then every row's is searched for over the whole vocabulary.
+            # then every row's is searched for over the whole vocabulary (over top-k's kept
+            # tokens, for a row with top-k on: probs has the others at 0).
             threshold = jax.lax.cond(jnp.all(covered), lambda: threshold,
                                      lambda: _top_p_bisected(probs, top_p))
         keep = keep & (probs >= threshold)

@@ -50,6 +50,15 @@ class Verdict:
     finite: Array | None = None
 
 
+def _in_vocabulary(draft_tokens: Array, V: int, valid: Array | None) -> Array:
+    """``valid`` [B, G] (None: all) and-ed with whether each id is a token, in [0, V): an id
+    outside (a proposer's -1 for "no draft") counts as not proposed. Indexing p or q by it
+    would wrap (-1 reads token V - 1) or read NaN, and accept or reject it by numbers that are
+    not its own; as not proposed, the row draws from p there, as autoregressive decoding does."""
+    ok = (draft_tokens >= 0) & (draft_tokens < V)
+    return ok if valid is None else valid & ok
+
+
 def _draft_token_probs(probs: Array, tokens: Array) -> Array:
     """probs [B, G, V], tokens [B, G] -> probs[b, k, tokens[b, k]]: [B, G]."""
     return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
@@ -127,6 +136,7 @@ def rejection_sample(keys: Array, draft_tokens: Array, draft_probs: Array | None
     valid [B, G] or None: per-row draft lengths (a row with k valid drafts accepts at most k).
     """
     B, G = draft_tokens.shape
+    valid = _in_vocabulary(draft_tokens, target_probs.shape[-1], valid)
     accept_p = acceptance_probs(draft_tokens, draft_probs, target_probs, valid)  # [B, G]
     split = jax.vmap(jax.random.split)(keys)  # [B, 2]
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(split[:, 0])  # [B, G] in [0, 1)
@@ -227,19 +237,23 @@ def sampled_sibling_probs(p: Array, q: Array, child_tokens: Array, child_valid: 
     return jnp.stack(accept, axis=1), p
 
 
-def _walk(tree, draft_tokens: Array, valid: Array | None,
+def _walk(tree, draft_tokens: Array, valid: Array | None, V: int | None,
           accept: Callable[[int, Array, Array, Array], Array]) -> tuple[Array, Array, Array, Array]:
     """From the root, each depth tries the current node's children and moves to the first one
     ``accept(d, node [B], kid_tokens [B, C], kid_ok [B, C]) -> hit [B, C]`` takes (``kid_ok``:
     the child exists and was proposed; a hit must imply it); a row stops at the first node none
     of whose children is taken. Returns the node each row ends at [B], whether it moved at every
     depth (reached a leaf) [B], the accepted node at each depth [B, D] (0 past the end) and the
-    accepted tokens [B, D] (-1 past the end)."""
+    accepted tokens [B, D] (-1 past the end). A node whose id is not in [0, V) counts as not
+    proposed (``_in_vocabulary``); V None (greedy: a child is taken only when it equals the
+    target's argmax, always a token) skips that check."""
     B = draft_tokens.shape[0]
     rows = jnp.arange(B)
     children = jnp.asarray(tree.children)  # [N, C]
     tokens = jnp.concatenate([jnp.zeros((B, 1), draft_tokens.dtype), draft_tokens], axis=1)
     ok = jnp.ones((B, tree.num_nodes), bool)
+    if V is not None:
+        valid = _in_vocabulary(draft_tokens, V, valid)
     if valid is not None:
         ok = ok.at[:, 1:].set(valid)
     node = jnp.zeros((B,), jnp.int32)
@@ -298,7 +312,7 @@ def tree_sample(keys: Array, tree, draft_tokens: Array, target_probs: Array,
         residuals.append(residual)
         return u[:, d] < a  # [B, C]; a is 0 for invalid children
 
-    node, leaf, path, out = _walk(tree, draft_tokens, valid, accept)
+    node, leaf, path, out = _walk(tree, draft_tokens, valid, target_probs.shape[-1], accept)
     # a row that stops at depth k (k accepted) draws from depth k's residual; a leaf's bonus
     # token from the leaf's p
     stopped = jnp.minimum(jnp.sum(out >= 0, axis=1), D - 1)
@@ -320,5 +334,5 @@ def greedy_tree_verdict(tree, draft_tokens: Array, target_tokens: Array,
     def accept(d, node, kid_tokens, kid_ok):
         return kid_ok & (kid_tokens == target_tokens[rows, node][:, None])
 
-    node, _, path, out = _walk(tree, draft_tokens, valid, accept)
+    node, _, path, out = _walk(tree, draft_tokens, valid, None, accept)
     return _tree_verdict(path, out, target_tokens[rows, node])

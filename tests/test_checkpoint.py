@@ -557,3 +557,58 @@ def test_export_with_a_tokenizer_loads_everywhere(tmp_path, fmt, capsys):
     assert len(tok.encode(printed)) > len(tok.encode("def f(x):"))  # and went on
     with pytest.raises(ValueError, match="more than the model's vocab_size 16"):
         sj.save_model(tiny_model(seed=3), tmp_path / "small", tokenizer=tok)
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "hf"])
+def test_a_save_keeps_the_eos_ids_of_the_save_it_replaces(tmp_path, fmt):
+    """BOS/EOS ids live in generation_config.json, which a save owns. An orbax save deleted it
+    and wrote none, so an HF folder converted in place lost every EOS id but the tokenizer's
+    one (a Llama-3-instruct folder keeps <|eot_id|> only there), and ids passed to an orbax
+    save were dropped. Now both formats write them, and a save given none keeps the old ones."""
+    model = tiny_model(seed=4)
+    sj.save_model(model, tmp_path, format="hf", bos_token_id=0, eos_token_id=[5, 7])
+    generation = lambda: json.loads((tmp_path / "generation_config.json").read_text())  # noqa
+    sj.save_model(sj.load_model(tmp_path), tmp_path, format=fmt)  # converted in place
+    assert generation() == {"bos_token_id": 0, "eos_token_id": [5, 7]}
+    sj.save_model(model, tmp_path, format=fmt, eos_token_id=np.int64(9))  # given: these
+    assert generation() == {"eos_token_id": 9}
+    sj.save_model(model, tmp_path, format="hf", eos_token_id=12)
+    sj.save_model(tiny_model(seed=5, vocab_size=8), tmp_path, format=fmt)
+    assert not (tmp_path / "generation_config.json").exists()  # 12 is not a token of this one
+
+
+def test_bad_ids_and_dtypes_for_a_save_are_named(tmp_path):
+    model = tiny_model(seed=4)  # 16 tokens
+    for kw, message in [(dict(bos_token_id=-3), "bos_token_id must be a token id in \\[0, 16\\), "
+                                                "got -3"),
+                        (dict(eos_token_id=[1000, True]), "eos_token_id must be token ids in "
+                                                          "\\[0, 16\\), got \\[1000, True\\]"),
+                        (dict(eos_token_id=[]), "eos_token_id must be token ids"),
+                        (dict(dtype=np.float64), "save_model's dtype must be 'float32', "
+                                                 "'bfloat16', 'float16' or None")]:
+        with pytest.raises(ValueError, match=message):
+            sj.save_model(model, tmp_path / "m", **kw)
+        assert not (tmp_path / "m").exists()
+
+
+def test_saving_through_a_link_or_from_inside_the_folder(tmp_path, monkeypatch):
+    """A folder given by a symbolic link is saved where it points (the link was replaced by a
+    real folder and the old weights stayed behind, with a stray temporary link); a process
+    working inside the folder still can after the swap (its cwd was the replaced folder, gone);
+    a folder named like a glob pattern touches no other folder's backups."""
+    a, b = tiny_model(seed=1), tiny_model(seed=2)
+    sj.save_model(a, tmp_path / "real", format="hf")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    sj.save_model(b, tmp_path / "link", format="hf")
+    assert (tmp_path / "link").is_symlink()
+    np.testing.assert_array_equal(np.asarray(sj.load_model(tmp_path / "real").params["norm"]
+                                             ["weight"]), np.asarray(b.params["norm"]["weight"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    monkeypatch.chdir(tmp_path / "real")
+    sj.save_model(a, ".", format="hf")
+    assert pathlib.Path.cwd() == tmp_path / "real" and pathlib.Path("config.json").exists()
+    monkeypatch.chdir(tmp_path)
+    backup = tmp_path / f".m1{sj.files.OLD}0a1b2c3d"  # another folder's earlier save
+    shutil.copytree(tmp_path / "real", backup)
+    sj.save_model(b, tmp_path / "m[12]", format="hf")
+    assert backup.is_dir() and (backup / "config.json").exists()

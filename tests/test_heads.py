@@ -231,6 +231,16 @@ def test_save_load_round_trip_and_wrong_target(target, trained, method, tmp_path
     meta.write_text(json.dumps({k: v for k, v in record.items() if k != "method"}))
     with pytest.raises(ValueError, match=r"lacks \['method'\]"):
         sj.load_heads(tmp_path / method, target)
+    # fields of the wrong type (they raised KeyError or TypeError from inside the loader)
+    no_print = {k: v for k, v in record["target"].items() if k != "fingerprint"}
+    for change, message in [({"target": []}, "target is \\[\\], not an object"),
+                            ({"target": no_print}, "target.fingerprint is missing"),
+                            ({"num_heads": "2"}, "num_heads is '2', not an int >= 0"),
+                            ({"dtype": "float33"}, "dtype is 'float33', not float32"),
+                            ({"taps": [1, "x"]}, "taps is \\[1, 'x'\\], not a list")]:
+        meta.write_text(json.dumps({**record, **change}))
+        with pytest.raises(ValueError, match=re.escape(str(meta)) + ": " + message):
+            sj.load_heads(tmp_path / method, target)
 
 
 def data_folder(folder, tokens):
@@ -576,7 +586,7 @@ def accept_all(draft_tokens, target_tokens, valid=None):
 def accept_all_tree(tree, draft_tokens, target_tokens, valid=None):
     """Broken on purpose: a greedy tree verdict that accepts the first child of every node."""
     rows = jnp.arange(draft_tokens.shape[0])
-    node, _, path, out = verify._walk(tree, draft_tokens, valid,
+    node, _, path, out = verify._walk(tree, draft_tokens, valid, None,
                                       lambda d, node, kid_tokens, kid_ok: kid_ok)
     return verify._tree_verdict(path, out, target_tokens[rows, node])
 

@@ -51,3 +51,19 @@ def test_the_knee_is_the_first_width_over_its_batchs_step(monkeypatch):
     assert "width 5, 5 tokens per forward" in text and "width 2, 8 tokens per forward" in text
     with pytest.raises(ValueError, match="capacity 9 cannot hold context 8 \\+ width 8"):
         roofline.report(model, widths=(1, 8), context=8, capacity=9)
+
+
+def test_timers_refuse_sizes_that_time_another_computation():
+    """A forward whose writes run past the cache (they are dropped: another computation), a
+    negative context (negative KV bytes) and no repeats (a StatisticsError after every
+    forward compiled) are named before anything compiles."""
+    model = sj.init_model(tiny_config(), jax.random.key(0))
+    with pytest.raises(ValueError, match="context 12 \\+ T 8 tokens do not fit a cache of "
+                                         "capacity 16"):
+        timing.forward_timer(model, 8, 16, 12)
+    with pytest.raises(ValueError, match="forward_timer's context must be an int >= 0"):
+        timing.forward_timer(model, 1, 16, -1)
+    for kw, message in [(dict(context=-1), "context must be an int >= 0, got -1"),
+                        (dict(repeats=0), "repeats must be an int >= 1, got 0")]:
+        with pytest.raises(ValueError, match="roofline report's " + message):
+            roofline.report(model, batches=(1,), widths=(1,), **kw)

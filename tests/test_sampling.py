@@ -298,3 +298,24 @@ def test_a_bisection_that_counts_the_candidate_as_above_fails_the_reference(monk
     monkeypatch.setattr(sampling, "_top_p_bisected", counted_as_above)
     got = sampling.process_logits(logits, _arrays(4, 0.8, 0, p), _filters(0, p))
     assert ((np.asarray(got) > 0) != want).any()
+
+
+@pytest.mark.parametrize("case", ["top-p-off-row", "top-k-off-row", "both-off-row"])
+def test_rows_with_a_filter_off_beside_rows_with_it_on(case):
+    """Rows of one call with different settings (SamplingArrays is per row; the static Filters
+    say which filters any row uses), over 1,000 tokens, against the numpy reference. Before, a
+    row with top_p = 1 beside a top-p row kept only the 64 top-p candidates, and a row with
+    top-k off beside a top-k row only kmax tokens (total variation 0.57 on a flat row)."""
+    logits = _wide_rows()
+    rows = {"top-p-off-row": [(0.8, 0, 0.02), (0.8, 0, 1.0), (0.8, 0, 0.05), (0.8, 0, 1.0)],
+            "top-k-off-row": [(0.8, 5, 1.0), (0.8, 0, 0.99), (0.8, 20, 0.9), (0.8, 0, 0.5)],
+            "both-off-row": [(0.8, 5, 1.0), (0.8, 0, 1.0), (1.0, 64, 0.9), (0.8, 0, 1.0)]}[case]
+    t, k, p = (jnp.asarray(x) for x in zip(*rows))
+    params = sampling.SamplingArrays(t.astype(jnp.float32), k.astype(jnp.int32),
+                                     p.astype(jnp.float32))
+    filters = sampling.Filters(top_k=64 if case != "top-p-off-row" else 0, top_p=True)
+    got = np.asarray(sampling.process_logits(logits, params, filters))
+    for b, (t_, k_, p_) in enumerate(rows):
+        want = ref_process(logits[b], t_, k_, p_)
+        np.testing.assert_array_equal(got[b] > 0, want > 0, err_msg=f"row {b}: {rows[b]}")
+        np.testing.assert_allclose(got[b], want, atol=1e-6)

@@ -30,9 +30,9 @@ def stream(n=4000, seed=0, noise_seed=None):
 
 
 def settings(steps, **kw):
-    return train.TrainConfig(steps=steps, batch_size=4, seq_len=16, learning_rate=3e-2,
-                             warmup_steps=2, checkpoint_every=3, eval_every=10, eval_batches=2,
-                             **kw)
+    return train.TrainConfig(**{**dict(steps=steps, batch_size=4, seq_len=16, learning_rate=3e-2,
+                                       warmup_steps=2, checkpoint_every=3, eval_every=10,
+                                       eval_batches=2), **kw})
 
 
 def test_loss_goes_down(tmp_path):
@@ -439,3 +439,86 @@ def test_generated_text_resumes_after_a_crash_between_a_chunk_and_its_time(tmp_p
     made.clear()
     rows = pair._generated_text(tmp_path, None, None, minutes=1.5)  # 90 s: one more chunk
     assert made == [3] and rows.shape == (8, 3)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("grad_clip", -1.0, "grad_clip must be a finite number > 0"),  # trained uphill (loss 16.7)
+    ("grad_clip", 0.0, "grad_clip must be a finite number > 0"),  # never learned (ln V)
+    ("learning_rate", float("nan"), "learning_rate must be a finite number > 0"),
+    ("warmup_steps", -1, "warmup_steps must be an int >= 0"),
+    ("min_lr_ratio", 1.5, "min_lr_ratio must be in \\[0, 1\\]"),
+    ("weight_decay", -0.1, "weight_decay must be a finite number >= 0"),
+    ("distill_temperature", 0.0, "distill_temperature must be a finite number > 0"),
+    ("seed", -1, "seed must be an int >= 0"),  # was numpy's "expected non-negative integer"
+    ("steps", 10.5, "steps must be an int >= 1"),
+])
+def test_train_config_names_a_bad_number(field, value, message):
+    with pytest.raises(ValueError, match=f"TrainConfig.{message}"):
+        settings(4, **{field: value}) if field != "steps" else train.TrainConfig(steps=value)
+
+
+def test_streams_are_checked_before_anything_is_written(tmp_path):
+    """Ids past the vocabulary (they trained every parameter to NaN and checkpointed it), a
+    held-out stream too short for a window (found only at the first evaluation, eval_every
+    steps in) and a seq_len past the model's context: named errors, and no run.json."""
+    tokens = stream()
+    wrong = tokens.copy()
+    wrong[7] = CFG.vocab_size + 6
+    cases = [(dict(tokens=wrong), "token stream holds token ids 1..38, outside the model's "
+                                  "vocabulary \\[0, 32\\)"),
+             (dict(heldout=tokens[:17]), "held-out stream of 17 tokens is shorter than "
+                                        "seq_len \\+ 2 = 18"),
+             (dict(cfg=settings(4, seq_len=CFG.max_position_embeddings + 1)),
+              "seq_len=65 is longer than the model's context")]
+    for kw, message in cases:
+        kw = {"tokens": tokens, "cfg": settings(4), **kw}
+        with pytest.raises(ValueError, match=message):
+            train.train(CFG, kw.pop("tokens"), kw.pop("cfg"), tmp_path, progress=False, **kw)
+        assert not (tmp_path / "run.json").exists()
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_may_start_again(tmp_path, monkeypatch):
+    """run.json records the settings before the first step; a run that failed before any
+    checkpoint (out of memory, a bad batch size) holds nothing to resume, so other settings
+    start afresh there (they were refused as "a run with other settings")."""
+    def out_of_memory(*_):
+        raise MemoryError("no room for this batch")
+    with monkeypatch.context() as m:
+        m.setattr(train.loop, "_step", out_of_memory)
+        with pytest.raises(MemoryError):
+            train.train(CFG, stream(), settings(4, batch_size=64), tmp_path, progress=False)
+    assert (tmp_path / "run.json").exists()
+    train.train(CFG, stream(), settings(4), tmp_path, progress=False)
+    assert json.loads((tmp_path / "run.json").read_text())["train"]["batch_size"] == 4
+    with pytest.raises(ValueError, match="other settings"):  # now it holds checkpoints
+        train.train(CFG, stream(), settings(4, batch_size=8), tmp_path, progress=False)
+
+
+def test_a_diverged_run_keeps_its_last_good_checkpoint(tmp_path, monkeypatch):
+    """A loss that turns NaN stops the run at its next checkpoint with a named error, and the
+    checkpoint before it stays the latest (a NaN state was saved and resumed from)."""
+    real_step, taken = train.loop._step, []
+
+    def diverging(*args):  # NaN from the fourth step on
+        state, loss = real_step(*args)
+        taken.append(1)
+        return state, loss * (np.nan if len(taken) > 3 else 1.0)
+    monkeypatch.setattr(train.loop, "_step", diverging)
+    with pytest.raises(FloatingPointError, match="loss is nan at step 6; .* keeps its last "
+                                                 "checkpoint \\(step 3\\)"):
+        train.train(CFG, stream(), settings(9), tmp_path, progress=False)
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [3]
+
+
+def test_loss_by_position_names_a_bad_count():
+    """windows=-1 dropped the last window without a word (a slice), windows=0 blamed the
+    stream's length, batch_size=0 failed inside range()."""
+    model = sj.init_model(CFG, jax.random.key(0))
+    tokens = stream(n=400)
+    assert train.loop.loss_by_position(model, tokens, windows=2)["windows"] == 2
+    for kw, message in [(dict(windows=-1), "windows must be an int >= 1, got -1"),
+                        (dict(windows=0), "windows must be an int >= 1, got 0"),
+                        (dict(batch_size=0), "batch_size must be an int >= 1, got 0")]:
+        with pytest.raises(ValueError, match=message):
+            train.loop.loss_by_position(model, tokens, **kw)

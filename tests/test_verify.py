@@ -248,3 +248,31 @@ def test_greedy_verdict_comparison_catches_ignored_validity():
     want = verify.rejection_sample(keys, drafts, None, one_hot, valid)
     broken = verify.greedy_verdict(drafts, argmax, None)
     assert not np.array_equal(broken.num_accepted, want.num_accepted)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("point_mass", [False, True])
+@pytest.mark.parametrize("bad", [-1, V])
+def test_ids_outside_the_vocabulary_count_as_not_proposed(shape, point_mass, bad):
+    """A proposer's id outside [0, V) (a -1 for "no draft", or V) is never accepted or emitted:
+    the row's first token is drawn from the target's p, as without drafts. Before, -1 read p and
+    q at token V - 1 (take_along_axis wraps): with p = [.1, .2, .3, .4] the chain emitted -1 as
+    its first token in about 40% of rows and drew token 3 too rarely."""
+    from specjax.tree import Tree
+    N = 40_000
+    p = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
+    target = jnp.asarray(np.broadcast_to(p, (N, 3, V)))
+    q = jnp.asarray(np.broadcast_to(np.full(V, 0.25, np.float32), (N, 3, V)))
+    drafts = jnp.broadcast_to(jnp.asarray([bad, 3], jnp.int32), (N, 2))
+    keys = jax.random.split(jax.random.key(3), N)
+    if shape == "chain":
+        v = verify.rejection_sample(keys, drafts, None if point_mass else q[:, :2], target)
+    else:  # a chain-shaped tree: root -> node 1 -> node 2
+        v = verify.tree_sample(keys, Tree([(0,), (0, 0)]), drafts, target,
+                               draft_probs=None if point_mass else q)
+        assert (np.asarray(v.path) == 0).all()
+    assert (np.asarray(v.num_accepted) == 0).all()
+    first = np.asarray(v.tokens[:, 0])
+    assert ((first >= 0) & (first < V)).all(), np.unique(first)
+    counts = np.bincount(first, minlength=V)
+    assert scipy_stats.chisquare(counts, p * N).pvalue > 1e-3, counts

@@ -36,7 +36,9 @@ from .vocab import DraftVocab
 class Draft:
     """One round's drafts for every row."""
 
-    tokens: Array  # [B, G] int32 (a tree: nodes 1 .. N-1 in the tree's order)
+    # [B, G] int32 (a tree: nodes 1 .. N-1 in the tree's order); an id outside [0, V) (say -1)
+    # counts as not proposed: never accepted, and the row draws from the target there
+    tokens: Array
     # [B, G, V] float32: what each token was drawn from; None = point masses. A tree's [B, N, V]:
     # node i's row is the distribution its children were drawn from without replacement (a leaf's is
     # never read).
@@ -261,10 +263,11 @@ def expand_tree(tree, first: tuple[Array, Array | None],
     for the deepest level). Returns the
     nodes' tokens [B, N-1] in the tree's order and, with q's, the tree's [B, N, V] draft
     distributions (``Draft.probs``; q's over a draft vocabulary widened to the ``vocab_size``
-    ids), else None. (The older form, ranked ids alone with ``expand`` returning ids alone,
-    returns the tokens alone.)"""
-    ids_only = not isinstance(first, tuple)
-    ranked, q = (first, None) if ids_only else first
+    ids), else None."""
+    if not isinstance(first, tuple):
+        raise ValueError("expand_tree's first is (ids [B, 1, C], q [B, 1, M] or None), as "
+                         "tree_candidates returns it; expand returns the same pair")
+    ranked, q = first
     tokens, qs = [], [q]
     for d, (start, stop) in enumerate(tree.levels):
         first_parent = 0 if d == 0 else tree.levels[d - 1][0]
@@ -273,14 +276,11 @@ def expand_tree(tree, first: tuple[Array, Array | None],
         tokens.append(level)
         if d + 1 < tree.depth:  # the deepest level's children are never needed
             n = tree.expanded(d)  # nor those of the leaves that end a level
-            ranked, q = ((expand(d, level[:, :n], parent[:n]), None) if ids_only
-                         else expand(d, level[:, :n], parent[:n]))
+            ranked, q = expand(d, level[:, :n], parent[:n])
             if q is not None and n < stop - start:  # the leaves' rows: never read
                 q = jnp.pad(q, ((0, 0), (0, stop - start - n), (0, 0)))
             qs.append(q)
     tokens = jnp.concatenate(tokens, axis=1)
-    if ids_only:
-        return tokens
     if qs[0] is None:
         return tokens, None
     B, M = qs[0].shape[0], qs[0].shape[-1]

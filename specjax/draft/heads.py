@@ -3,9 +3,10 @@
 here) and multi-token prediction modules (``mtp``, specjax/draft/mtp.py: EAGLE's layer, one per
 draft depth, with input norms).
 
-Neither has its own embedding, final norm or vocabulary projection: both read the target's
-final-norm hidden state (its "feature", the vector the LM head turns into logits) and decode
-through the target's frozen LM head.
+None has its own embedding or vocabulary projection: each reads the target's hidden states
+(Medusa, EAGLE and MTP its final-norm one, its "feature", the vector the LM head turns into
+logits; the block drafter some layers' too) and decodes through the target's frozen LM head
+(EAGLE's and MTP's layers end in an RMSNorm of their own before it).
 
 * **Medusa** (``method="medusa"``): K heads on the feature h_t of the last position the target
   saw. Head k is a residual block, ``h + silu(h W_k + b_k)``, projected through the LM head; it
@@ -110,7 +111,8 @@ class HeadsConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Heads:
-    """A Medusa or EAGLE drafter: its config (static) and parameters {"weights", "vocab"}."""
+    """A Medusa, EAGLE, block (dflash) or MTP drafter: its config (static) and parameters
+    {"weights", "vocab"} (plus "calibration" when adaptive lengths' map was shipped)."""
 
     config: HeadsConfig = dataclasses.field(metadata=dict(static=True))
     params: Any
@@ -335,6 +337,39 @@ def target_record(target: Model) -> dict:
             "num_hidden_layers": c.num_hidden_layers, "fingerprint": fingerprint(target)}
 
 
+def _check_record(record: dict, meta: pathlib.Path) -> None:
+    """drafter.json's fields, each of its type, or a ValueError naming the file and the field
+    (a hand-edited or damaged file raised KeyError or TypeError from deep in the loader)."""
+    def is_int(v, low):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+    target = record["target"]
+    problems = []
+    if not isinstance(target, dict):
+        problems.append(f"target is {target!r}, not an object")
+    else:
+        problems += [f"target.{k} is {target.get(k)!r}, not an int >= 1"
+                     for k in ("vocab_size", "hidden_size", "num_hidden_layers")
+                     if not is_int(target.get(k), 1)]
+        if not isinstance(target.get("fingerprint"), dict):
+            problems.append("target.fingerprint is missing or not an object")
+    if record["method"] not in HEADS_METHODS:
+        problems.append(f"method is {record['method']!r}, not one of {HEADS_METHODS}")
+    if not is_int(record["num_heads"], 0):
+        problems.append(f"num_heads is {record['num_heads']!r}, not an int >= 0")
+    if record["dtype"] not in ("float32", "bfloat16", "float16"):
+        problems.append(f"dtype is {record['dtype']!r}, not float32, bfloat16 or float16")
+    for k, low in (("num_layers", 1), ("block_size", 1), ("intermediate_size", 1),
+                   ("layer_width", 1)):
+        if record.get(k) is not None and not is_int(record[k], low):
+            problems.append(f"{k} is {record[k]!r}, not an int >= {low}")
+    taps = record.get("taps")
+    if taps is not None and not (isinstance(taps, list) and all(is_int(t, 0) for t in taps)):
+        problems.append(f"taps is {taps!r}, not a list of layer numbers")
+    if problems:
+        raise ValueError(f"{meta}: {'; '.join(problems)}; save the drafter again with "
+                         f"sj.save_heads or `specjax train heads`")
+
+
 def check_sizes(record: dict, target: Model, source: str) -> None:
     """Refuse a target of other sizes than the one a drafter was trained for."""
     c = target.config
@@ -428,6 +463,7 @@ def load_heads(path: str | os.PathLike, target: Model, *, same_target: bool = Tr
     if record.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta}: format_version {record.get('format_version')!r} is not "
                          f"{FORMAT_VERSION}")
+    _check_record(record, meta)
     if same_target:
         check_target(record["target"], target, str(path))
     else:

@@ -2,8 +2,8 @@
 
 Round start: the row's last token x_L was produced by the target from h_{L-1}. Head k applied to
 h_{L-1} guesses x_{L+k}, so heads 1 .. γ give the chain d_1 .. d_γ. The heads do not see each
-other's guesses, which is what makes them cheap (one [K, E] x [E, M] projection per round, no
-draft cache) and also what limits how deep they stay right.
+other's guesses, which is what makes them cheap (per round, γ [E, E] head matmuls and one
+[γ, E] x [E, M] projection, no draft cache) and also what limits how deep they stay right.
 
 Drafts are the heads' top-ranked tokens, point masses at every temperature (verified with the
 point-mass rule, so sampling stays exact). With a tree, a node at depth d with rank r is the r-th
@@ -43,7 +43,8 @@ class MedusaProposer(RiderProposer):
                 active: Array | None = None) -> tuple[Draft, Features]:
         p = params["heads"]
         h = state.last(length)  # [B, E]
-        heads = medusa_heads(p["weights"], h)[:, :self.depth]  # [B, d, E]
+        # only the heads this round uses (γ may be fewer than the drafter's K)
+        heads = medusa_heads(jax.tree.map(lambda w: w[:self.depth], p["weights"]), h)  # [B, d, E]
         vocab = p["vocab"]
         logits = vocab.logits(heads)  # [B, d, M]
         if self.tree is None:

@@ -119,7 +119,9 @@ def save_npy(path: pathlib.Path, array: np.ndarray) -> None:
 
 def sample_batch(tokens: np.ndarray, batch: int, seq_len: int, seed: int, step: int) -> np.ndarray:
     """Random windows [batch, seq_len + 1] (inputs and shifted targets), a pure function of
-    (seed, step), so a resumed run sees exactly the batches it would have seen."""
+    (seed, step), so a resumed run sees exactly the batches it would have seen. (Starts are
+    drawn below len - seq_len - 1, one short of the last window: kept so, since any change to
+    the draw would change every batch of runs already under way.)"""
     if len(tokens) < seq_len + 2:
         raise ValueError(f"token stream of {len(tokens)} is shorter than seq_len + 2")
     rng = np.random.default_rng([seed, step])

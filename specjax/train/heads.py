@@ -39,7 +39,16 @@ from ..draft.vocab import DraftVocab, frequent_tokens, lm_head
 from ..files import write_atomic
 from ..model import Model, forward
 from .data import sample_batch, sample_rows
-from .loop import POSITION_BINS, TrainConfig, configure_logging, digest, eval_log, fit, read_evals
+from .loop import (
+    POSITION_BINS,
+    TrainConfig,
+    check_stream,
+    configure_logging,
+    digest,
+    eval_log,
+    fit,
+    read_evals,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +248,9 @@ def train_heads(target: Model, method: str, tokens: np.ndarray, cfg: TrainConfig
     ``generated_rows`` of them instead of a batch of the stream. Returns the drafter (with the
     target's LM head columns) and the held-out evaluations."""
     V = target.config.vocab_size
+    for name, stream in (("token stream", tokens), ("held-out stream", heldout)):
+        if stream is not None:
+            check_stream(name, stream, V, cfg.seq_len)
     M = V if draft_vocab_size is None else draft_vocab_size
     if not 1 <= M <= V:
         raise ValueError(f"draft_vocab_size={draft_vocab_size} must be in [1, {V}]")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..config import ModelConfig
+from ..config import ModelConfig, _require_int, _require_real, check_int
 from ..files import write_atomic
 from ..model import Model, init_model, prefill
 from ..stats import POSITION_EDGES
@@ -62,8 +62,18 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "checkpoint_every", "eval_every",
                      "eval_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+            _require_int(self, name, getattr(self, name), 1)
+        _require_int(self, "warmup_steps", self.warmup_steps, 0)
+        _require_int(self, "seed", self.seed, 0)
+        # a clip of 0 never learns; a negative one flips the gradient (trains uphill)
+        for name in ("learning_rate", "grad_clip", "distill_temperature"):
+            _require_real(self, name, getattr(self, name),
+                          lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+        for name in ("weight_decay", "distill_ce_weight"):
+            _require_real(self, name, getattr(self, name),
+                          lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+        _require_real(self, "min_lr_ratio", self.min_lr_ratio, lambda v: 0 <= v <= 1,
+                      "in [0, 1]")
 
 
 @jax.tree_util.register_dataclass
@@ -200,6 +210,9 @@ def loss_by_position(model: Model, tokens: np.ndarray, batch_size: int = 4,
     stream (the first ``windows`` of them; None: all): whether quality holds past the lengths
     it was trained on. Keys "0-256", ... (a bin the context cuts ends there); "windows": how
     many were read."""
+    check_int("batch_size", batch_size, 1)
+    if windows is not None:
+        check_int("windows", windows, 1)
     length = min(model.config.max_position_embeddings, POSITION_BINS[-1][1], len(tokens))
     cut = np.asarray(tokens[:len(tokens) // length * length]).reshape(-1, length)
     cut = cut[:windows].astype(np.int32)
@@ -216,11 +229,13 @@ def loss_by_position(model: Model, tokens: np.ndarray, batch_size: int = 4,
                                  for lo, hi in POSITION_BINS if lo < length - 1}}
 
 
-def _check_run(workdir: pathlib.Path, run: dict) -> None:
-    """Record the run's settings in workdir/run.json; refuse to resume with other settings."""
+def _check_run(workdir: pathlib.Path, run: dict, resuming: bool = True) -> None:
+    """Record the run's settings in workdir/run.json; refuse to resume with other settings.
+    ``resuming`` False (the folder holds no checkpoint: a run that failed before its first,
+    say on a seq_len longer than its data) records the new settings over the old."""
     run = json.loads(json.dumps(run))
     path = workdir / "run.json"
-    if path.exists():
+    if path.exists() and resuming:
         old = json.loads(path.read_text())
         changed = _differences(old, run)
         if changed:
@@ -322,6 +337,12 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
     """Train (or distil, when teacher is given) a model on a token stream, resuming from the
     latest checkpoint in workdir. Stops after cfg.steps steps or max_seconds (checkpointing
     first). Returns the model and the held-out evaluations [{"step", "heldout_loss"}]."""
+    if cfg.seq_len > config.max_position_embeddings:
+        raise ValueError(f"TrainConfig.seq_len={cfg.seq_len} is longer than the model's context "
+                         f"(max_position_embeddings={config.max_position_embeddings})")
+    for name, stream in (("token stream", tokens), ("held-out stream", heldout)):
+        if stream is not None:
+            check_stream(name, stream, config.vocab_size, cfg.seq_len)
     if teacher is None:
         objective, aux = LMObjective(config), None
     else:
@@ -343,6 +364,24 @@ def train(config: ModelConfig, tokens: np.ndarray, cfg: TrainConfig, workdir, *,
     return Model(config, params), history
 
 
+def check_stream(name: str, stream: np.ndarray, vocab_size: int, seq_len: int) -> None:
+    """A training or held-out token stream, before anything is written or compiled: long
+    enough for a window of seq_len + 1 tokens (sample_batch draws starts below len - seq_len
+    - 1), and every id a token of the model (an id past the vocabulary trained every
+    parameter to NaN without an error: the embedding lookup reads NaN for it)."""
+    stream = np.asarray(stream)
+    if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
+        raise ValueError(f"the {name} must be a 1-d array of integer token ids, got "
+                         f"{stream.dtype}{list(stream.shape)}")
+    if len(stream) < seq_len + 2:
+        raise ValueError(f"the {name} of {len(stream)} tokens is shorter than seq_len + 2 = "
+                         f"{seq_len + 2}")
+    low, high = int(stream.min()), int(stream.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"the {name} holds token ids {low}..{high}, outside the model's "
+                         f"vocabulary [0, {vocab_size}): encoded with another tokenizer?")
+
+
 def fit(objective, params, aux, tokens: np.ndarray, cfg: TrainConfig, workdir, run: dict, *,
         evaluate_fn: Callable[[Any], float] | None = None, progress: bool = True,
         on_eval: Callable[[int, float], None] | None = None,
@@ -356,10 +395,10 @@ def fit(objective, params, aux, tokens: np.ndarray, cfg: TrainConfig, workdir, r
     [{"step", "heldout_loss"}]."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _check_run(workdir, run)
     ocp, manager = _manager(workdir)
-    state = TrainState(params, optimizer(cfg).init(params), jnp.zeros((), jnp.int32))
     latest = manager.latest_step()
+    _check_run(workdir, run, resuming=latest is not None)
+    state = TrainState(params, optimizer(cfg).init(params), jnp.zeros((), jnp.int32))
     if latest is not None:
         state = manager.restore(latest, args=ocp.args.StandardRestore(state))
         log.info("resumed from step %d in %s", latest, workdir)
@@ -370,9 +409,14 @@ def fit(objective, params, aux, tokens: np.ndarray, cfg: TrainConfig, workdir, r
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
     t_start, tokens_done = time.perf_counter(), 0
-    loss = math.nan
+    loss, loss_arr = math.nan, 0.0  # loss_arr: the last step's (0.0: none taken yet)
 
     def checkpoint():
+        if not math.isfinite(float(loss_arr)):  # never overwrite good checkpoints with NaN
+            raise FloatingPointError(
+                f"training diverged: the loss is {float(loss_arr)} at step {int(state.step)}; "
+                f"{workdir} keeps its last checkpoint (step {manager.latest_step()}). Lower "
+                f"the learning rate or check the data")
         manager.save(int(state.step), args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
 
