@@ -192,8 +192,7 @@ def _pooled(outs) -> dict:
     # α as the formula means it: the chance that a draft passes given that every draft before it
     # in the round passed: accepted drafts against accepted ones plus the rejections (at most one
     # a round; a round that proposed fewer than γ and accepted them all rejected none).
-    rejected = sum(o.stats.rejecting_rounds for o in outs)
-    alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
+    alpha = stats_lib.alpha_of(accepted, sum(o.stats.rejecting_rounds for o in outs))
     # the adaptive rows' predictions against their verdicts (Stats.reliability), bins pooled
     # back into Stats' [BINS, 3] counters (a bin's mean prediction lies inside it)
     bins = np.zeros((stats_lib.BINS, 3))
@@ -278,13 +277,18 @@ def forward_width(spec: SpecConfig) -> int:
     return proposer.gamma + 1 + lookahead_width(proposer)
 
 
-def lookup_options(args) -> dict:
+def lookup_options(args, method: str | None = None) -> dict:
     """SpecConfig's n-gram lookup fields from the command line's --prompt-lookup-* flags, and
-    lookahead decoding's from --lookahead-window and --lookahead-candidates."""
+    lookahead decoding's from --lookahead-window and --lookahead-candidates; with ``method``,
+    that method's alone (SpecConfig refuses another method's options)."""
     options = dict(prompt_lookup_min=args.prompt_lookup_min,
                    prompt_lookup_max=args.prompt_lookup_max,
                    prompt_lookup_length_factor=args.prompt_lookup_length_factor)
+    if method not in (None, "ngram"):
+        options = {}
     for name in ("lookahead_window", "lookahead_candidates"):
+        if method not in (None, "lookahead"):
+            break
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     return options
@@ -854,7 +858,7 @@ def main(args) -> int:
         drafters["suffix"] = SuffixCache(args.suffix_cache)  # the prompts' outputs, in order
     specs = []
     for m in methods:
-        lookup = lookup_options(args) if m in ("ngram", "lookahead") else {}
+        lookup = lookup_options(args, m)
         if m in ("ngram", "suffix") and getattr(args, "acceptance_floor", None) is not None:
             lookup["acceptance_floor"] = args.acceptance_floor
         if synthetic is not None and m == "lookahead":

@@ -68,9 +68,11 @@ _FAMILY_DEFAULTS = {
                               sliding_window=4096, final_logit_softcapping=None),
     "Phi3ForCausalLM": dict(max_position_embeddings=4096, rms_norm_eps=1e-5),
     # transformers' MistralConfig: a config without the keys slides over 4096 positions
-    "MistralForCausalLM": dict(sliding_window=4096, max_position_embeddings=131072),
-    "Qwen2ForCausalLM": dict(max_position_embeddings=32768),
-    "Qwen3ForCausalLM": dict(max_position_embeddings=32768),
+    "MistralForCausalLM": dict(sliding_window=4096, max_position_embeddings=131072,
+                               num_key_value_heads=8),
+    "Qwen2ForCausalLM": dict(max_position_embeddings=32768, num_key_value_heads=32),
+    "Qwen3ForCausalLM": dict(max_position_embeddings=32768, num_key_value_heads=32,
+                             head_dim=128),
 }
 MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.",
                                                  ("vision_tower.", "multi_modal_projector."))}
@@ -156,10 +158,10 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray],
 def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from a config with ``rope_parameters`` (transformers 5) or
     ``rope_theta`` + ``rope_scaling`` (older)."""
+    # transformers takes rope_scaling whole when a config has both (older keys win there)
     params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", d.get("rope_theta", 10000.0)))
+    merged = d.get("rope_scaling") or params
+    theta = float(merged.get("rope_theta", params.get("rope_theta", d.get("rope_theta", 10000.0))))
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -168,9 +170,9 @@ def _rope_from_hf(d: dict) -> tuple[float, RopeScaling | None]:
                               f"default, linear, llama3")
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
     kw = {k: v for k, v in merged.items() if k in fields and k != "rope_type"}
-    if kind == "llama3" and "original_max_position_embeddings" not in kw \
-            and "max_position_embeddings" in d:  # what transformers fills in
-        kw["original_max_position_embeddings"] = d["max_position_embeddings"]
+    if kind == "llama3" and "original_max_position_embeddings" not in kw:
+        # what transformers fills in: the model's context (its default too, as config_from_hf's)
+        kw["original_max_position_embeddings"] = d.get("max_position_embeddings", 2048)
     return theta, RopeScaling(rope_type=kind, **kw)
 
 
@@ -188,7 +190,8 @@ def _gemma3_rope(d: dict, source: str) -> tuple[float, RopeScaling | None, float
                                   f"supported")
         # a nested entry without its theta takes the top-level one, as transformers does
         theta, scaling = _rope_from_hf({"rope_parameters": {
-            "rope_theta": d.get("rope_theta", 1e6), **full}})
+            "rope_theta": d.get("rope_theta", 1e6), **full},
+            "max_position_embeddings": d.get("max_position_embeddings", 131072)})
         return theta, scaling, float(local.get("rope_theta", d.get("rope_local_base_freq", 1e4)))
     theta, scaling = _rope_from_hf({"rope_theta": 1e6, **d})
     return theta, scaling, float(d.get("rope_local_base_freq", 1e4))
@@ -286,8 +289,8 @@ def config_from_hf(d: dict, dtype: str | None = None, source: str = "config.json
             raise CheckpointError(f"{source}: {e}") from None
         if layer_types is not None and "sliding_attention" not in layer_types:
             window = None
-    elif not (window and window < max_pos):
-        window = None
+    elif not window:  # kept at or past the context too: sj.logits beyond it still slides, as
+        window = None  # transformers does (in generate's contexts it never binds; no ring)
     if arch == "GemmaForCausalLM":
         window = None
     try:

@@ -64,6 +64,14 @@ def first_layers(model: Model, n: int) -> Model:
     return Model(config, params)
 
 
+def _ratio(spec_stats, ar_stats) -> str:
+    """Speculative decode speed over autoregressive's, or "n/a" when either decoded nothing
+    after its first token (max_new_tokens 1: a decode speed of 0)."""
+    if not (spec_stats.decode_tokens_per_second > 0 and ar_stats.decode_tokens_per_second > 0):
+        return "n/a (nothing decoded after the first token)"
+    return f"{spec_stats.decode_tokens_per_second / ar_stats.decode_tokens_per_second:.2f}x"
+
+
 def _demo(args) -> int:
     prompts = [[1, 17, 42, 99, 7, 300]]  # batch 1: the latency case speculation is for
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -93,14 +101,14 @@ def _demo(args) -> int:
     for name, out in runs.items():
         print(f"{name:16}{out.stats.decode_tokens_per_second:10.0f}"
               f"{out.stats.prefill_seconds * 1e3:9.1f}{out.stats.num_rounds:8d}")
-    print(f"\nspeed-up {s.decode_tokens_per_second / ar.stats.decode_tokens_per_second:.2f}x "
-          f"(best of {args.repeats}, same run)")
+    print(f"\nspeed-up {_ratio(s, ar.stats)} (best of {args.repeats}, same run)")
     print(f"acceptance rate {s.acceptance_rate:.3f}, mean accepted length "
           f"{s.mean_accepted_length:.2f} tokens/round")
     print("per-position acceptance " + " ".join(f"{a:.2f}" for a in s.per_position_acceptance))
     c = args.draft_layers / DEMO_TARGET.num_hidden_layers
-    print(f"theory at this acceptance (c ~ {c:.2f} by layer count): "
-          f"{theory.speedup(s.acceptance_rate, args.num_speculative_tokens, c):.2f}x")
+    if s.alpha == s.alpha:  # nan: no round verified a draft (max_new_tokens 1)
+        print(f"theory at this acceptance (alpha {s.alpha:.3f}, c ~ {c:.2f} by layer count): "
+              f"{theory.speedup(s.alpha, args.num_speculative_tokens, c):.2f}x")
     if args.temperature == 0:
         same = np.array_equal(ar.tokens, sp.tokens)
         print(f"greedy output identical to autoregressive: {same}")
@@ -259,8 +267,7 @@ def _generate(args) -> int:
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
         same = np.array_equal(ar.tokens, sp.tokens)
-        ratio = sp.stats.decode_tokens_per_second / ar.stats.decode_tokens_per_second
-        print(f"speed-up {ratio:.2f}x"
+        print(f"speed-up {_ratio(sp.stats, ar.stats)}"
               f" (median of {args.repeats} interleaved passes each)"
               + (f"; output identical: {same}" if args.temperature == 0 else ""))
         if args.temperature == 0 and not same:

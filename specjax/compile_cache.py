@@ -86,6 +86,13 @@ def folder() -> str | None:
     return jax.config.jax_compilation_cache_dir if target is _JAX_OWN else target
 
 
+def _local(path) -> str:
+    """A local folder's path, a ``file://`` URL's path part included (pathlib would read
+    "file:///tmp/x" as the relative folder "file:/tmp/x")."""
+    path = str(path)
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
 def _remote(path) -> bool:
     """A folder JAX reaches by URL (``gs://bucket/cache``): used as given, never made or
     checked here."""
@@ -105,7 +112,7 @@ def set_compilation_cache(path: str | os.PathLike | None) -> None:
     if _remote(path):
         _chosen = str(path)
         return
-    where = pathlib.Path(path).expanduser().resolve()
+    where = pathlib.Path(_local(path)).expanduser().resolve()
     if where.exists() and not where.is_dir():
         raise NotADirectoryError(f"compilation cache {str(path)!r} is a file, not a folder")
     where.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -170,7 +177,7 @@ def _usable(path: str | None, chosen: bool) -> str | None:
     if path is not None and _remote(path):
         return path
     try:
-        where = pathlib.Path(path).expanduser() if path else default_dir()
+        where = pathlib.Path(_local(path)).expanduser() if path else default_dir()
         where.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = where.lstat()
         problem = None

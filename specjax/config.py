@@ -69,6 +69,10 @@ LIMITS = {"vocab_size": 2**31 - 1, "hidden_size": 2**20, "intermediate_size": 2*
 MAX_PARAMS = 10**13
 
 
+def _positive(x: float) -> bool:
+    return 0 < x < math.inf
+
+
 def _require_real(owner: Any, name: str, value: Any, ok, allowed: str) -> None:
     """Check a float field (numpy floats and 0-d arrays welcome) and store it back as a plain
     float."""
@@ -97,12 +101,18 @@ class RopeScaling:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"RoPE scaling type {self.rope_type!r} is not supported; supported: "
                              f"{', '.join(ROPE_TYPES)}")
-        _require_real(self, "factor", self.factor, lambda x: x > 0, "> 0")
-        _require_real(self, "low_freq_factor", self.low_freq_factor, lambda x: x > 0, "> 0")
+        for name in ("factor", "low_freq_factor"):
+            _require_real(self, name, getattr(self, name), _positive, "a finite number > 0")
         _require_real(self, "high_freq_factor", self.high_freq_factor,
-                      lambda x: x > self.low_freq_factor, "> low_freq_factor")
+                      lambda x: self.low_freq_factor < x < math.inf,
+                      "> low_freq_factor and finite")
         _require_int(self, "original_max_position_embeddings",
                      self.original_max_position_embeddings, 1)
+
+
+BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "o_proj_bias", "qk_norm",
+               "scale_embeddings", "norm_unit_offset", "sandwich_norms")
+"""ModelConfig's switches: each True or False (numpy's bool too), nothing else."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,13 +172,23 @@ class ModelConfig:
         _require_int(self, "head_dim", self.head_dim, 2, LIMITS["head_dim"])
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        _require_real(self, "rope_theta", self.rope_theta, lambda x: x > 0, "> 0")
-        _require_real(self, "rms_norm_eps", self.rms_norm_eps, lambda x: x > 0, "> 0")
+        for name in ("rope_theta", "rms_norm_eps"):
+            _require_real(self, name, getattr(self, name), _positive, "a finite number > 0")
+        # a string ("false") or a number would switch a feature on by its truth value
+        for name in BOOL_FIELDS:
+            value = _plain(getattr(self, name))
+            if not isinstance(value, bool) and type(value).__name__ != "bool_":
+                raise ValueError(f"ModelConfig.{name} must be True or False, got {value!r}")
+            object.__setattr__(self, name, bool(value))
         if self.sliding_window is not None:
             _require_int(self, "sliding_window", self.sliding_window, 1, LIMITS["sliding_window"])
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"ModelConfig.rope_scaling must be a RopeScaling or None, got "
                              f"{self.rope_scaling!r}")
+        if not isinstance(self.dtype, str):  # a dtype object (np.dtype("float32")) by its name:
+            # equal configs must hash alike (programs are cached by config) and write as JSON
+            object.__setattr__(self, "dtype", getattr(self.dtype, "name", None)
+                               or getattr(self.dtype, "__name__", self.dtype))
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.hidden_act not in HIDDEN_ACTS:
@@ -486,9 +506,6 @@ class SpecConfig:
         if factor is not None:
             _require_real(self, "prompt_lookup_length_factor", factor,
                           lambda x: math.isfinite(x) and x > 0, "a finite number > 0 or None")
-        if factor is not None and self.method != "ngram":
-            raise ValueError(f"SpecConfig.prompt_lookup_length_factor is for method 'ngram', not "
-                             f"{self.method!r}")
         if self.acceptance_floor is not None:
             _require_real(self, "acceptance_floor", self.acceptance_floor,
                           lambda x: 0 <= x <= 1, "in [0, 1] or None")
@@ -522,7 +539,8 @@ class SpecConfig:
         # options of one method given to another: refused (a typo of the method would run
         # another method without a word)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for prefix, owner in (("suffix_decoding_", "suffix"), ("lookahead_", "lookahead")):
+        for prefix, owner in (("suffix_decoding_", "suffix"), ("lookahead_", "lookahead"),
+                              ("prompt_lookup_", "ngram")):
             changed = [n for n in defaults if n.startswith(prefix)
                        and getattr(self, n) != defaults[n]]
             if changed and self.method != owner:

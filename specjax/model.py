@@ -344,7 +344,8 @@ def view(cache: KVCache, positions: Array, chunk_mask: Array | None, window: int
 
 
 def init_model(config: ModelConfig, key: Array, init_std: float = 0.02) -> Model:
-    """Random parameters, every weight drawn from N(0, init_std²) (norm weights are ones).
+    """Random parameters: every weight matrix drawn from N(0, init_std²), biases zero, norm
+    weights one (zero with ``norm_unit_offset``, which scales by 1 + weight).
     ``key``: a ``jax.random.key`` (or a raw PRNGKey), or an int seed, as ``generate`` takes."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be an sj.ModelConfig, got {type(config).__name__}")
@@ -420,6 +421,16 @@ def check_chunk(tokens, positions, cache: KVCache) -> None:
                          f"with KVCache.init(..., capacity) of at least that)")
 
 
+def check_ids(tokens, vocab_size: int) -> None:
+    """Concrete tokens only: every id in [0, vocab_size) (-1 read the last token's embedding,
+    an id past the vocabulary gave NaN logits)."""
+    if isinstance(tokens, jax.core.Tracer) or not getattr(tokens, "size", 0):
+        return
+    low, high = int(np.min(np.asarray(tokens))), int(np.max(np.asarray(tokens)))
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"tokens must be ids in [0, {vocab_size}), got {low}..{high}")
+
+
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
             chunk_mask: Array | None = None, *, block: int | None = None, write: bool = True,
             taps: tuple[int, ...] = (), logits_at: tuple[int, ...] | None = None
@@ -449,11 +460,22 @@ def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,
     len(logits_at), V] in that order (a lookahead window's inner guesses need none).
     """
     block = attention.current_block() if block is None else block
+    T = tokens.shape[1] if len(getattr(tokens, "shape", ())) == 2 else None
     if logits_at is not None:
         logits_at = tuple(int(i) for i in logits_at)
+        if T is not None and any(not 0 <= i < T for i in logits_at):  # clamped silently before
+            raise ValueError(f"logits_at={logits_at}: chunk indices must be in [0, {T})")
+    if chunk_mask is not None and T is not None:
+        shape, B = tuple(chunk_mask.shape), tokens.shape[0]
+        if not (len(shape) in (2, 3) and shape[-2] == T and shape[-1] >= T
+                and (len(shape) == 2 or shape[0] in (1, B))):
+            raise ValueError(f"chunk_mask must be [T, W] or [B, T, W] with W >= T (the W - T "
+                             f"slots written just before the chunk, then the chunk), got "
+                             f"{shape} for B = {B}, T = {T}")
     check_span(model.config, cache, tokens.shape[1] if chunk_mask is None else max(
         tokens.shape[1], chunk_mask.shape[-1]))
     check_chunk(tokens, positions, cache)
+    check_ids(tokens, model.config.vocab_size)
     return _forward(model, tokens, positions, cache, chunk_mask, block=block, write=write,
                     taps=check_taps(model.config, taps), logits_at=logits_at)
 
@@ -487,6 +509,10 @@ def prefill(model: Model, tokens: Array, cache: KVCache | None = None
     B, T = tokens.shape
     if cache is None:
         cache = KVCache.init(model.config, B, T)
+    elif not isinstance(cache.length, jax.core.Tracer) and np.any(np.asarray(cache.length)):
+        raise ValueError(f"prefill starts at position 0: it takes an empty cache, got one "
+                         f"holding {np.asarray(cache.length).tolist()} tokens (roll it back "
+                         f"with cache.rollback, or continue it with sj.forward)")
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     return forward(model, tokens, positions, cache)
 
@@ -521,6 +547,16 @@ def prefill_chunked(model: Model, tokens: Array, lengths: Array, cache: KVCache,
     with ``taps``, the tapped layers' outputs [B, N, len(taps) * E] as in ``forward``), and the
     cache rolled back to ``lengths``."""
     B, N = tokens.shape
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"prefill_chunked's chunk must be an int >= 1, got {chunk!r}")
+    if not isinstance(lengths, jax.core.Tracer):  # called with concrete arrays: check them
+        longest = int(np.max(np.asarray(lengths))) if B else 0
+        if B and (longest > N or int(np.min(np.asarray(lengths))) < 0):
+            raise ValueError(f"prefill_chunked: lengths must be in [0, {N}] (the prompts' "
+                             f"width), got {np.asarray(lengths).tolist()}")
+        if longest > cache.capacity:  # its tokens past the capacity would be dropped
+            raise ValueError(f"prefill_chunked: a prompt of {longest} tokens does not fit a "
+                             f"cache of capacity {cache.capacity}")
     chunk = min(chunk, N)
     tokens = jnp.pad(tokens, ((0, 0), (0, -N % chunk)))
     rows = jnp.arange(B)

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 
 def require():
@@ -44,13 +45,20 @@ def _static(row: dict) -> bool:
 
 def speedup_by_gamma(rows: list[dict]) -> dict[float, dict[str, list[tuple[int, float]]]]:
     """temperature -> series name -> [(drafts verified, speed-up)], sorted: static chains of a
-    method form one series; each tree is a series of one point at its depth."""
+    variant (a method with its other settings) form one series; each tree is a series of one
+    point at its depth."""
     batches = {r.get("batch_size", 1) for r in rows}
     out: dict[float, dict[str, list]] = {}
     for r in rows:
         if not _static(r):
             continue
-        name = r["method"] if r.get("tree") is None else _key(r)
+        # a chain's label less its γ (lookahead: less its N = γ + 1): variants that differ
+        # otherwise (suffix's own-spec factor, n-gram's lookup range) stay apart
+        if r.get("tree") is None:
+            rest = re.sub(r"^(W\d+) N\d+", r"\1", re.sub(r"^chain \d+", "", r["label"])).strip()
+            name = f"{r['method']} {rest}".strip()
+        else:
+            name = _key(r)
         if len(batches) > 1:
             name += f" (batch {r.get('batch_size', 1)})"
         out.setdefault(r["temperature"], {}).setdefault(name, []).append(

@@ -55,7 +55,8 @@ def target_config(name: str, *, dtype: str = "float32",
 def draft_config(name: str, *, dtype: str = "float32",
                  max_position_embeddings: int = 4096) -> ModelConfig:
     """A small draft for target shape ``name``: one layer a quarter of the target's width (at
-    least 32), 64-wide heads, the target's vocabulary with tied embeddings."""
+    least 32), 64-wide heads (at least 2 heads, so narrower for the tiny shape), the target's
+    vocabulary with tied embeddings."""
     t = _fields(name)
     width = max(32, t["hidden_size"] // 4)
     heads = max(2, width // 64)

@@ -116,6 +116,11 @@ def position_bin(position: Array) -> Array:
     return jnp.sum(position[:, None] >= jnp.asarray(POSITION_EDGES)[None, :], axis=1)
 
 
+def alpha_of(accepted: int, rejected: int) -> float:
+    """``Stats.alpha`` from its counts (pooled over calls by the bench)."""
+    return accepted / (accepted + rejected) if accepted + rejected else float("nan")
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class Stats:
     """What one ``generate`` call did. Rates are over (row, round) pairs of rows still running.
@@ -127,10 +132,12 @@ class Stats:
     per_position_acceptance: np.ndarray  # [G]: fraction of row-rounds whose k-th draft was accepted
     #   (trees: per depth, the fraction of row-rounds whose accepted path reached depth k)
     accepted_length_distribution: np.ndarray  # [G+1]: fraction of row-rounds accepting k drafts
+    #   (these rates are nan, as mean_accepted_length, when no round ran: max_new_tokens 1)
     num_rounds: int  # decode loop iterations
     target_calls: int  # target forwards: prefill + one verify per round
-    # draft forwards: prefill + γ per round (0 without a draft model); adaptive chains: those
-    # really run (steps skipped once no row drafts are not counted)
+    # draft forwards: prefill + the proposer's forwards per round (a draft model's chain: γ; a
+    # tree: its depth; Medusa, the block drafter: 1; 0 for methods without a model); adaptive
+    # chains: those really run (steps skipped once no row drafts are not counted)
     draft_calls: int
     proposed_tokens: int  # drafts proposed (rows may propose fewer than γ, e.g. no n-gram match)
     accepted_tokens: int
@@ -178,6 +185,15 @@ class Stats:
     # end position or None for the last bin, mean accepted length, row-rounds): how acceptance
     # holds up deeper into the context
     accepted_length_by_position: tuple[tuple[int, int | None, float, int], ...] = ()
+
+    @property
+    def alpha(self) -> float:
+        """α as the speed-up formula (``sj.theory``) means it: the chance that a draft passes
+        given that every draft before it in its round passed, accepted drafts over accepted
+        ones plus the rejections (at most one a row-round); nan when nothing was verified.
+        ``acceptance_rate`` (accepted over proposed) is lower: a round's later drafts count
+        as proposed after an earlier one failed."""
+        return alpha_of(self.accepted_tokens, self.rejecting_rounds)
 
     def __repr__(self) -> str:
         lines = [f"Stats: {_count(self.generated_tokens, 'token')} in "
@@ -229,9 +245,9 @@ class Stats:
             acceptance_rate=float(c.accepted) / proposed if proposed else float("nan"),
             mean_accepted_length=float(c.emitted) / row_rounds if row_rounds else float("nan"),
             per_position_acceptance=(np.asarray(c.accepted_at, np.float64) / row_rounds
-                                     if row_rounds else np.zeros(gamma)),
+                                     if row_rounds else np.full(gamma, np.nan)),
             accepted_length_distribution=(np.asarray(c.accepted_count, np.float64) / row_rounds
-                                          if row_rounds else np.zeros(gamma + 1)),
+                                          if row_rounds else np.full(gamma + 1, np.nan)),
             num_rounds=rounds,
             target_calls=1 + rounds,
             draft_calls=(0 if not has_draft_model else 1 + int(c.forwards)
@@ -248,7 +264,7 @@ class Stats:
             cache_bytes_per_row=cache_bytes_per_row,
             greedy_near_ties=int(c.near_ties),
             proposed_length_distribution=(np.asarray(c.proposed_count, np.float64) / row_rounds
-                                          if row_rounds else np.zeros(gamma + 1)),
+                                          if row_rounds else np.full(gamma + 1, np.nan)),
             rejecting_rounds=int(c.rejecting),
             row_rounds=row_rounds,
             mean_proposed_by_row=(np.asarray(c.proposed_by_row, np.float64)[:batch]

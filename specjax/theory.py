@@ -15,12 +15,16 @@ A table of the formula, c = 0.05::
 
 from __future__ import annotations
 
+import numbers
 
-def _check(alpha: float, gamma: int | None = None, c: float | None = None) -> None:
+
+def _check(alpha: float, gamma: int | None = None, c: float | None = None,
+           name: str = "gamma") -> None:
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0):
-        raise ValueError(f"gamma must be an int >= 0, got {gamma!r}")
+    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, numbers.Integral)
+                              or gamma < 0):
+        raise ValueError(f"{name} must be an int >= 0, got {gamma!r}")
     if c is not None and not c >= 0:
         raise ValueError(f"c must be >= 0, got {c!r}")
 
@@ -42,7 +46,7 @@ def speedup(alpha: float, gamma: int, c: float) -> float:
 def optimal_gamma(alpha: float, c: float, max_gamma: int = 16) -> int:
     """The γ in [1, max_gamma] with the largest expected speed-up, or 0 when no γ beats plain
     decoding (speed-up <= 1: then speculation only costs time). Ties go to the smaller γ."""
-    _check(alpha, max_gamma, c)
+    _check(alpha, max_gamma, c, "max_gamma")
     best, best_speedup = 0, 1.0
     for gamma in range(1, max_gamma + 1):
         s = speedup(alpha, gamma, c)

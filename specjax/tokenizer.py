@@ -26,7 +26,9 @@ def _ids(value) -> tuple[int, ...]:
 class Tokenizer:
     backend: Any  # tokenizers.Tokenizer
     bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]  # every id that ends a generation (config + generation_config)
+    # every id that ends a generation: generation_config.json's, else config.json's, else
+    # tokenizer_config.json's eos_token
+    eos_token_ids: tuple[int, ...]
 
     @property
     def vocab_size(self) -> int:
@@ -45,11 +47,17 @@ class Tokenizer:
         whose embedding is padded past the tokenizer's ids can emit them; generate's text does
         this, as Hugging Face's decode does). One row: a batch's rows are decoded one by one
         (``[tok.decode(row) for row in out.tokens]``; ``out.text`` holds them with tokenizer=)."""
-        if _rows(ids) > 1:
+        if unknown not in ("raise", "skip"):
+            raise ValueError(f"decode's unknown must be 'raise' or 'skip', got {unknown!r}")
+        rows = _rows(ids)
+        if rows > 1:
             raise ValueError(f"decode takes one row of token ids, got rows "
                              f"{reprlib.repr(ids)}: decode each row ([tok.decode(row) for row in "
                              f"tokens]), or pass tokenizer= to generate for out.text")
-        ids = [int(i) for i in ids]
+        array = np.asarray(ids).reshape(-1)  # one id (0 axes): a row of one
+        if array.size and array.dtype.kind not in "iu":  # floats were cut to ints
+            raise ValueError(f"decode takes integer token ids, got {reprlib.repr(ids)}")
+        ids = array.tolist()
         bad = [i for i in ids if i < -1 or i >= self.vocab_size]
         if bad and unknown == "skip":
             ids = [i for i in ids if 0 <= i < self.vocab_size]
@@ -73,7 +81,9 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike,
                    model_max_length: int | None = None) -> None:
     """Write ``tokenizer.json`` and a ``tokenizer_config.json`` naming its BOS/EOS tokens into a
     model folder, so ``transformers.AutoTokenizer`` and ``sj.load_tokenizer`` both read it. Each
-    file is replaced atomically (a temporary sibling renamed over it)."""
+    file is replaced atomically (a temporary sibling renamed over it). tokenizer_config.json
+    names one EOS token; with several EOS ids they go into the folder's
+    ``generation_config.json`` too (its other keys kept), where ``load_tokenizer`` reads them."""
     from .files import write_atomic
     folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -87,6 +97,11 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike,
     if model_max_length is not None:
         config["model_max_length"] = int(model_max_length)
     write_atomic(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    if len(tokenizer.eos_token_ids) > 1:
+        path = folder / "generation_config.json"
+        generation = read_json_object(path) if path.is_file() else {}
+        generation["eos_token_id"] = [int(i) for i in tokenizer.eos_token_ids]
+        write_atomic(path, json.dumps(generation, indent=2) + "\n")
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -40,8 +40,8 @@ def hf_model(kind, seed=0, **overrides):
     elif kind == "qwen3":
         cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(head_dim=16, **kw)
     elif kind == "mistral":
-        cls, cfg = transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=8,
-                                                                              **kw)
+        cls, cfg = transformers.MistralForCausalLM, transformers.MistralConfig(
+            **{"sliding_window": 8, **kw})
     elif kind == "qwen3-bias":
         cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
             head_dim=16, attention_bias=True, **kw)
@@ -352,6 +352,18 @@ def test_extra_tensors_and_unsupported_features_are_refused(tmp_path, llama_fold
         sj.load_model(folder)
 
 
+def test_a_window_as_long_as_the_context_still_slides_beyond_it(tmp_path):
+    """A Mistral whose window equals its context: sj.logits past the context (a measurement of
+    quality beyond the trained length) slides as transformers does. The window was dropped
+    (relative difference 1.2 at 40 tokens)."""
+    ref = hf_model("mistral", sliding_window=16, max_position_embeddings=16)
+    model = sj.load_model(saved(ref, tmp_path))
+    assert model.config.sliding_window == 16
+    tokens = np.random.default_rng(1).integers(0, V, (1, 40))
+    diff = np.abs(np.asarray(sj.logits(model, tokens)) - hf_logits(ref, tokens)).max()
+    assert diff <= 1e-4, diff
+
+
 def test_a_window_in_a_llama_config_is_ignored_as_transformers_ignores_it(tmp_path):
     """A Llama config.json that carries sliding_window (smaller than the tokens) attends to every
     position in transformers; so it does here. Mistral's window is read (the kinds above)."""
@@ -377,7 +389,7 @@ def test_keys_a_config_leaves_out_mean_what_transformers_reads_them_as():
     soft-cap its transformers class never reads; Phi-3 RoPE on part of each head, given inside
     rope_parameters, taken as whole-head RoPE (now refused, as at the top level)."""
     base = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4)
+                num_attention_heads=4, num_key_value_heads=2)
     mistral = checkpoint.config_from_hf({**base, "architectures": ["MistralForCausalLM"]})
     hf = transformers.MistralConfig(**base)
     assert (mistral.sliding_window, mistral.max_position_embeddings) == (
@@ -401,6 +413,38 @@ def test_keys_a_config_leaves_out_mean_what_transformers_reads_them_as():
                                        "query_pre_attn_scalar": 144,
                                        "final_logit_softcapping": 30.0})
     assert gemma.query_pre_attn_scalar is None and gemma.final_logit_softcapping is None
+    # llama3 RoPE without original_max_position_embeddings nor max_position_embeddings: the
+    # context's default (was 8192); Gemma 3's nested llama3 RoPE: its context (was 8192)
+    llama = checkpoint.config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
+                                       "rope_scaling": rope})
+    hf = transformers.LlamaConfig(**base, rope_scaling=dict(rope))
+    assert llama.rope_scaling.original_max_position_embeddings == hf.rope_parameters[
+        "original_max_position_embeddings"] == 2048
+    gemma3 = checkpoint.config_from_hf({
+        **base, "architectures": ["Gemma3ForCausalLM"], "head_dim": 8,
+        "max_position_embeddings": 512, "rope_parameters": {
+            "full_attention": {"rope_type": "llama3", **{k: v for k, v in rope.items()
+                                                         if k != "rope_type"}},
+            "sliding_attention": {"rope_type": "default"}}})
+    assert gemma3.rope_scaling.original_max_position_embeddings == 512
+    # both forms in one file: transformers reads rope_scaling whole (rope_parameters won here)
+    both = checkpoint.config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
+                                      "rope_scaling": {"type": "linear", "factor": 2.0},
+                                      "rope_parameters": {"rope_type": "default"}})
+    hf = transformers.LlamaConfig(**base, rope_scaling={"type": "linear", "factor": 2.0},
+                                  rope_parameters={"rope_type": "default"})
+    assert (both.rope_scaling.rope_type, both.rope_scaling.factor) == (
+        hf.rope_parameters["rope_type"], hf.rope_parameters["factor"]) == ("linear", 2.0)
+    # kv heads and head size left out: each family's own defaults (Mistral 8, Qwen 32 kv heads,
+    # Qwen3 head_dim 128), not the attention heads (a load then failed on a tensor's shape)
+    wide = {**{k: v for k, v in base.items() if k != "num_key_value_heads"},
+            "num_attention_heads": 32, "hidden_size": 64}
+    for arch, cls in [("MistralForCausalLM", transformers.MistralConfig),
+                      ("Qwen2ForCausalLM", transformers.Qwen2Config),
+                      ("Qwen3ForCausalLM", transformers.Qwen3Config)]:
+        ours, hf = checkpoint.config_from_hf({**wide, "architectures": [arch]}), cls(**wide)
+        assert ours.num_key_value_heads == hf.num_key_value_heads, arch
+        assert ours.head_dim == (getattr(hf, "head_dim", None) or 64 // 32), arch
     with pytest.raises(checkpoint.CheckpointError, match="partial_rotary_factor=0.75"):
         checkpoint.config_from_hf({**base, "architectures": ["Phi3ForCausalLM"],
                                    "rope_parameters": {"rope_type": "default",

@@ -149,6 +149,17 @@ def test_a_folder_given_as_a_url_is_passed_on_as_it_is(no_cache, monkeypatch, tm
     assert not (tmp_path / "gs:").exists() and not no_cache.exists()
 
 
+def test_a_file_url_is_the_local_folder_it_names(no_cache, monkeypatch, tmp_path):
+    """file:///path is that folder (pathlib read it as the relative folder "file:/path", made
+    in the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(compile_cache.ENV, f"file://{tmp_path}/from-env")
+    assert compile_cache.folder() == str(tmp_path / "from-env")
+    sj.set_compilation_cache(f"file://{tmp_path}/chosen")
+    assert compile_cache.folder() == str(tmp_path / "chosen")
+    assert (tmp_path / "chosen").is_dir() and not (tmp_path / "file:").exists()
+
+
 def test_bad_settings_are_refused_by_name(tmp_path):
     for bad in (3, ""):
         with pytest.raises(TypeError, match="a folder or None, not"):

@@ -34,6 +34,16 @@ def test_demo_greedy_matches_autoregressive(capsys):
     assert "greedy output identical to autoregressive: True" in printed
     rate = float(re.search(r"acceptance rate ([0-9.]+)", printed).group(1))
     assert 0 < rate <= 1
+    # the formula's α (a draft passing given the ones before it passed), not the acceptance
+    # rate (accepted over proposed, lower): the demo printed the theory at the wrong number
+    alpha, c, predicted = re.search(
+        r"theory at this acceptance \(alpha ([0-9.]+), c ~ ([0-9.]+) by layer count\): "
+        r"([0-9.]+)x", printed).groups()
+    assert float(alpha) >= rate
+    assert abs(float(predicted) - sj.theory.speedup(float(alpha), 4, float(c))) < 0.06  # rounded
+    # nothing to decode after the first token: no division by a decode speed of 0
+    assert cli.main(["demo", "--max-new-tokens", "1", "--repeats", "1"]) == 0
+    assert "speed-up n/a (nothing decoded after the first token)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [["demo", "--repeats", "0"], ["demo", "--draft-layers", "8"],
@@ -443,6 +453,15 @@ def test_plot_series():
         0.8: {"draft_model": [(4, 1.2)]}}
     two = plots.speedup_by_gamma([row("ngram", 2, 1.1), row("ngram", 2, 0.9, batch=8)])
     assert two == {0.0: {"ngram (batch 1)": [(2, 1.1)], "ngram (batch 8)": [(2, 0.9)]}}
+    # variants of one method that differ beyond γ are series of their own (two suffix factors
+    # were drawn as one zig-zag line); lookahead's label names γ + 1 as N
+    variants = [{**row("suffix", g, s), "label": f"chain {g} own x{f}"}
+                for g, f, s in [(4, 1, 1.5), (4, 2, 1.9), (8, 1, 1.4), (8, 2, 2.2)]]
+    variants += [{**row("lookahead", g, s), "label": f"W8 N{g + 1} G4"}
+                 for g, s in [(2, 1.1), (3, 1.2)]]
+    assert plots.speedup_by_gamma(variants) == {0.0: {
+        "suffix own x1": [(4, 1.5), (8, 1.4)], "suffix own x2": [(4, 1.9), (8, 2.2)],
+        "lookahead W8 G4": [(2, 1.1), (3, 1.2)]}}
     tpot = plots.tpot_samples(rows[:3])
     assert list(tpot[0.0]) == ["autoregressive", "draft_model chain 4", "draft_model chain 2",
                                "ngram chain 2"]

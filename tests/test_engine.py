@@ -369,7 +369,14 @@ def test_max_new_tokens_one(target, draft):
     out = sj.generate(target, PROMPTS, sampling=sj.SamplingParams(temperature=0, max_new_tokens=1),
                       spec=sj.SpecConfig(num_speculative_tokens=2), draft=draft)
     np.testing.assert_array_equal(out.lengths, [1, 1, 1])
-    assert out.stats.num_rounds == 0
+    s = out.stats
+    assert s.num_rounds == 0
+    # no round: the per-round rates are undefined, all of them (the distributions read 0 beside
+    # a nan mean accepted length, as if every draft had been rejected)
+    assert np.isnan(s.mean_accepted_length) and np.isnan(s.alpha)
+    for name in ("per_position_acceptance", "accepted_length_distribution",
+                 "proposed_length_distribution"):
+        assert np.isnan(getattr(s, name)).all(), name
 
 
 def test_a_fresh_seed_is_broadcast_only_over_a_mesh_of_several_processes(target, monkeypatch):

@@ -112,6 +112,44 @@ def test_forward_refuses_a_chunk_its_cache_cannot_hold():
             (jnp.array([[9], [2]]), jnp.array([[5], [5]]), cache, "2 rows; the cache holds 1")):
         with pytest.raises(ValueError, match=message):
             sj.forward(model, tokens, positions, c)
+    # a mask narrower than the chunk (read its first tokens as history every query sees) or of
+    # another shape (jax broadcasting errors), logits asked at an index past the chunk (clamped
+    # to the last), ids outside the vocabulary (-1: token V - 1's embedding; V: NaN logits),
+    # and sj.prefill over a cache that already holds tokens (its positions restarted at 0)
+    two, at = (jnp.array([[9, 2]]), jnp.array([[5, 6]])), jnp.array([[5]])
+    empty = sj.KVCache.init(model.config, 1, 8)
+    for args, kw, message in (
+            (two, dict(chunk_mask=jnp.ones((2, 1), bool)), "chunk_mask must be \\[T, W\\]"),
+            (two, dict(chunk_mask=jnp.ones((3, 2, 2), bool)), "got \\(3, 2, 2\\) for B = 1"),
+            (two, dict(logits_at=(2,)), "logits_at=\\(2,\\): chunk indices must be in "
+                                        "\\[0, 2\\)"),
+            ((jnp.array([[-1]]), at), {}, "tokens must be ids in \\[0, 16\\), got -1..-1"),
+            ((jnp.array([[16]]), at), {}, "tokens must be ids in \\[0, 16\\), got 16..16")):
+        with pytest.raises(ValueError, match=message):
+            sj.forward(model, *args, empty.rollback(jnp.array([5])), **kw)
+    with pytest.raises(ValueError, match="prefill starts at position 0: it takes an empty "
+                                         "cache, got one holding \\[5\\] tokens"):
+        sj.prefill(model, jnp.array([[1, 2]]), cache)
+
+
+def test_prefill_chunked_refuses_prompts_its_cache_or_array_cannot_hold():
+    """sj.prefill_chunked with concrete arrays: a prompt longer than the cache (its last tokens
+    were dropped and the logits wrong, the cache claiming 40 slots of 32), lengths past the
+    prompts' width, and a chunk of 0 (a ZeroDivisionError) are refused by name."""
+    from specjax.model import prefill_chunked
+    model = tiny_model(seed=4)
+    tokens = jnp.ones((2, 8), jnp.int32)
+    ok = prefill_chunked(model, tokens, jnp.array([8, 3]), sj.KVCache.init(model.config, 2, 8))
+    np.testing.assert_array_equal(ok[2].length, [8, 3])
+    for lengths, capacity, chunk, message in (
+            ([8, 3], 6, 4, "a prompt of 8 tokens does not fit a cache of capacity 6"),
+            ([9, 3], 16, 4, "lengths must be in \\[0, 8\\] \\(the prompts' width\\), got "
+                            "\\[9, 3\\]"),
+            ([8, -1], 16, 4, "lengths must be in \\[0, 8\\]"),
+            ([8, 3], 16, 0, "chunk must be an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            prefill_chunked(model, tokens, jnp.array(lengths),
+                            sj.KVCache.init(model.config, 2, capacity), chunk=chunk)
 
 
 def test_rows_with_different_lengths_in_one_cache():
@@ -178,6 +216,31 @@ def test_config_validation_and_defaults():
                        num_attention_heads=2)
     with pytest.raises(ValueError, match="shape"):
         sj.logits(model, jnp.zeros((3,), jnp.int32))
+
+
+def test_config_switches_dtypes_and_infinities():
+    """A switch given as a string was read by its truth ("false" tied the embeddings); a dtype
+    object was stored as given (equal configs hashed apart, so compiled programs were not
+    shared, and config_to_hf failed on JSON); an infinite epsilon or RoPE base was accepted
+    (every norm output 0)."""
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2)
+    plain = sj.ModelConfig(**base)
+    for dtype in (np.dtype("float32"), np.float32, jnp.float32):
+        cfg = sj.ModelConfig(**base, dtype=dtype)
+        assert cfg.dtype == "float32" and hash(cfg) == hash(plain) and cfg == plain
+    assert sj.ModelConfig(**base, dtype=jnp.bfloat16).dtype == "bfloat16"
+    assert sj.ModelConfig(**base, qk_norm=np.bool_(True)).qk_norm is True
+    for bad, message in [(dict(tie_word_embeddings="false"), "tie_word_embeddings must be True "
+                                                             "or False, got 'false'"),
+                         (dict(qk_norm=1), "qk_norm must be True or False, got 1"),
+                         (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be a finite"),
+                         (dict(rope_theta=float("inf")), "rope_theta must be a finite"),
+                         (dict(dtype=np.float64), "dtype must be one of .* got 'float64'")]:
+        with pytest.raises(ValueError, match=f"ModelConfig.{message}"):
+            sj.ModelConfig(**base, **bad)
+    with pytest.raises(ValueError, match="RopeScaling.factor must be a finite number > 0"):
+        sj.RopeScaling(rope_type="linear", factor=float("inf"))
 
 
 def test_a_config_is_initialised_by_one_program_however_often():

@@ -113,9 +113,15 @@ def test_ngram_spec_errors(target, draft):
         with pytest.raises(ValueError, match=r"prompt_lookup_length_factor .*got " + re.escape(
                 repr(bad))):
             sj.SpecConfig(method="ngram", prompt_lookup_length_factor=bad)
-    with pytest.raises(ValueError, match="prompt_lookup_length_factor is for method 'ngram', "
-                                         "not 'draft_model'"):
-        sj.SpecConfig(method="draft_model", prompt_lookup_length_factor=1.5)
+    # n-gram options given to another method are refused as the suffix and lookahead ones are
+    # (prompt_lookup_min/max were accepted and ignored: a typo of the method ran another one)
+    for method, option in [("draft_model", dict(prompt_lookup_length_factor=1.5)),
+                           ("draft_model", dict(prompt_lookup_max=8)),
+                           ("suffix", dict(prompt_lookup_min=3))]:
+        name, value = next(iter(option.items()))
+        with pytest.raises(ValueError, match=f"SpecConfig.{name}={value!r} is an option of "
+                                             f"method 'ngram', not '{method}'"):
+            sj.SpecConfig(method=method, **option)
     spec = sj.SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
                                '"prompt_lookup_min": 1, "prompt_lookup_max": 2}')
     assert spec.prompt_lookup_max == 2 and not spec.needs_draft_model

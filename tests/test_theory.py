@@ -34,3 +34,15 @@ def test_edges():
                 lambda: theory.speedup(0.5, 4, -0.1)):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_numpy_integers_and_the_argument_named():
+    """γ read from an array (np.int64) is a γ (it was refused as not an int); optimal_gamma's
+    bad bound is named as max_gamma, not gamma."""
+    import numpy as np
+    assert theory.speedup(0.5, np.int64(4), 0.1) == theory.speedup(0.5, 4, 0.1)
+    assert theory.optimal_gamma(0.8, 0.05, max_gamma=np.int32(4)) == 4
+    with pytest.raises(ValueError, match="max_gamma must be an int >= 0, got -1"):
+        theory.optimal_gamma(0.8, 0.05, max_gamma=-1)
+    with pytest.raises(ValueError, match="gamma must be an int >= 0, got True"):
+        theory.speedup(0.5, True, 0.1)

@@ -125,3 +125,32 @@ def test_infinite_temperature_is_refused():
     for bad in (float("inf"), float("nan"), -0.5):
         with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
             sj.SamplingParams(temperature=bad)
+
+
+def test_decode_takes_one_id_and_refuses_what_is_not_an_id(folder):
+    """One id decodes as a row of one (it failed: 'int' object is not iterable); float ids
+    were cut to ints and decoded; an unknown= that is not an option acted as "raise"."""
+    tok = sj.load_tokenizer(folder)
+    one = tok.encode("def")[0]
+    assert tok.decode(one) == tok.decode([one]) == tok.decode(np.int64(one))
+    assert tok.decode(np.asarray([one, -1], np.int32)) == tok.decode([one])
+    assert tok.decode([]) == ""
+    with pytest.raises(ValueError, match="decode takes integer token ids, got \\[1.9, 2.2\\]"):
+        tok.decode([1.9, 2.2])
+    with pytest.raises(ValueError, match="unknown must be 'raise' or 'skip', got 'drop'"):
+        tok.decode([one], unknown="drop")
+
+
+def test_save_tokenizer_keeps_every_eos_id(folder, tmp_path):
+    """tokenizer_config.json names one EOS token: the others went missing on a round trip
+    ((0, 3) came back as (0,)); they now go into generation_config.json, its other keys kept."""
+    tok = sj.load_tokenizer(folder)
+    several = sj.Tokenizer(tok.backend, 0, (1, 3))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    sj.save_tokenizer(several, tmp_path)
+    assert sj.load_tokenizer(tmp_path).eos_token_ids == (1, 3)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {
+        "temperature": 0.6, "eos_token_id": [1, 3]}
+    sj.save_tokenizer(tok, tmp_path / "one")  # one EOS id: tokenizer_config.json holds it
+    assert not (tmp_path / "one" / "generation_config.json").exists()
+    assert sj.load_tokenizer(tmp_path / "one").eos_token_ids == (1,)
