@@ -1483,6 +1483,8 @@ def collect(plan: Plan, state: LoopState, rows: list[np.ndarray], max_new: int,
         jax.tree.map(_fetch, state.counters), gamma=plan.depth,
         draft_calls_per_round=per_round, has_draft_model=per_round > 0,
         generated_tokens=int(generated.sum()), batch=B,
+        # after each row's first token (a row stopped at its first non-finite logits: none)
+        decode_tokens=int(np.maximum(np.asarray(generated) - 1, 0).sum()),
         prefill_seconds=timing.prefill_seconds, decode_seconds=timing.decode_seconds,
         compile_seconds=timing.compile_seconds,
         cache_bytes_per_row=cache_bytes // state.length.shape[0], capacity=plan.capacity)
@@ -1759,7 +1761,8 @@ class _StopStrings:
         seconds = out.stats.decode_seconds
         stats = dataclasses.replace(
             out.stats, generated_tokens=generated,
-            decode_tokens_per_second=(generated - len(lengths)) / seconds if seconds > 0 else 0.0)
+            decode_tokens_per_second=(int(np.maximum(lengths - 1, 0).sum()) / seconds
+                                      if seconds > 0 else 0.0))
         return dataclasses.replace(out, tokens=tokens, lengths=lengths, text=text,
                                    logprobs=logprobs, stats=stats)
 

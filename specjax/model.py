@@ -422,13 +422,16 @@ def check_chunk(tokens, positions, cache: KVCache) -> None:
 
 
 def check_ids(tokens, vocab_size: int) -> None:
-    """Concrete tokens only: every id in [0, vocab_size) (-1 read the last token's embedding,
-    an id past the vocabulary gave NaN logits)."""
+    """Concrete tokens only: every id in [0, vocab_size), or -1, the padding generate's own
+    buffers hold (read as a token: keep it where no position you read can see it, past the
+    end of a causal pass). An id past the vocabulary gave NaN logits; one below -1 another
+    token's embedding."""
     if isinstance(tokens, jax.core.Tracer) or not getattr(tokens, "size", 0):
         return
     low, high = int(np.min(np.asarray(tokens))), int(np.max(np.asarray(tokens)))
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"tokens must be ids in [0, {vocab_size}), got {low}..{high}")
+    if low < -1 or high >= vocab_size:
+        raise ValueError(f"tokens must be ids in [0, {vocab_size}) (or -1 for padding), got "
+                         f"{low}..{high}")
 
 
 def forward(model: Model, tokens: Array, positions: Array, cache: KVCache,

@@ -48,6 +48,9 @@ def run(args) -> int:
 
     import specjax as sj
 
+    if not args.reference and (args.model < 1 or jax.device_count() % args.model):
+        raise SystemExit(f"--model {args.model} must divide the {jax.device_count()} devices "
+                         f"of all processes (the rest form the data axis)")
     mesh = (None if args.reference
             else sj.make_mesh(data=jax.device_count() // args.model, model=args.model))
     if args.target:  # straight into the mesh's layout: each process reads its own slices
@@ -118,7 +121,12 @@ def local_demo(args) -> int:
     procs = [subprocess.Popen(base + ["--process-id", str(i)]
                               + (["--json", args.json] if args.json and i == 0 else []),
                               env=env) for i in range(2)]
-    codes = [p.wait(timeout=600) for p in procs]
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:  # a timeout or Ctrl-C: no process left running
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     return max(codes)
 
 

@@ -235,12 +235,15 @@ class Stats:
                   has_draft_model: bool, generated_tokens: int, batch: int,
                   prefill_seconds: float, decode_seconds: float,
                   compile_seconds: float, capacity: int = 0,
-                  cache_bytes_per_row: int = 0) -> Stats:
+                  cache_bytes_per_row: int = 0, decode_tokens: int | None = None) -> Stats:
+        """``decode_tokens``: tokens after each row's first (None: generated_tokens - batch,
+        which counts a row that made no token as one fewer)."""
         c = jax.device_get(counters)
         row_rounds = int(c.row_rounds)
         proposed = int(c.proposed)
         rounds = int(c.rounds)
-        decode_tokens = max(generated_tokens - batch, 0)  # a row stopped at its first token: none
+        if decode_tokens is None:
+            decode_tokens = max(generated_tokens - batch, 0)
         return cls(
             acceptance_rate=float(c.accepted) / proposed if proposed else float("nan"),
             mean_accepted_length=float(c.emitted) / row_rounds if row_rounds else float("nan"),

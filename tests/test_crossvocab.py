@@ -82,6 +82,18 @@ def test_windows_align_where_both_cut_the_text(pair):
     assert seen > 20 and aligned > unaligned > 0 and cut > 0, (seen, aligned, unaligned, cut)
 
 
+def test_a_stream_without_usable_windows_is_named(pair):
+    """A stream whose every window spans an end of text looped for ever; one shorter than a
+    window failed in numpy ("high <= 0")."""
+    target_tok, draft_tok, stream = pair
+    aligner = crossvocab.Aligner(target_tok, draft_tok, np.arange(1, draft_tok.vocab_size))
+    assert aligner.batch(stream, 2, 24, 16, 0, 0)["target"].shape == (2, 24)
+    with pytest.raises(ValueError, match="200 windows of 24 tokens drawn, 0 usable"):
+        aligner.batch(np.zeros(1000, np.int32), 2, 24, 16, 0, 0)
+    with pytest.raises(ValueError, match="holds no window of 24 target tokens"):
+        aligner.batch(stream[:20], 2, 24, 16, 0, 0)
+
+
 def test_spelled_windows_read_each_target_token_as_its_spelling(pair):
     """With the chain's spelling table the draft reads each target token as its spelling (not
     the window's text re-cut by its tokenizer), so every target position but the last aligns:

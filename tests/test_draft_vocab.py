@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import perturbed, ref_process
+from conftest import perturbed, ref_process, tiny_model
 from test_lossless import (
     exact_joint,
     g_test,
@@ -136,6 +136,23 @@ def test_restricting_twice_replaces_the_subset(draft):
     assert twice.vocab_size == 2 and twice.model is draft
     assert sj.DraftModel(draft).vocab_size == 32
     np.testing.assert_array_equal(twice.vocab.ids, [4, 5])
+
+
+def test_a_restricted_or_mapped_draft_caps_its_logits_as_the_model_does():
+    """A model with a final logit soft-cap (Gemma 2) scores its draft vocabulary as its own
+    forward does: restricted to all its ids, or mapped onto itself, the draft's logits are the
+    model's (the cap was skipped: largest logit 5.5 against 0.5, softmaxes apart by 0.56;
+    lossless still, the drawn q being the one verified, but accepting less)."""
+    model = tiny_model(seed=3, vocab_size=16, final_logit_softcapping=0.5)
+    tokens = jnp.asarray([[1, 4, 2, 7]])
+    want = np.asarray(sj.logits(model, tokens))
+    _, hidden, _ = sj.forward(model, tokens, jnp.arange(4)[None],
+                              sj.KVCache.init(model.config, 1, 4))
+    pairs = np.stack([np.arange(16)] * 2, axis=1)
+    for draft in (restrict_vocab(model, np.arange(16)),
+                  sj.draft.map_vocab(model, 16, pairs)):
+        np.testing.assert_allclose(np.asarray(draft.vocab.logits(hidden)), want, atol=1e-5)
+    assert np.abs(want).max() <= 0.5
 
 
 # -- distributions: exact enumeration of the first three tokens on an 8-token vocabulary ------
@@ -402,6 +419,10 @@ def test_generate_pairs_a_draft_with_its_own_tokenizer(target, noisy, reference)
     assert sj.draft.for_tokenizers(noisy, target_tok, target_tok, 32) is not None
     assert isinstance(sj.draft.for_tokenizers(noisy, target_tok, target_tok, 32), sj.DraftModel)
     assert sj.draft.for_tokenizers(noisy, target_tok, target_tok, 32).from_target is None
+    # one tokenizer on both sides, models with rows past its ids (Qwen: 151,936 rows for
+    # 151,665 ids): the draft as it is, not mapped (an LM-head copy and the spelled chain)
+    fewer = _plain_word_tokenizer(words[:28])
+    assert sj.draft.for_tokenizers(noisy, fewer, fewer, 32).from_target is None
     with pytest.raises(ValueError, match="pass the target's tokenizer="):
         sj.generate(target, PROMPTS, sampling=GREEDY, draft=own, spec=spec,
                     draft_tokenizer=draft_tok)

@@ -194,6 +194,14 @@ def test_draft_vocabulary_is_the_most_frequent_tokens():
     # 7 and every unseen id tie at count 1 vs 0: 7 is more frequent; among unseen, smaller first
     np.testing.assert_array_equal(sj.draft.frequent_tokens(tokens, 10, 4), [1, 2, 5, 7])
     np.testing.assert_array_equal(sj.draft.frequent_tokens(tokens, 10, 5), [0, 1, 2, 5, 7])
+    # a size past the vocabulary gave fewer ids, -1 all but one, ids past it were dropped
+    for args, message in [((tokens, 10, 11), "size 11 is more than the vocabulary's 10"),
+                          ((tokens, 10, -1), "size must be an int >= 1, got -1"),
+                          ((np.array([1, 12]), 10, 2), "token ids in \\[0, 10\\), got 2 ids "
+                                                       "from 1 to 12"),
+                          ((np.array([1.5]), 10, 1), "token ids in \\[0, 10\\)")]:
+        with pytest.raises(ValueError, match=message):
+            sj.draft.frequent_tokens(*args)
 
 
 # -- saving and loading -------------------------------------------------------------------------

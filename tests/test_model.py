@@ -114,8 +114,9 @@ def test_forward_refuses_a_chunk_its_cache_cannot_hold():
             sj.forward(model, tokens, positions, c)
     # a mask narrower than the chunk (read its first tokens as history every query sees) or of
     # another shape (jax broadcasting errors), logits asked at an index past the chunk (clamped
-    # to the last), ids outside the vocabulary (-1: token V - 1's embedding; V: NaN logits),
-    # and sj.prefill over a cache that already holds tokens (its positions restarted at 0)
+    # to the last), ids outside the vocabulary (-2: another token's embedding; V: NaN logits;
+    # -1 is generate's padding), and sj.prefill over a cache that already holds tokens (its
+    # positions restarted at 0)
     two, at = (jnp.array([[9, 2]]), jnp.array([[5, 6]])), jnp.array([[5]])
     empty = sj.KVCache.init(model.config, 1, 8)
     for args, kw, message in (
@@ -123,8 +124,9 @@ def test_forward_refuses_a_chunk_its_cache_cannot_hold():
             (two, dict(chunk_mask=jnp.ones((3, 2, 2), bool)), "got \\(3, 2, 2\\) for B = 1"),
             (two, dict(logits_at=(2,)), "logits_at=\\(2,\\): chunk indices must be in "
                                         "\\[0, 2\\)"),
-            ((jnp.array([[-1]]), at), {}, "tokens must be ids in \\[0, 16\\), got -1..-1"),
-            ((jnp.array([[16]]), at), {}, "tokens must be ids in \\[0, 16\\), got 16..16")):
+            ((jnp.array([[-2]]), at), {}, "tokens must be ids in \\[0, 16\\) \\(or -1 for "
+                                          "padding\\), got -2..-2"),
+            ((jnp.array([[16]]), at), {}, "tokens must be ids in \\[0, 16\\) .*got 16..16")):
         with pytest.raises(ValueError, match=message):
             sj.forward(model, *args, empty.rollback(jnp.array([5])), **kw)
     with pytest.raises(ValueError, match="prefill starts at position 0: it takes an empty "

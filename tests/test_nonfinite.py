@@ -94,3 +94,16 @@ def test_a_prompt_holding_the_broken_token_yields_nothing(target):
     # every row's first token came from the prefill (one of them none at all): no decode
     # tokens, not minus one
     assert err.value.generation.stats.decode_tokens_per_second == 0.0
+
+
+def test_decode_speed_counts_the_tokens_after_each_rows_first(target):
+    """A row that made no token (its prompt broken) counts no decode token, not minus one: the
+    decode speed is the tokens after each row's first over the decode time."""
+    four = sj.SamplingParams(temperature=0, max_new_tokens=4)
+    with pytest.raises(sj.NonFiniteError) as err:
+        sj.generate(planted(target, 7, np.nan), PROMPTS, sampling=four)
+    out = err.value.generation
+    assert 0 in out.lengths and out.lengths.max() > 1
+    s = out.stats
+    want = int(np.maximum(out.lengths - 1, 0).sum())
+    np.testing.assert_allclose(s.decode_tokens_per_second * s.decode_seconds, want, rtol=1e-9)

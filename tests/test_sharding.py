@@ -55,3 +55,18 @@ def test_two_processes_equal_one(tmp_path):
     assert a.pop("fresh_keys_agree") is True  # key=None: the processes drew one seed
     assert set(a) == {"greedy", "sampled"} and len(a["greedy"]) == 4
     assert a == b
+
+
+def test_a_model_axis_that_does_not_divide_the_devices_is_named():
+    """--model 3 over 4 devices failed in make_mesh naming its data axis ("data must be an int
+    >= 1, got 0" for --model 16), a value never given."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "specjax.multihost", "--coordinator",
+                          f"127.0.0.1:{port}", "--num-processes", "1", "--process-id", "0",
+                          "--cpu-devices", "--model", "3"],
+                         cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "--model 3 must divide the 4 devices of all processes" in run.stderr, run.stderr[-2000:]

@@ -8,6 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model
 from test_draft_vocab import (
     GREEDY,
     PROMPTS,
@@ -128,6 +129,43 @@ def test_string_drafts_are_greedy_exact(target, noisy, by_string):
                       spec=sj.SpecConfig(method="draft_model", num_speculative_tokens=4))
     np.testing.assert_array_equal(out.tokens, reference.tokens)
     assert out.stats.proposed_tokens > 0 and out.stats.accepted_tokens > 0
+
+
+def test_a_string_draft_for_another_vocabulary_is_named(target, noisy, by_string):
+    """A string-level draft made for a target of another vocabulary size reads target ids by
+    a table of that size (accepted: acceptance fell to nothing, or tokens were misread);
+    for_tokenizers' size is checked (a float or 0 failed inside numpy)."""
+    draft, _ = by_string
+    wider = tiny_model(seed=0, vocab_size=40, hidden_size=32, layers=2, heads=4, kv_heads=2,
+                       max_pos=128)
+    with pytest.raises(ValueError, match="made for a target of vocab_size 32 .* this target "
+                                         "has 40"):
+        sj.generate(wider, PROMPTS, sampling=GREEDY, draft=draft,
+                    spec=sj.SpecConfig(method="draft_model", num_speculative_tokens=4))
+    draft_tok, target_tok, own, _ = spelled_pair(noisy, TARGET_32, 12)
+    for bad in (300.5, 0, True):
+        with pytest.raises(ValueError, match="target_vocab_size must be an int >= 1"):
+            sj.draft.for_tokenizers(own, draft_tok, target_tok, bad)
+
+
+def test_string_drafts_copy_no_draft_cache(target, by_string, fresh_programs):
+    """The draft steps write the draft's cache in place: propose returned the state holding
+    the cache before them, so XLA copied the whole draft cache every round (two copies of its
+    shape in the decode loop; a round about twice as long on a toy model)."""
+    import re
+
+    from specjax import engine
+    draft, _ = by_string
+    sj.generate(target, PROMPTS, sampling=GREEDY, draft=draft, max_cache_len=96,
+                spec=sj.SpecConfig(method="draft_model", num_speculative_tokens=4))
+    program = engine.PROGRAMS.programs()[-1]
+    proposer = program.plan.proposer
+    slots = proposer.per_token * program.plan.capacity + proposer.span
+    (decode,) = program.executables("decode")
+    # a copy laid out as the draft's cache [L, B, K, slots, D] (attention's scores end in slots)
+    copies = [dims for dims in re.findall(r"= \w+\[([\d,]+)\]\S* copy\(", decode.as_text())
+              if len(dims.split(",")) == 5 and dims.split(",")[3] == str(slots)]
+    assert copies == [], copies
 
 
 def string_8(models):

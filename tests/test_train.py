@@ -402,14 +402,22 @@ def test_train_pair_refuses_bad_settings_by_flag(tmp_path, monkeypatch, capsys):
     for argv, message in ((["target", "--minutes", "-1"], "--minutes must be >= 0"),
                           (["export", "--long", "--gen"], "export takes one of --long, --gen"),
                           (["export", "--draft-from", "x"], "--draft-from is for export --gen"),
-                          (["data", "--corpus", str(tmp_path / "none")], "--corpus: ")):
+                          (["data", "--corpus", str(tmp_path / "none")], "--corpus: "),
+                          # flags a stage does not read (export --from without --gen exported
+                          # the work directory's own runs without a word)
+                          (["export", "--from", "x"], "--from is not read by stage 'export' "
+                                                      "(export reads --from with --gen"),
+                          (["target", "--teacher", "x"], "--teacher is not read by stage "
+                                                         "'target'"),
+                          (["draft", "--corpus", "x"], "--corpus is not read by stage 'draft'"),
+                          (["data", "--long"], "--long is not read by stage 'data'")):
         with pytest.raises(SystemExit) as e:
             pair.main([*argv, "--workdir", str(tmp_path / "W")])
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
     calls = []
     monkeypatch.setattr(pair, "train", lambda *a, **k: calls.append(k) or (
         None, [{"heldout_loss": 1.0, "step": 1}]))
-    monkeypatch.setattr(pair, "_tokens", lambda workdir: (None, None))
+    monkeypatch.setattr(pair, "_tokens", lambda workdir, stage="data": (None, None))
     for minutes, limit in (("0", 0), ("1.5", 90)):
         assert pair.main(["target", "--minutes", minutes, "--workdir", str(tmp_path / "W")]) == 0
         assert calls.pop()["max_seconds"] == limit
@@ -522,3 +530,85 @@ def test_loss_by_position_names_a_bad_count():
                         (dict(batch_size=0), "batch_size must be an int >= 1, got 0")]:
         with pytest.raises(ValueError, match=message):
             train.loop.loss_by_position(model, tokens, **kw)
+
+
+def test_a_stage_refuses_a_model_of_another_tokenizer(tmp_path):
+    """A stage that continues or distils from a model folder (the bundled ones by default)
+    refuses one whose tokenizer is not the work directory's: its ids meant other text than the
+    token streams (a work directory built with `data --corpus` has its own 8,192 tokens)."""
+    from specjax.train import pair
+    work, other = tmp_path / "work", tmp_path / "other"
+    (work / "tokenizer").mkdir(parents=True)
+    other.mkdir()
+    model = {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []}
+    (work / "tokenizer" / "tokenizer.json").write_text(json.dumps({"model": model}))
+    (other / "tokenizer.json").write_text(json.dumps({"model": {**model, "vocab": {"b": 0,
+                                                                                   "a": 1}}}))
+    with pytest.raises(SystemExit, match="the target in .*other reads another tokenizer"):
+        pair._same_tokenizer(other, work, "target")
+    with pytest.raises(SystemExit, match="reads another tokenizer"):  # before any training
+        pair.stage_target_long(work, None, other, CFG, settings(2))
+    (other / "tokenizer.json").write_text(json.dumps({"model": model, "added_tokens": []}))
+    pair._same_tokenizer(other, work, "target")  # the same tokens
+    (other / "tokenizer.json").unlink()
+    pair._same_tokenizer(other, work, "draft")  # a draft sharing its target's: nothing to check
+
+
+def test_exporting_the_soft_draft_again_describes_the_same_history(tmp_path, monkeypatch):
+    """export-bpe4k-soft writes over the folder it started from. Run again (after an
+    interrupted export, a resumed run), it read its own earlier record: the card told the
+    token-level distillation twice and gave the improved acceptance (0.6016) as the one before
+    it (0.5264). Shown on the shipped folder's record, the measuring stubbed out."""
+    from specjax.draft.draft_model import VOCAB_FILE
+    from specjax.train import pair
+    shipped = sj.bundle.bundled("code-draft-bpe4k")
+    dest = tmp_path / "out" / "code-draft-bpe4k"
+    dest.mkdir(parents=True)
+    for name in ("training.json", "tokenizer.json", VOCAB_FILE):
+        shutil.copy(shipped / name, dest / name)
+    run = tmp_path / "W" / "draft-bpe4k-soft"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"start": str(dest), "generated_share": 0.5,
+                                              "generated_rows": 5056, "draft_len": 64}))
+    (tmp_path / "W" / "bpe4k").mkdir()
+    np.save(tmp_path / "W" / "bpe4k" / "heldout.npy", np.zeros(8, np.uint16))
+    tiny = tiny_model(seed=1)
+    monkeypatch.setattr(pair, "_restore", lambda *a: (tiny, 600))
+    told = []
+
+    def describe(where, workdir, out, heldout, config, settings, step, note, vocab, extra):
+        told.append((note, extra["soft_labels"]))
+        record = json.loads((dest / "training.json").read_text())
+        record.update({"fine_tuned_on_target_text": note.removeprefix("; then "),
+                       "acceptance": {"greedy": {"acceptance_rate": 0.99}}, **extra})
+        (where / "training.json").write_text(json.dumps(record))
+    monkeypatch.setattr(pair, "_describe_bpe4k", describe)
+    for _ in range(2):
+        pair.stage_export_bpe4k_soft(tmp_path / "W", tmp_path / "out")
+    (first, first_soft), (second, second_soft) = told
+    assert first == second and second.count("token-level distillation") == 1
+    assert first_soft["acceptance_before"]["greedy"]["acceptance_rate"] == 0.5264
+    assert second_soft["acceptance_before"] == first_soft["acceptance_before"]
+    assert second_soft["fine_tuned_before"].startswith("fine-tuned 800 steps")
+
+
+def test_export_refuses_a_corpus_too_small_to_calibrate_on_before_measuring(tmp_path,
+                                                                           monkeypatch):
+    """The draft's calibration needs held-out function definitions; a small --corpus had too
+    few, and export failed on it only after minutes of measuring (loss, acceptance), every
+    time (no flag lowers the count)."""
+    from specjax.train import pair
+    work = tmp_path / "W"
+    (work / "tokenizer").mkdir(parents=True)
+    shutil.copy(sj.bundle.bundled("code-target") / "tokenizer.json", work / "tokenizer")
+    for name in ("train.npy", "heldout.npy"):
+        np.save(work / name, np.zeros(64, np.uint16))
+    (tmp_path / "a.py").write_text("x = 1\n" * 40)
+    (work / "corpus.json").write_text(json.dumps({"root": str(tmp_path), "heldout": ["a.py"]}))
+
+    def measuring(*_):
+        raise AssertionError("measuring began")
+    monkeypatch.setattr(pair, "_restore", measuring)
+    with pytest.raises(SystemExit, match="export fits the draft's calibration on held-out "
+                                         "function definitions: the texts have 0 function"):
+        pair.stage_export(work, tmp_path / "out")

@@ -31,7 +31,7 @@ from jax import Array
 from .. import sampling
 from ..adaptive import Budget, Calibration, ChainControl, checked_calibration, load_calibration
 from ..cache import KVCache, compact, write_chunk
-from ..config import ModelConfig, SpecConfig, _is_int
+from ..config import ModelConfig, SpecConfig, _is_int, check_int
 from ..model import PREFILL_CHUNK, Model, forward, prefill_chunked
 from ..tree import Tree
 from .base import Draft, draw, draw_scored, expand_tree, stack_chain, tree_candidates
@@ -187,7 +187,8 @@ def map_vocab(draft, target_vocab_size: int, pairs, *, fallback: int = 0,
         if not len(pairs):
             raise ValueError("no pair's draft id is in the draft's draft vocabulary")
     head = jnp.take(lm_head(draft.model), jnp.asarray(pairs[:, 0], jnp.int32), axis=1)
-    vocab = DraftVocab(jnp.asarray(pairs[:, 1], jnp.int32), head)
+    vocab = DraftVocab(jnp.asarray(pairs[:, 1], jnp.int32), head,
+                       draft.model.config.final_logit_softcapping)
     from_target = np.full(int(target_vocab_size), int(fallback), np.int32)
     from_target[pairs[:, 1]] = pairs[:, 0]
     if spelling is not None:
@@ -237,6 +238,7 @@ def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: 
     if level not in ("token", "string"):
         raise ValueError(f"level={level!r} must be 'token' (token-level intersection) or "
                          f"'string' (string-level drafts)")
+    check_int("for_tokenizers' target_vocab_size", target_vocab_size, 1)
     from ..tokenizer import Tokenizer
     for name, tok in (("draft_tokenizer", draft_tokenizer), ("tokenizer", target_tokenizer)):
         if not isinstance(tok, Tokenizer):
@@ -268,9 +270,13 @@ def for_tokenizers(draft, draft_tokenizer, target_tokenizer, target_vocab_size: 
         pairs = token_pairs(draft_tokenizer, target_tokenizer)
         # a tokenizer may name more ids than its model has rows (ids added past the vocabulary)
         pairs = pairs[(pairs[:, 0] < V) & (pairs[:, 1] < target_vocab_size)]
-        if V == target_vocab_size and len(pairs) == V and np.array_equal(pairs[:, 0],
-                                                                           pairs[:, 1]):
-            mapped = draft  # the same tokens at the same ids
+        # the same tokens at the same ids: every id of both tokenizers (a model may have rows
+        # past its tokenizer's ids, Qwen's 151,936 for 151,665: those stay as they are)
+        ids = min(draft_tokenizer.vocab_size, V)
+        if (V == target_vocab_size and draft_tokenizer.vocab_size == target_tokenizer.vocab_size
+                and len(pairs) == ids and np.array_equal(pairs[:, 0], pairs[:, 1])
+                and np.array_equal(np.sort(pairs[:, 0]), np.arange(ids))):
+            mapped = draft
         else:
             mapped = map_vocab(draft, target_vocab_size, pairs, fallback=fallback,
                                spelling=spelling())
@@ -737,6 +743,10 @@ def build(spec: SpecConfig, draft, target: ModelConfig):
             raise ValueError("string-level drafts (sj.draft.for_tokenizers(..., level='string')) "
                              "run as a chain: tree=, survival_threshold= and budget= are not "
                              "supported with them")
+        if draft.spelling.shape[0] != target.vocab_size:  # it reads target ids by this table
+            raise ValueError(f"the string-level draft was made for a target of vocab_size "
+                             f"{draft.spelling.shape[0]} (sj.draft.for_tokenizers), this target "
+                             f"has {target.vocab_size}")
         from .strings import StringChainProposer
         return StringChainProposer(draft.config, spec.num_speculative_tokens,
                                    int(draft.spelling.shape[1]))

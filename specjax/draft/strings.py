@@ -270,4 +270,7 @@ class StringChainProposer:
         bridge = params.strings
         text, size, stopped = draft_text(bridge, jnp.stack(drafted, axis=1))
         tokens, valid = cut(bridge, text, size, stopped, self.gamma)
-        return Draft(tokens, None, valid), state
+        # the cache the draft steps wrote, rolled back (the next catch-up rolls back anyway):
+        # returning the one before them made XLA copy the whole cache every round
+        return Draft(tokens, None, valid), dataclasses.replace(state,
+                                                               cache=cache.rollback(state.after))

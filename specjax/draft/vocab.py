@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from ..config import check_int
 from ..model import Model
 
 
@@ -50,7 +51,17 @@ def _describe(ids: np.ndarray) -> str:
 
 def frequent_tokens(tokens: np.ndarray, vocab_size: int, size: int) -> np.ndarray:
     """The ``size`` most frequent ids of a token stream (ties: the smaller id), sorted by id."""
-    counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)[:vocab_size]
+    check_int("frequent_tokens' vocab_size", vocab_size, 1)
+    check_int("frequent_tokens' size", size, 1)
+    if size > vocab_size:  # fewer ids than asked for came back
+        raise ValueError(f"frequent_tokens: size {size} is more than the vocabulary's "
+                         f"{vocab_size} ids")
+    tokens = np.asarray(tokens).ravel()
+    if tokens.size and (not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0
+                        or tokens.max() >= vocab_size):  # ids past it were dropped
+        raise ValueError(f"frequent_tokens counts token ids in [0, {vocab_size}), got "
+                         f"{_describe(tokens)}")
+    counts = np.bincount(tokens, minlength=vocab_size)[:vocab_size]
     order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
     return np.sort(order[:size]).astype(np.int32)
 
@@ -62,13 +73,16 @@ class DraftVocab:
 
     ids: Array  # [M] int32, ids into the target's vocabulary
     head: Array  # [E, M], the LM head's columns for ids
+    # the model's final logit soft-cap (Gemma 2: logits -> c · tanh(logits / c)), or None
+    softcap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def of(cls, model: Model, vocab) -> DraftVocab:
         """The draft vocabulary ``vocab`` (checked ids) over ``model``'s LM head."""
         ids = check_vocab(vocab, model.config.vocab_size)
         ids = jnp.asarray(ids, jnp.int32)
-        return cls(ids, jnp.take(lm_head(model), ids, axis=1))
+        return cls(ids, jnp.take(lm_head(model), ids, axis=1),
+                   model.config.final_logit_softcapping)
 
     @property
     def size(self) -> int:
@@ -76,9 +90,13 @@ class DraftVocab:
         return int(self.ids.shape[0])
 
     def logits(self, h: Array) -> Array:
-        """Features [..., E] -> logits over the draft vocabulary [..., M] (float32)."""
-        return jnp.einsum("...e,em->...m", h.astype(self.head.dtype), self.head,
-                          preferred_element_type=jnp.float32)
+        """Features [..., E] -> logits over the draft vocabulary [..., M] (float32), soft-capped
+        as the model's own logits are."""
+        logits = jnp.einsum("...e,em->...m", h.astype(self.head.dtype), self.head,
+                            preferred_element_type=jnp.float32)
+        if self.softcap is not None:
+            logits = jnp.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def token_ids(self, index: Array) -> Array:
         """Indices into the draft vocabulary -> token ids (int32)."""

@@ -93,9 +93,19 @@ class Aligner:
         rows [n, >= target_len] of which each window is one row's start), a pure function of
         (seed, step): {"target": [size, target_len], "draft": [size, draft_len + 1],
         "align": [size, draft_len]}."""
+        length = stream.shape[1] if stream.ndim == 2 else len(stream) - 1
+        if len(stream) < 1 or length < target_len:
+            raise ValueError(f"a stream of shape {tuple(stream.shape)} holds no window of "
+                             f"{target_len} target tokens")
         rng = np.random.default_rng([seed, step])
         rows = {"target": [], "draft": [], "align": []}
+        tries = 0
         while len(rows["target"]) < size:
+            tries += 1
+            if tries > 100 * size:  # a stream whose every window spans an end of text
+                raise ValueError(f"{tries - 1} windows of {target_len} tokens drawn, "
+                                 f"{len(rows['target'])} usable (a window must not span an end "
+                                 f"of text and must cover {draft_len + 1} draft tokens)")
             if stream.ndim == 2:
                 ids = np.asarray(stream[int(rng.integers(0, len(stream))), :target_len],
                                  np.int32)

@@ -187,7 +187,7 @@ class HeadsObjective:
                                            self.drafter.taps)
         head = jnp.take(lm_head(Model(self.target, target_params)), vocab,
                         axis=1).astype(jnp.float32)
-        draft_vocab = DraftVocab(vocab, head)
+        draft_vocab = DraftVocab(vocab, head, self.target.final_logit_softcapping)
         T = inputs.shape[1]
         if self.drafter.method == "dflash":  # hidden: the tapped layers' outputs
             return _dflash_terms(self.drafter, weights, target_params, draft_vocab, inputs,

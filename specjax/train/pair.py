@@ -7,22 +7,28 @@
     specjax train pair draft  --workdir W [--minutes M]   distil the draft from the target
     specjax train pair draft-long --workdir W [--from FOLDER] [--minutes M]
         distil the draft (default: from the bundled one) again from target-long, at its lengths
-    specjax train pair draft-gen --workdir W [--from FOLDER] [--minutes M]
-        distil the draft (default: from the bundled one) again from the bundled target, on its
-        training windows and on text the target wrote (generated first, into W/draft-gen-text)
-    specjax train pair export --workdir W --out checkpoints/ [--long | --gen]   write the two
-        model folders (--long: from target-long and draft-long; --gen: the bundled target
-        again and draft-gen)
+    specjax train pair draft-gen --workdir W [--from FOLDER] [--teacher FOLDER] [--minutes M]
+        distil the draft (default: from the bundled one) again from the target (--teacher,
+        default the bundled one), on its training windows and on text the target wrote
+        (generated first, into W/draft-gen-text)
+    specjax train pair draft-gen-long ...   the same on rows as long as the context
+    specjax train pair export --workdir W --out checkpoints/ [--long | --gen | --gen-long]
+        write the two model folders (--long: from target-long and draft-long; --gen: the
+        target (--from, default the bundled one) again and draft-gen, or --draft-from FOLDER)
     specjax train pair draft-bpe4k --workdir W [--minutes M]   a draft of the bundled draft's
         size with a tokenizer of its own (4,096-token BPE), trained on the same files
-    specjax train pair draft-bpe4k-kd --workdir W [--minutes M]   fine-tune it on text the
-        target writes (generated first, ten minutes of it, kept in W/bpe4k/kd)
+    specjax train pair draft-bpe4k-kd --workdir W [--teacher FOLDER] [--minutes M]   fine-tune
+        it on text the target writes (generated first, ten minutes of it, kept in W/bpe4k/kd)
     specjax train pair export-bpe4k --workdir W --out checkpoints/   write it as code-draft-bpe4k
+    specjax train pair draft-bpe4k-soft --workdir W [--from FOLDER] [--teacher FOLDER]
+        distil it token by token from the target where the two tokenizers cut the text alike
+    specjax train pair export-bpe4k-soft --workdir W --out checkpoints/   write that one
 
-Each stage reads what the earlier ones left in the work directory; ``target``, ``target-long``
-``draft``, ``draft-long`` and ``draft-gen`` resume from their latest checkpoint, so a run can be stopped and resumed any number of times. The exact
-settings are the constants in specjax/train/pair.py; ``data`` records the corpus manifest
-next to the tokens.
+Each stage reads what the earlier ones left in the work directory, and refuses flags it does
+not read; the training stages resume from their latest checkpoint, so a run can be stopped
+and resumed any number of times. A stage that starts from or distils from a model folder
+refuses one whose tokenizer is not the work directory's. The exact settings are the constants
+in specjax/train/pair.py; ``data`` records the corpus manifest next to the tokens.
 """
 
 from __future__ import annotations
@@ -212,9 +218,12 @@ def stage_data(workdir: pathlib.Path, corpus_root: pathlib.Path | None = None,
           f"{len(corpus.heldout)} held-out files ({heldout_tokens.size} tokens) from {corpus.root}")
 
 
-def _tokens(workdir: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
+def _tokens(workdir: pathlib.Path, stage: str = "data") -> tuple[np.ndarray, np.ndarray]:
+    """The token streams ``stage`` writes into ``workdir`` (the stage named if they are not
+    there)."""
     if not (workdir / "train.npy").exists() or not (workdir / "heldout.npy").exists():
-        raise SystemExit(f"{workdir} has no token streams: run `specjax train pair data` first")
+        raise SystemExit(f"{workdir} has no token streams: run `specjax train pair {stage}` "
+                         f"first")
     return (np.load(workdir / "train.npy", mmap_mode="r"),
             np.load(workdir / "heldout.npy", mmap_mode="r"))
 
@@ -240,6 +249,7 @@ def stage_target_long(workdir: pathlib.Path, minutes: float | None, start: pathl
     """Continue the target's training on sequences of ``settings.seq_len`` tokens from the model
     in the folder ``start`` (the shipped target: its stored weights, computed in float32), into
     workdir/target-long; resumes from its latest checkpoint there (``start`` is then unused)."""
+    _same_tokenizer(start, workdir, "target")
     tokens, heldout = _tokens(workdir)
     init = _start(start, config, "target")
     model, history = train(config, tokens, settings, workdir / "target-long", heldout=heldout,
@@ -247,6 +257,20 @@ def stage_target_long(workdir: pathlib.Path, minutes: float | None, start: pathl
                            max_seconds=None if minutes is None else minutes * 60)
     print(f"target-long: held-out loss {history[-1]['heldout_loss']:.4f} at step "
           f"{history[-1]['step']} (sequences of {settings.seq_len})")
+
+
+def _same_tokenizer(folder: pathlib.Path, workdir: pathlib.Path, role: str) -> None:
+    """Refuse a model folder whose tokenizer.json is not the work directory's (from ``data``):
+    its ids would mean other text than the token streams a stage trains or generates on (a
+    pair built with ``data --corpus``, or from another Python's standard library, has its own
+    8,192 tokens). A folder without tokenizer.json (a draft sharing its target's) passes."""
+    mine, theirs = workdir / "tokenizer" / "tokenizer.json", pathlib.Path(folder) / "tokenizer.json"
+    if not theirs.is_file() or not mine.is_file():
+        return
+    if json.loads(mine.read_text()).get("model") != json.loads(theirs.read_text()).get("model"):
+        raise SystemExit(f"the {role} in {folder} reads another tokenizer ({theirs}) than this "
+                         f"work directory's token streams ({mine}): train it from scratch here, "
+                         f"or build the work directory from the same corpus")
 
 
 def _start(folder: pathlib.Path, config: ModelConfig, role: str):
@@ -325,6 +349,7 @@ def stage_draft_gen(workdir: pathlib.Path, minutes: float | None, start: pathlib
     from .data import sample_batch, sample_rows
     from .loop import MixedDistillObjective, digest, fit, teacher_record
     target_folder = target_folder or bundled("code-target")
+    _same_tokenizer(target_folder, workdir, "target (--teacher)")
     teacher = load_model(target_folder, dtype="float32")
     init = _start(start, config, "draft")
     if init.config.vocab_size != teacher.config.vocab_size:
@@ -364,11 +389,14 @@ def stage_draft_bpe4k(workdir: pathlib.Path, minutes: float | None,
     draft on them into workdir/draft-bpe4k."""
     folder = workdir / "bpe4k"
     if not (folder / "heldout.npy").exists():
+        if not (workdir / "corpus.json").is_file():
+            raise SystemExit(f"{workdir} has no corpus.json: run `specjax train pair data` "
+                             f"first")
         corpus = python_corpus(json.loads((workdir / "corpus.json").read_text())["root"])
         tok = train_tokenizer(corpus.train, config.vocab_size, folder / "tokenizer")
         encode_files(tok, corpus.train, folder / "train.npy")
         encode_files(tok, corpus.heldout, folder / "heldout.npy")
-    tokens, heldout = _tokens(folder)
+    tokens, heldout = _tokens(folder, "draft-bpe4k")
     model, history = train(config, tokens, settings, workdir / "draft-bpe4k",
                            heldout=heldout, progress=progress,
                            on_eval=_log_eval(workdir, "draft-bpe4k"),
@@ -431,6 +459,7 @@ def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
     kd = folder / "kd"
     kd.mkdir(parents=True, exist_ok=True)
     target_folder = target_folder or bundled("code-target")
+    _same_tokenizer(target_folder, workdir, "target (--teacher)")
     chunks = sorted(kd.glob("chunk-*.npy"))
     spent = sum(float(np.load(c, mmap_mode="r")[0]) for c in chunks)  # seconds, stored first
     if spent < generate_minutes * 60:
@@ -451,7 +480,7 @@ def stage_draft_bpe4k_kd(workdir: pathlib.Path, minutes: float | None,
             log.info("kd chunk %d: %d tokens, %.0f s of %.0f", i, len(ids), spent,
                      generate_minutes * 60)
     tokens = np.concatenate([np.load(c)[1:] for c in chunks]).astype(np.uint16)
-    _, heldout = _tokens(folder)
+    _, heldout = _tokens(folder, "draft-bpe4k")
     init, _ = _restore(config, start_settings, workdir / "draft-bpe4k")
     model, history = train(config, tokens, settings, workdir / "draft-bpe4k-kd", heldout=heldout,
                            init=init, progress=progress,
@@ -523,6 +552,7 @@ def stage_draft_bpe4k_soft(workdir: pathlib.Path, minutes: float | None,
     from . import crossvocab
     from .loop import digest, fit, teacher_record
     target_folder = target_folder or bundled("code-target")
+    _same_tokenizer(target_folder, workdir, "target (--teacher)")
     teacher = load_model(target_folder, dtype="float32")
     target_tokenizer = load_tokenizer(target_folder)
     spelling = load_paired_draft(start, target_tokenizer, teacher.config.vocab_size).spelling
@@ -707,6 +737,15 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
     from ..tokenizer import load_tokenizer
     _, heldout = _tokens(workdir)
     corpus = json.loads((workdir / "corpus.json").read_text())
+    prompts = None
+    if {name.removesuffix("-long").removesuffix("-gen") for name, _, _ in runs} >= {
+            "target", "draft"}:  # the calibration's prompts, before minutes of measuring
+        try:
+            prompts = calibration_prompts(workdir, load_tokenizer(workdir / "tokenizer"),
+                                          calibration["num_prompts"])
+        except ValueError as e:
+            raise SystemExit(f"export fits the draft's calibration on held-out function "
+                             f"definitions: {e}") from None
     info = {}
     # Each folder is written whole into a temporary sibling and swapped in at the end, so an
     # interrupted export leaves the earlier folders as they were (specjax/files.py).
@@ -715,6 +754,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
         for name, config, settings in runs:
             role = name.removesuffix("-long").removesuffix("-gen")  # the folder it is shipped as
             if name in (shipped or {}):
+                _same_tokenizer(shipped[name], workdir, role)
                 model, step = _start(shipped[name], config, role), settings.steps
             else:
                 model, step = _restore(config, settings, workdir / name)
@@ -754,7 +794,7 @@ def stage_export(workdir: pathlib.Path, out: pathlib.Path,
             from ..adaptive import calibrate, save_calibration
             fitted, report = calibrate(
                 info["target"]["model"], info["draft"]["model"],
-                calibration_prompts(workdir, tokenizer, calibration["num_prompts"]),
+                prompts,
                 temperature=calibration["temperature"],
                 max_new_tokens=calibration["max_new_tokens"])
             report["command"] = "specjax train pair export (fit as `specjax train calibrate " + \
@@ -865,7 +905,7 @@ def stage_export_bpe4k(workdir: pathlib.Path, out: pathlib.Path,
     from ..draft.vocab import frequent_tokens
     from ..files import replace_folder
     folder = workdir / "bpe4k"
-    tokens, heldout = _tokens(folder)
+    tokens, heldout = _tokens(folder, "draft-bpe4k")
     model, step = _restore(config, settings, workdir / "draft-bpe4k")
     kd, kd_note = workdir / "draft-bpe4k-kd", ""
     if kd.exists():  # fine-tuned on the target's text: ship that
@@ -972,6 +1012,13 @@ def stage_export_bpe4k_soft(workdir: pathlib.Path, out: pathlib.Path,
     run = json.loads((workdir / "draft-bpe4k-soft" / "run.json").read_text())
     if pathlib.Path(run["start"]).resolve() != dest.resolve():
         raise SystemExit(f"draft-bpe4k-soft started from {run['start']}, not {dest}")
+    earlier = before.get("soft_labels")
+    if earlier is not None:  # exported once already: describe what preceded that export
+        if "fine_tuned_before" not in earlier:
+            raise SystemExit(f"{dest} already holds a soft-label export whose record lacks what "
+                             f"preceded it: write the folder it started from back first")
+        before = {**before, "fine_tuned_on_target_text": earlier["fine_tuned_before"],
+                  "acceptance": earlier["acceptance_before"]}
     model, step = _restore(config, settings, workdir / "draft-bpe4k-soft")
     folder = workdir / "bpe4k"
     if not (folder / "heldout.npy").exists():  # the held-out files in the draft's tokens
@@ -990,7 +1037,9 @@ def stage_export_bpe4k_soft(workdir: pathlib.Path, out: pathlib.Path,
             f"`specjax train pair draft-bpe4k-soft`)")
     extra = {"soft_labels": {"steps": step, "train": dataclasses.asdict(s),
                              "draft_len": run["draft_len"],
-                             "acceptance_before": before["acceptance"]}}
+                             "acceptance_before": before["acceptance"],
+                             # so that a second export describes the same history
+                             "fine_tuned_before": before["fine_tuned_on_target_text"]}}
     with replace_folder(dest, _model_file) as where:
         save_model(cast(model, "bfloat16"), where, format="hf", eos_token_id=0)
         for name in ("tokenizer.json", VOCAB_FILE):
@@ -1055,6 +1104,23 @@ def main(argv=None) -> int:
     if args.minutes is not None and not args.minutes >= 0:
         ap.error(f"--minutes must be >= 0 (0: stop after the first step; leave it out for no "
                  f"limit), got {args.minutes}")
+    # a flag the stage does not read is refused (export --from without --gen exported the work
+    # directory's own runs without a word)
+    gen_export = args.stage == "export" and (args.gen or args.gen_long)
+    uses = {"start": args.stage in ("target-long", "draft-long", "draft-gen", "draft-gen-long",
+                                    "draft-bpe4k-soft") or gen_export,
+            "teacher": args.stage in ("draft-gen", "draft-gen-long", "draft-bpe4k-kd",
+                                      "draft-bpe4k-soft"),
+            "corpus": args.stage == "data",
+            "gen": args.stage == "export", "gen_long": args.stage == "export",
+            "long": args.stage == "export", "draft_from": args.stage == "export"}
+    for name, used in uses.items():
+        value = getattr(args, name)
+        if value not in (None, False) and not used:
+            flag = {"start": "--from"}.get(name, "--" + name.replace("_", "-"))
+            ap.error(f"{flag} is not read by stage {args.stage!r}"
+                     + (" (export reads --from with --gen or --gen-long)"
+                        if name == "start" and args.stage == "export" else ""))
     if args.stage == "export":
         if args.long + args.gen + args.gen_long > 1:
             ap.error("export takes one of --long, --gen and --gen-long")
@@ -1089,7 +1155,7 @@ def main(argv=None) -> int:
     elif args.stage == "draft-bpe4k":
         stage_draft_bpe4k(args.workdir, args.minutes)
     elif args.stage == "draft-bpe4k-kd":
-        stage_draft_bpe4k_kd(args.workdir, args.minutes)
+        stage_draft_bpe4k_kd(args.workdir, args.minutes, target_folder=args.teacher)
     elif args.stage == "draft-bpe4k-soft":
         from ..bundle import bundled
         stage_draft_bpe4k_soft(args.workdir, args.minutes,
