@@ -85,38 +85,79 @@ def test_other_alphas_reuse_the_program(target, draft):
 
 
 def test_the_accelerator_check_runs_tiny_on_cpu(tmp_path):
-    """experiments/accelerator_check.py, prepared here for a GPU or TPU host, at its CPU size."""
+    """experiments/accelerator_check.py, prepared here for a GPU or TPU host, at its CPU size:
+    every section saved as it ends, the table printed from what was saved; run from outside
+    the repository with no installed specjax on its path (a device machine has none); a
+    section that fails is recorded and the next runs; a section past the time budget is
+    skipped and recorded so."""
     import json
+    import os
     import pathlib
     import subprocess
     import sys
-    script = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "accelerator_check.py"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = root / "experiments" / "accelerator_check.py"
     out = tmp_path / "check.json"
-    run = subprocess.run([sys.executable, str(script), "--size", "tiny", "--out", str(out),
-                          "--prompt-tokens", "16", "--new-tokens", "16", "--gammas", "2,4",
-                          "--alphas", "0.8,0.9", "--widths", "3,5"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
+    # the venv's interpreter without its site-packages' editable specjax: -S drops site, and
+    # PYTHONPATH gives back the libraries alone (their folder holds specjax only as a link)
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    env["PYTHONPATH"] = os.pathsep.join(site)
+    argv = [sys.executable, "-S", str(script), "--size", "tiny", "--out", str(out),
+            "--prompt-tokens", "16", "--new-tokens", "16", "--gammas", "2,4",
+            "--alphas", "0.8,0.9", "--widths", "3", "--adaptive"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
     assert "NOT LOSSLESS" in run.stdout and "roofline" in run.stdout
     result = json.loads(out.read_text())
+    assert result["errors"] == {}, result["errors"]
+    assert set(result["sections"]) == {"models", "roofline", "draft_step", "batch 1", "batch 8",
+                                       "adaptive"}
     assert result["device"]["backend"] == "cpu" and result["size"] == "tiny"
-    assert [(r["batch"], r["alpha"], r["gamma"]) for r in result["speculative"]] == [
-        (1, 0.8, 2), (1, 0.8, 4), (1, 0.9, 2), (1, 0.9, 4), (8, 0.8, 2), (8, 0.8, 4)]
-    assert all(r["speedup"] > 0 and r["predicted"] > 0 for r in result["speculative"])
+    assert [(r["batch"], r["gamma"], r["alpha"]) for r in result["speculative"]] == [
+        (b, g, a) for b in (1, 8) for g in (2, 4) for a in (0.8, 0.9)]
+    for r in result["speculative"]:
+        assert r["speedup"] > 0 and r["predicted"] > 0 and r["predicted_v1"] > 0
+        assert r["tokens_per_round"] == pytest.approx(15 / r["rounds"])
+        assert r["round_steps"] > 0 and r["formula_round_steps"] > 0
+    assert 0 < result["ar_bandwidth_fraction"]
     roof = result["roofline"]
     assert roof["fraction"] > 0 and roof["verify_cost_by_width"]["1"] == 1
     report = roof["report"]
     assert {(c["batch"], c["width"]) for c in report["cells"]} == {
-        (b, w) for b in (1, 8, 32) for w in (1, 3, 5)}  # 1 always
+        (b, w) for b in (1, 8, 32) for w in (1, 3, 5)}  # 1 and each γ + 1 always
     assert set(report["knee_width"]) == {"1", "8", "32"}
     assert set(result["draft_step_c_by_batch"]) == {"1", "8"}
-    # the adaptive program beside the static chain, per batch, every draft verified
+    # the adaptive program beside the static chain, every draft verified (asked for)
     assert [(r["batch"], r["gamma"]) for r in result["adaptive"]] == [(1, 4)]
     assert all(r["adaptive_round_ms"] > 0 and r["static_round_ms"] > 0
                and r["adaptive_over_static"] == pytest.approx(r["adaptive_round_ms"]
                                                       / r["static_round_ms"])
                for r in result["adaptive"])
     assert "adaptive program, every draft verified, batch 1" in run.stdout
+    # a budget spent before the roofline: every later section skipped, each recorded, the
+    # file written; a failing section recorded while the next runs (a draft step that fails
+    # leaves the speculative rows without their c)
+    short = tmp_path / "short.json"
+    run = subprocess.run([*argv[:6], str(short), *argv[7:-1], "--budget-seconds", "0"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(short.read_text())
+    assert isinstance(result["sections"]["models"], float)  # built whatever the budget
+    assert all(str(result["sections"][s]).startswith("skipped: ")
+               for s in ("roofline", "draft_step", "batch 1", "batch 8"))
+    failing = tmp_path / "failing.json"  # a width of 0: the roofline fails, the rest runs
+    run = subprocess.run([*argv[:6], str(failing), *argv[7:-1], "--widths", "0",
+                          "--alphas", "0.8", "--gammas", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(failing.read_text())
+    assert result["sections"]["roofline"] == "failed" and "widths must be >= 1" in result[
+        "errors"]["roofline"]
+    assert "section roofline FAILED" in run.stdout
+    assert isinstance(result["sections"]["batch 1"], float)
+    assert result["speculative"][0]["predicted"] is None  # no verify cost measured: null
 
 
 @pytest.mark.parametrize("name,published", [("llama-3.2-1b", 1.236e9), ("llama-3.1-8b", 8.030e9),
