@@ -435,8 +435,7 @@ def _synthetic_verdict(plan: Plan, request: Request, logits: Array, drafts: Arra
     coin, draw = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
     u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(coin)  # [B, G]
     hit = u < request.synthetic[None, :G]
-    if valid is not None:
-        hit &= valid
+    hit &= verify._in_vocabulary(drafts, logits.shape[-1], valid)  # -1: not proposed
     num_accepted = jnp.sum(jnp.cumprod(hit, axis=1), axis=1).astype(jnp.int32)
     rows = jnp.arange(B)
     at = logits[rows, num_accepted]  # [B, V]: the target after the last accepted draft
@@ -1312,7 +1311,8 @@ def plan_program(target: ModelConfig, proposer, rows: list[np.ndarray], sampling
     top_k_on = 0 < sampling.top_k < V
     filters = Filters(top_k=next((min(b, V) for b in TOP_K_BOUNDS if sampling.top_k <= b), V)
                       if top_k_on else 0,
-                      top_p=sampling.top_p < 1.0, greedy=sampling.temperature == 0)
+                      top_p=sampling.top_p < 1.0, greedy=sampling.temperature == 0,
+                      top_k_every_row=top_k_on)
     chunk = min(PREFILL_CHUNK, capacity)
     width = -(-capacity // chunk) * chunk
     plan = Plan(target, proposer, capacity, filters, mesh, prefill_chunk=chunk,

@@ -56,7 +56,10 @@ def peak_flops(dtype: str = "float32", n: int | None = None, repeats: int = 5) -
 
 def forward_cost(model: Model, batch: int, width: int, context: int) -> dict:
     """What one forward of ``width`` tokens for ``batch`` rows must move and compute with the
-    cache holding ``context`` slots: weight_bytes, kv_bytes, flops."""
+    cache holding ``context`` slots: weight_bytes, kv_bytes, flops. Activations are left out,
+    the float32 logits among them (batch · width · V · 4 bytes, written and read: at batch 32,
+    width 16 of a 128,256-token vocabulary about a fifth of a 1B model's weight bytes), so the
+    widest cells' bytes are understated."""
     cfg = model.config
     itemsize = jnp.dtype(cfg.dtype).itemsize
     L, K, H, D = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads,

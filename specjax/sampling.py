@@ -29,6 +29,11 @@ class Filters:
     # Every row is greedy (the call's temperature is 0): distributions are one-hots of the argmax,
     # with no softmax, and a draft model proposes its argmax as a point mass instead of sampling.
     greedy: bool = False
+    # Every row's top-k is on (generate: all rows share one request's settings), so top-p's
+    # threshold always lies among top-k's candidates: no branch to search past them (a branch
+    # whose condition, over rows split across devices, is an all-reduce every call). False
+    # (rows may turn top-k off): the branch is there.
+    top_k_every_row: bool = False
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +218,7 @@ def _filtered(logits: Array, params: SamplingArrays, filters: Filters):
         threshold, covered = _top_p_threshold(descending, peak, total, top_p)
         if filters.top_k:  # a row with top-k on keeps at most kmax tokens (and their ties)
             covered = covered | k_on
-        if descending.shape[-1] < V:
+        if descending.shape[-1] < V and not (filters.top_k and filters.top_k_every_row):
             # Where some row keeps all of its candidates, the threshold may lie beyond them:
             # then every row's is searched for over the whole vocabulary (over top-k's kept
             # tokens, for a row with top-k on: probs has the others at 0).

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import ref_process
 
+import specjax as sj
 from specjax import sampling
 
 CASES = [  # temperature, top_k, top_p
@@ -319,3 +320,26 @@ def test_rows_with_a_filter_off_beside_rows_with_it_on(case):
         want = ref_process(logits[b], t_, k_, p_)
         np.testing.assert_array_equal(got[b] > 0, want > 0, err_msg=f"row {b}: {rows[b]}")
         np.testing.assert_allclose(got[b], want, atol=1e-6)
+
+
+def test_a_call_whose_rows_all_use_top_k_has_no_branch():
+    """generate's rows share one request's settings, so with top-k on in every row top-p's
+    threshold lies among top-k's candidates: its program holds no branch to search past them
+    (whose condition, over rows split across devices, was an all-reduce every call); a call
+    whose rows may turn top-k off keeps it, and both give the same distributions."""
+    logits = _wide_rows()
+    params = _arrays(4, 0.8, 20, 0.9)
+    every = sampling.Filters(top_k=64, top_p=True, top_k_every_row=True)
+    maybe = sampling.Filters(top_k=64, top_p=True)
+    jaxprs = {f: str(jax.make_jaxpr(lambda x, f=f: sampling.process_logits(x, params, f))(logits))
+              for f in (every, maybe)}
+    assert "cond[" not in jaxprs[every] and "cond[" in jaxprs[maybe]
+    np.testing.assert_array_equal(np.asarray(sampling.process_logits(logits, params, every)),
+                                  np.asarray(sampling.process_logits(logits, params, maybe)))
+    from specjax import engine
+    plan, _ = engine.plan_program(sj.ModelConfig(vocab_size=300, hidden_size=8,
+                                                 intermediate_size=16, num_hidden_layers=1,
+                                                 num_attention_heads=1),
+                                  None, [np.array([1, 2])],
+                                  sj.SamplingParams(temperature=0.8, top_k=20, top_p=0.9), None)
+    assert plan.filters.top_k_every_row

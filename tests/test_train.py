@@ -1,6 +1,7 @@
 """Training: loss goes down, a resumed run is identical to an uninterrupted one, distillation
 pulls the student towards the teacher, the corpus split is by file."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -612,3 +613,17 @@ def test_export_refuses_a_corpus_too_small_to_calibrate_on_before_measuring(tmp_
     with pytest.raises(SystemExit, match="export fits the draft's calibration on held-out "
                                          "function definitions: the texts have 0 function"):
         pair.stage_export(work, tmp_path / "out")
+
+
+def test_export_names_a_run_trained_with_other_settings(tmp_path):
+    """A run trained with other shapes or settings than the stage exports: the fields named
+    (it failed inside orbax: "Requested shape ... is not compatible with the stored shape")."""
+    from specjax.train import pair
+    train.train(CFG, stream(), settings(2), tmp_path / "run", progress=False)
+    model, step = pair._restore(CFG, settings(2), tmp_path / "run")
+    assert step == 2
+    wider = dataclasses.replace(CFG, hidden_size=32, head_dim=None)
+    with pytest.raises(SystemExit, match="trained with other settings than this stage "
+                                         "exports \\(model.head_dim, model.hidden_size, "
+                                         "train.steps\\)"):
+        pair._restore(wider, settings(3), tmp_path / "run")

@@ -397,7 +397,11 @@ def fit(objective, params, aux, tokens: np.ndarray, cfg: TrainConfig, workdir, r
     workdir.mkdir(parents=True, exist_ok=True)
     ocp, manager = _manager(workdir)
     latest = manager.latest_step()
-    _check_run(workdir, run, resuming=latest is not None)
+    try:
+        _check_run(workdir, run, resuming=latest is not None)
+    except BaseException:  # refused: the manager's threads end here, not with the process
+        manager.close()
+        raise
     state = TrainState(params, optimizer(cfg).init(params), jnp.zeros((), jnp.int32))
     if latest is not None:
         state = manager.restore(latest, args=ocp.args.StandardRestore(state))
@@ -413,10 +417,11 @@ def fit(objective, params, aux, tokens: np.ndarray, cfg: TrainConfig, workdir, r
 
     def checkpoint():
         if not math.isfinite(float(loss_arr)):  # never overwrite good checkpoints with NaN
-            raise FloatingPointError(
-                f"training diverged: the loss is {float(loss_arr)} at step {int(state.step)}; "
-                f"{workdir} keeps its last checkpoint (step {manager.latest_step()}). Lower "
-                f"the learning rate or check the data")
+            message = (f"training diverged: the loss is {float(loss_arr)} at step "
+                       f"{int(state.step)}; {workdir} keeps its last checkpoint (step "
+                       f"{manager.latest_step()}). Lower the learning rate or check the data")
+            manager.close()
+            raise FloatingPointError(message)
         manager.save(int(state.step), args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
 

@@ -294,7 +294,17 @@ def _restore(config: ModelConfig, settings: TrainConfig, run: pathlib.Path):
     import jax.numpy as jnp
 
     from ..model import Model, init_model
-    from .loop import TrainState, _manager, optimizer
+    from .loop import TrainState, _differences, _manager, optimizer
+    record = run / "run.json"
+    if record.is_file():  # trained with other settings: named here, not by orbax's shapes
+        old = json.loads(record.read_text())
+        changed = (_differences(old.get("model"), json.loads(json.dumps(
+            dataclasses.asdict(config))), "model.")
+                   + _differences(old.get("train"), json.loads(json.dumps(
+                       dataclasses.asdict(settings))), "train."))
+        if changed:
+            raise SystemExit(f"{run} was trained with other settings than this stage exports "
+                             f"({', '.join(changed)})")
     ocp, manager = _manager(run)
     step = manager.latest_step()
     if step is None:
