@@ -776,6 +776,15 @@ def _check_args(args) -> None:
     """Refuse bad settings by their flag before anything loads, compiles or runs: each
     temperature's sampling settings, every batch size, trees where no method takes them (and
     say which methods get none), and a --json whose folder is missing."""
+    if getattr(args, "target_shape", None) is not None:  # random weights of that shape: the
+        # model folders and prompt set are not read
+        given = [f"--{name.replace('_', '-')}" for name in
+                 ("target", "draft", "medusa", "eagle", "dflash", "mtp", "prompts")
+                 if getattr(args, name, None) is not None]
+        if given:
+            raise ValueError(f"--target-shape benches random weights in that shape; "
+                             f"{', '.join(given)} would be ignored: drop "
+                             f"{'it' if len(given) == 1 else 'them'}")
     for t in args.temperatures:
         try:
             SamplingParams(temperature=t, top_k=args.top_k, top_p=args.top_p,

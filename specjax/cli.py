@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import sys
 
 import jax
@@ -70,6 +71,14 @@ def _ratio(spec_stats, ar_stats) -> str:
     if not (spec_stats.decode_tokens_per_second > 0 and ar_stats.decode_tokens_per_second > 0):
         return "n/a (nothing decoded after the first token)"
     return f"{spec_stats.decode_tokens_per_second / ar_stats.decode_tokens_per_second:.2f}x"
+
+
+def _in_flag_words(message: str, command: argparse.ArgumentParser) -> str:
+    """An error about a setting (``SamplingParams.top_p must be ...``) named by the flag that
+    set it (``--top-p must be ...``), where the subcommand has that flag."""
+    flags = {a.dest: a.option_strings[-1] for a in command._actions if a.option_strings}
+    return re.sub(r"\b(?:SamplingParams|SpecConfig)\.(\w+)",
+                  lambda m: flags.get(m.group(1), m.group(0)), message)
 
 
 def _demo(args) -> int:
@@ -574,13 +583,13 @@ def main(argv=None) -> int:
             return _generate(args)
         except (ValueError, OSError) as e:
             _end_progress_line()
-            command.error(str(e))
+            command.error(_in_flag_words(str(e), command))
     if args.command == "bench":
         from .bench import main as bench_main
         try:
             return bench_main(args)
         except (ValueError, OSError) as e:
-            command.error(str(e))
+            command.error(_in_flag_words(str(e), command))
     if args.command == "demo":
         if args.repeats < 1:
             command.error(f"--repeats must be >= 1, got {args.repeats}")

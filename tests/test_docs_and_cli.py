@@ -234,7 +234,12 @@ def test_generate_command_errors(model_folders, capsys, tmp_path):
                           (["--stop", "\\x"], "--stop '\\\\x': a bad escape"),
                           (["--method", "ngram"], "method 'ngram' drafts without a model; drop "
                                                   "--draft"),
-                          (["--method", "none", "--compare"], "give a speculative --method")]:
+                          (["--method", "none", "--compare"], "give a speculative --method"),
+                          # a setting's error in the words of its flag (it named the Python
+                          # field: "SamplingParams.top_p must be ...")
+                          (["--top-p", "1.5"], "error: --top-p must be in [1.2e-38, 1]"),
+                          (["--method", "ngram", "--prompt-lookup-min", "0"],
+                           "error: --prompt-lookup-min must be an int >= 1, got 0")]:
         with pytest.raises(SystemExit):
             cli.main(["generate", "--target", str(model_folders / "t"), "--draft",
                       str(model_folders / "d")] + argv)

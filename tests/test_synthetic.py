@@ -201,3 +201,9 @@ def test_bench_with_a_target_shape(capsys, tmp_path):
     with pytest.raises(SystemExit):  # an unknown shape is refused by the parser, named
         main(["bench", "--target-shape", "gpt-5"])
     assert "gpt-5" in capsys.readouterr().err
+    # model folders and prompts beside a shape were ignored without a word
+    with pytest.raises(SystemExit):
+        main(["bench", "--target-shape", "tiny", "--target", str(tmp_path), "--eagle",
+              str(tmp_path)])
+    assert ("--target-shape benches random weights in that shape; --target, --eagle would be "
+            "ignored: drop them") in capsys.readouterr().err
