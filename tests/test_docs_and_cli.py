@@ -140,7 +140,7 @@ def test_generate_command_matches_method_none(model_folders, capsys):
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(modelless + ["--method", "ngram", "--prompt-lookup-length-factor", "-1"])
-    assert "prompt_lookup_length_factor must be a finite number > 0 or None, got -1.0" in (
+    assert "--prompt-lookup-length-factor must be a finite number > 0 or None, got -1.0" in (
         capsys.readouterr().err)
 
 
@@ -571,9 +571,9 @@ def test_bench_ngram_and_errors(model_folders, capsys, tmp_path, monkeypatch):
                           (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
                           (["--prompts", str(tmp_path / "none.json")], "cannot read bench prompts"),
                           (["--method", "ngram", "--prompt-lookup-length-factor", "0"],
-                           "prompt_lookup_length_factor must be a finite number > 0"),
+                           "--prompt-lookup-length-factor must be a finite number > 0"),
                           (["--temperatures", "0,inf"], "temperature must be a finite number"),
-                          (["--top-p", "1.5"], "top_p must be in [1.2e-38, 1]"),
+                          (["--top-p", "1.5"], "--top-p must be in [1.2e-38, 1]"),
                           (["--method", "ngram", "--tree", "[[0]]"],
                            "--tree is not supported by method 'ngram'"),
                           (["--json", str(tmp_path / "none" / "x.json")], "does not exist"),
