@@ -122,15 +122,19 @@ class View:
         return mask
 
 
+def soft_cap(x: Array, cap: float | None) -> Array:
+    """x squashed into (-cap, cap) by cap · tanh(x / cap) (Gemma 2's attention scores and final
+    logits); x itself when cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
 def _scores(q: Array, k: Array, scale: float | None, softcap: float | None) -> Array:
     """q [B, T, K, G, D] against k [B, K, n, D]: [B, K, G, T, n] float32 scores, times ``scale``
     (None: D ** -0.5), then soft-capped to (-softcap, softcap) by softcap * tanh(s / softcap)
     when given (Gemma 2). Masking comes after."""
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * (
         q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    return scores
+    return soft_cap(scores, softcap)
 
 
 def dense(q: Array, k: Array, v: Array, mask: Array, scale: float | None = None,

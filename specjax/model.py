@@ -35,7 +35,7 @@ from jax import Array
 from . import attention
 from . import cache as kv
 from .cache import KVCache
-from .config import ModelConfig
+from .config import ModelConfig, check_int
 
 
 @jax.tree_util.register_dataclass
@@ -299,10 +299,7 @@ class Decoder(nn.Module):
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
                               kernel_init=nn.initializers.normal(self.init_std),
                               dot_general=_float32_dot, name="lm_head")(head_in)
-        logits = logits.astype(jnp.float32)
-        if cfg.final_logit_softcapping is not None:
-            cap = cfg.final_logit_softcapping
-            logits = jnp.tanh(logits / cap) * cap
+        logits = attention.soft_cap(logits.astype(jnp.float32), cfg.final_logit_softcapping)
         if self.taps:
             hidden = jnp.concatenate(tapped, axis=-1)
         if self.rings is not None:
@@ -550,8 +547,7 @@ def prefill_chunked(model: Model, tokens: Array, lengths: Array, cache: KVCache,
     with ``taps``, the tapped layers' outputs [B, N, len(taps) * E] as in ``forward``), and the
     cache rolled back to ``lengths``."""
     B, N = tokens.shape
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ValueError(f"prefill_chunked's chunk must be an int >= 1, got {chunk!r}")
+    check_int("prefill_chunked's chunk", chunk, 1)
     if not isinstance(lengths, jax.core.Tracer):  # called with concrete arrays: check them
         longest = int(np.max(np.asarray(lengths))) if B else 0
         if B and (longest > N or int(np.min(np.asarray(lengths))) < 0):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
+from ..attention import soft_cap
 from ..config import check_int
 from ..model import Model
 
@@ -94,9 +95,7 @@ class DraftVocab:
         as the model's own logits are."""
         logits = jnp.einsum("...e,em->...m", h.astype(self.head.dtype), self.head,
                             preferred_element_type=jnp.float32)
-        if self.softcap is not None:
-            logits = jnp.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return soft_cap(logits, self.softcap)
 
     def token_ids(self, index: Array) -> Array:
         """Indices into the draft vocabulary -> token ids (int32)."""

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..config import ModelConfig, _require_int, _require_real, check_int
+from ..config import ModelConfig, _positive, _require_int, _require_real, check_int
 from ..files import write_atomic
 from ..model import Model, init_model, prefill
 from ..stats import POSITION_EDGES
@@ -67,8 +67,7 @@ class TrainConfig:
         _require_int(self, "seed", self.seed, 0)
         # a clip of 0 never learns; a negative one flips the gradient (trains uphill)
         for name in ("learning_rate", "grad_clip", "distill_temperature"):
-            _require_real(self, name, getattr(self, name),
-                          lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+            _require_real(self, name, getattr(self, name), _positive, "a finite number > 0")
         for name in ("weight_decay", "distill_ce_weight"):
             _require_real(self, name, getattr(self, name),
                           lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
