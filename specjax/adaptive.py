@@ -259,11 +259,12 @@ class Budget:
     narrowest of ``loop_widths(γ)`` (1, 2, 3, 5, 9, ..., γ + 1) holding k + 1 tokens: the decode
     loop has a forward of each of those widths only, so three drafts at γ = 8 are verified by
     the forward over five tokens; below γ it has run the draft step that scored draft k + 1 to
-    decide not to verify it. One verifying none costs 1 + c (its draft still reads the newest
-    token to score draft 1, and nothing else of the round's fixed part runs in it: with
-    ``idle_rounds`` the rounds after such rounds skip the draft too). A drafter that is not
-    ``sequential`` (its drafting costs the same whatever the lengths: Medusa, MTP, the block
-    drafter) pays c once a round, verifying none included: o + c + v_n and 1 + c.
+    decide not to verify it. One verifying none costs ``decline_cost`` (None: 1 + c; its
+    draft still reads the newest token to score draft 1, and nothing else of the round's fixed
+    part runs in it: with ``idle_rounds`` the rounds after such rounds skip the draft too). A
+    drafter that is not ``sequential`` (its drafting costs the same whatever the lengths:
+    Medusa, MTP, the block drafter) pays c once a round, verifying none included: o + c + v_n
+    and 1 + c.
 
     The batch verifies as many draft positions as pay for themselves. Every row shares the
     forward's width (the verify forward is [B, width]), so the budget is a width. Before draft k
@@ -291,6 +292,10 @@ class Budget:
     # what a round that drafts costs besides its forwards, beyond a plain decode step's own
     # (sampling the drafts, verification, bookkeeping), in one-token target steps
     round_cost: float = 0.0
+    # what a round that verifies no draft costs, in one-token target steps: its decode step and
+    # the draft step that scored draft 1 (None: 1 + draft_cost). ``measure_costs`` gives it
+    # apart because its draft_cost is a draft inside a drafting round, dearer than that step.
+    decline_cost: float | None = None
     # cost(0) .. cost(γ), computed on the host in float64 and rounded once to float32: the
     # budget a program traces with when the call passes it (``Tuning.costs``; the fields above
     # are then empty), so its decisions are those of the same numbers compiled in (None:
@@ -303,9 +308,10 @@ class Budget:
 
     @classmethod
     def of(cls, verify_costs, draft_cost: float = 0.0, gamma: int | None = None,
-           round_cost: float = 0.0, sequential: bool = True) -> Budget:
+           round_cost: float = 0.0, sequential: bool = True,
+           decline_cost: float | None = None) -> Budget:
         """Checked: γ + 1 finite costs > 0 (divided by the first), a draft cost and a round
-        cost >= 0 (in the first's units already)."""
+        cost >= 0, a decline cost > 0 or None (in the first's units already)."""
         def real(x):
             return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
@@ -324,8 +330,13 @@ class Budget:
             if not real(value) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0 ({what} in target "
                                  f"steps), got {value!r}")
+        if decline_cost is not None and (not real(decline_cost) or not np.isfinite(decline_cost)
+                                         or decline_cost <= 0):
+            raise ValueError(f"decline_cost must be a finite number > 0 (a round that verifies "
+                             f"no draft, in target steps) or None, got {decline_cost!r}")
         return cls(tuple(float(x) / float(costs[0]) for x in costs), float(draft_cost),
-                   float(round_cost), sequential=bool(sequential))
+                   float(round_cost), None if decline_cost is None else float(decline_cost),
+                   sequential=bool(sequential))
 
     def cost(self, k: int) -> float:
         """A round verifying k >= 1 drafts: its fixed part, its draft steps and the forward of
@@ -337,7 +348,8 @@ class Budget:
         if self.table is not None:
             return self.table[k]
         if k == 0:
-            return self.verify_costs[0] + self.draft_cost
+            return (self.verify_costs[0] + self.draft_cost if self.decline_cost is None
+                    else self.decline_cost)
         width = next(w for w in loop_widths(self.gamma) if w > k)
         steps = min(k + 1, self.gamma) if self.sequential else 1
         return self.round_cost + self.draft_cost * steps + self.verify_costs[width - 1]
@@ -511,13 +523,24 @@ class ChainControl:
 def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
                   context: int = 64, repeats: int = 9, temperature: float = 1.0) -> Budget:
     """This backend's ``Budget`` for ``target`` (and a draft model, if given) at ``batch_size``
-    rows: the target's forward over 1 .. γ + 1 tokens and the draft's one-token step, each with
-    the cache filled to ``context`` slots; with a draft model, also a whole round of generate's
-    own program for the static chain of γ (rows sampled at ``temperature``; 0: greedy) and a
-    plain decode step of it: what the round costs beyond its forwards, less what the step costs
-    beyond its forward, is the fixed part of a round that drafts (``round_cost``). Timed interleaved
-    (median of ``repeats``), in the target's one-token steps. A draft that is not a model
-    (heads) has no step or round timed here: pass its costs to ``Budget.of`` yourself."""
+    rows: the target's forward over 1 .. γ + 1 tokens, each with the cache filled to
+    ``context`` slots, in the target's one-token steps. With a draft model, also whole rounds of
+    generate's own program for static chains of 1 and of γ drafts (rows sampled at
+    ``temperature``; 0: greedy), its plain decode step, and the draft's one-token forward: a
+    round that drafts g costs o + c·g + v_g beyond what a plain step costs besides its
+    forward, so the two rounds give the draft cost c (``draft_cost``: a draft as it costs
+    inside a round, its forward, its draw and its writes; never less than the bare forward) and
+    the round's fixed part o (``round_cost``, ``fit_round_costs``); a round that verifies no
+    draft costs a decode step and the bare forward that scored draft 1 (``decline_cost``).
+    Timed interleaved (median of ``repeats``). A draft that is not a model (heads) has no step
+    or round timed here: pass its costs to ``Budget.of`` yourself.
+
+    Why rounds, not the draft's forward timed apart: inside a round a draft costs 1.5-3 times
+    its bare forward on the project's CPU (it draws and writes as well, and runs after the
+    target's forward has passed through the caches). Charged at its bare cost with the rest of
+    a round of γ drafts put into o, as until 2026-12-07, the model priced rounds of 2 and 4
+    drafts 3-22% above what they cost and long rounds about right, so the budget drafted too
+    much (experiments/results/2026-12-07-budget-round-fit.md)."""
     from . import timing
     from .config import SamplingParams, SpecConfig
     from .draft.draft_model import DraftModel
@@ -527,30 +550,44 @@ def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
     rows = bucket(batch_size, minimum=1)  # what generate runs (and the rounds below are timed at)
     timers = {w: timing.forward_timer(target, w, capacity, context, batch=rows)
               for w in range(1, gamma + 2)}
-    if isinstance(draft, (Model, DraftModel)):
+    chains = sorted({1, gamma}) if isinstance(draft, (Model, DraftModel)) else []
+    if chains:
         timers["draft"] = timing.forward_timer(draft, 1, capacity, context, batch=rows)
         decoded = context // 2
         prompt = np.random.default_rng(0).integers(1, target.config.vocab_size,
                                                    max(context - decoded, 1)).tolist()
-        timers["round"] = timing.round_timers(
-            target, prompt, sampling=SamplingParams(temperature=temperature,
-                                                    max_new_tokens=decoded + 2 * gamma + 2),
-            spec=SpecConfig(num_speculative_tokens=gamma), draft=draft, decoded=decoded,
-            batch=batch_size)["round"]
-        timers["plain"] = timing.round_timers(
-            target, prompt, sampling=SamplingParams(temperature=temperature,
-                                                    max_new_tokens=decoded + 2 * gamma + 2),
-            decoded=decoded, batch=batch_size)["round"]
+        sampling = SamplingParams(temperature=temperature,
+                                  max_new_tokens=decoded + 2 * gamma + 2)
+        for g in chains:
+            timers[("round", g)] = timing.round_timers(
+                target, prompt, sampling=sampling, spec=SpecConfig(num_speculative_tokens=g),
+                draft=draft, decoded=decoded, batch=batch_size)["round"]
+        timers["plain"] = timing.round_timers(target, prompt, sampling=sampling,
+                                              decoded=decoded, batch=batch_size)["round"]
     seconds = timing.median_seconds(timers, repeats)
     step = seconds[1]
     verify = [seconds[w] / step for w in range(1, gamma + 2)]
-    draft_cost = seconds.get("draft", 0.0) / step
-    # what a round of the chain costs beyond its forwards, less what a plain decode step costs
-    # beyond its forward (sampling, bookkeeping: both pay it)
-    round_cost = (max(seconds["round"] / step - verify[gamma] - gamma * draft_cost
-                      - (seconds["plain"] / step - 1.0), 0.0)
-                  if "round" in seconds else 0.0)
-    return Budget.of(verify, draft_cost, round_cost=round_cost)
+    if not chains:
+        return Budget.of(verify)
+    # each round beyond what a plain decode step costs besides its forward (both pay that)
+    rounds = {g: seconds[("round", g)] / step - (seconds["plain"] / step - 1.0) for g in chains}
+    bare = seconds["draft"] / step
+    draft_cost, round_cost = fit_round_costs(rounds, verify, bare)
+    return Budget.of(verify, draft_cost, round_cost=round_cost, decline_cost=1.0 + bare)
+
+
+def fit_round_costs(rounds: dict[int, float], verify: list[float],
+                    bare_draft: float) -> tuple[float, float]:
+    """(c, o) of rounds that cost ``rounds[g]`` = o + c·g + verify[g] (a static chain of g
+    drafts; one-token steps) for g = 1 and γ: c the slope between the two, never below
+    ``bare_draft`` (the draft's forward alone), o what the round of one draft leaves, never
+    below 0. With one chain only (γ = 1), c = ``bare_draft``."""
+    low, high = min(rounds), max(rounds)
+    c = bare_draft
+    if high > low:
+        slope = (rounds[high] - rounds[low] - verify[high] + verify[low]) / (high - low)
+        c = max(slope, bare_draft)
+    return c, max(rounds[low] - c * low - verify[low], 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -391,12 +391,13 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             gamma=max(s.num_speculative_tokens for s in adaptive_specs),
             context=len(sorted(prompts, key=len)[len(prompts) // 2]) + max_new_tokens // 2)
         log(f"verify budget at batch {B}: forward costs {[round(c, 3) for c in costs.verify_costs]}"
-            f" steps, draft step {costs.draft_cost:.3f}, a round's fixed part "
-            f"{costs.round_cost:.3f}")
+            f" steps, a draft in a round {costs.draft_cost:.3f}, a round's fixed part "
+            f"{costs.round_cost:.3f}, a round verifying none {costs.decline_cost:.3f}")
         specs += [dataclasses.replace(
             s, verify_costs=costs.verify_costs[:s.num_speculative_tokens + 1],
             draft_cost=costs.draft_cost if s.needs_draft_model else 0.0,
             round_cost=costs.round_cost if s.needs_draft_model else 0.0,
+            decline_cost=costs.decline_cost if s.needs_draft_model else None,
             idle_rounds=rests) for s in adaptive_specs
             for rests in ((None, 0) if without_rests and s.method == "draft_model" else (None,))]
 
@@ -501,6 +502,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
                 synthetic_acceptance=spec.synthetic_acceptance,
                 survival_threshold=spec.survival_threshold, verify_costs=spec.verify_costs,
                 draft_cost=spec.draft_cost, round_cost=spec.round_cost,
+                decline_cost=spec.decline_cost,
                 idle_rounds=spec.rests if spec.verify_costs is not None else None, batch_size=B,
                 ar_tokens_per_second=ar.median("tokens_per_second"),
                 spec_tokens_per_second=sp.median("tokens_per_second"),

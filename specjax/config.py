@@ -438,6 +438,9 @@ class SpecConfig:
     # relatively cheaper, and a round without drafts does not pay it. None: 0 (with
     # verify_costs)
     round_cost: float | None = None
+    # what a round that verifies no draft costs (its decode step and the draft step that scored
+    # draft 1), in one-token steps; None: 1 + draft_cost (with verify_costs)
+    decline_cost: float | None = None
     # Rests (engine.Idle), method draft_model with adaptive lengths: after two proposals in a row
     # in which no row drafted, the next rounds skip the draft altogether (1, 2, 4, ... up to this
     # many while the declines go on), then the draft reads what it missed in a few wide forwards.
@@ -576,7 +579,7 @@ class SpecConfig:
         if self.survival_threshold is not None:
             _require_real(self, "survival_threshold", self.survival_threshold,
                           lambda x: 0 < x < 1, "in (0, 1) or None")
-        for name in ("draft_cost", "round_cost"):
+        for name in ("draft_cost", "round_cost", "decline_cost"):
             if getattr(self, name) is not None and self.verify_costs is None:
                 raise ValueError(f"SpecConfig.{name}={getattr(self, name)!r} needs "
                                  f"verify_costs (the verify budget)")
@@ -584,7 +587,8 @@ class SpecConfig:
             from .adaptive import Budget
             Budget.of(self.verify_costs, 0.0 if self.draft_cost is None else self.draft_cost,
                       self.num_speculative_tokens,
-                      0.0 if self.round_cost is None else self.round_cost)  # checks them
+                      0.0 if self.round_cost is None else self.round_cost,
+                      decline_cost=self.decline_cost)  # checks them
             object.__setattr__(self, "verify_costs", tuple(self.verify_costs))
         if self.idle_rounds is not None:
             if not _is_int(self.idle_rounds) or not 0 <= self.idle_rounds <= MAX_IDLE_ROUNDS:
@@ -628,7 +632,8 @@ class SpecConfig:
         from .adaptive import SEQUENTIAL_DRAFTERS, Budget
         return Budget.of(self.verify_costs, self.draft_cost or 0.0,
                          round_cost=self.round_cost or 0.0,
-                         sequential=self.method in SEQUENTIAL_DRAFTERS)
+                         sequential=self.method in SEQUENTIAL_DRAFTERS,
+                         decline_cost=self.decline_cost)
 
     def _synthetic_profile(self) -> tuple[float, ...]:
         """synthetic_acceptance as one α per draft position, checked."""

@@ -782,6 +782,11 @@ def test_bad_budgets_are_refused_by_name():
         sj.SpecConfig(num_speculative_tokens=1, verify_costs=(1, 2), round_cost=-1.0)
     with pytest.raises(ValueError, match="round_cost=0.2 needs verify_costs"):
         sj.SpecConfig(round_cost=0.2)
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True, "1.1"):
+        with pytest.raises(ValueError, match="decline_cost must be a finite number > 0"):
+            sj.SpecConfig(num_speculative_tokens=1, verify_costs=(1, 2), decline_cost=bad)
+    with pytest.raises(ValueError, match="decline_cost=1.1 needs verify_costs"):
+        sj.SpecConfig(decline_cost=1.1)
     spec = sj.SpecConfig.parse('{"num_speculative_tokens": 2, "verify_costs": [2, 3, 4]}')
     assert spec.budget == adaptive.Budget((1.0, 1.5, 2.0), 0.0)
     spec = sj.SpecConfig.parse('{"num_speculative_tokens": 2, "verify_costs": [2, 3, 4], '
@@ -791,6 +796,11 @@ def test_bad_budgets_are_refused_by_name():
     spec = sj.SpecConfig(num_speculative_tokens=2, verify_costs=tuple(np.float32([2, 3, 4])),
                          draft_cost=np.float32(0.25), round_cost=np.float64(0.5))
     assert spec.budget == adaptive.Budget((1.0, 1.5, 2.0), 0.25, 0.5)
+    # a round verifying none: 1 + c, or the decline cost given (in the first cost's units)
+    assert spec.budget.cost(0) == 1.25
+    declined = dataclasses.replace(spec, decline_cost=np.float64(1.05)).budget
+    assert declined == adaptive.Budget((1.0, 1.5, 2.0), 0.25, 0.5, 1.05)
+    assert declined.cost(0) == 1.05 and declined.cost(1) == spec.budget.cost(1)
 
 
 def test_a_rounds_fixed_cost_is_paid_by_rounds_that_draft():
@@ -1024,19 +1034,46 @@ def test_bad_rests_are_refused_by_name():
 
 
 def test_measure_costs_times_forwards_steps_and_rounds(target, draft, monkeypatch):
+    from specjax import timing
+    honest_rounds, chains = timing.round_timers, []
+    monkeypatch.setattr(timing, "round_timers", lambda *a, spec=None, **kw: (
+        chains.append(spec and spec.num_speculative_tokens),
+        honest_rounds(*a, spec=spec, **kw))[1])
     costs = adaptive.measure_costs(target, draft, batch_size=2, gamma=2, context=16, repeats=1)
     assert len(costs.verify_costs) == 3 and costs.verify_costs[0] == 1.0
     assert all(np.isfinite(c) and c > 0 for c in costs.verify_costs)
     assert costs.draft_cost > 0 and np.isfinite(costs.round_cost) and costs.round_cost >= 0
+    assert chains == [1, 2, None]  # rounds of chains of 1 and γ drafts, and a plain step
+    # a round verifying none: a decode step and the bare draft forward, never dearer than a
+    # draft inside a round (the slope is never below the bare forward)
+    assert 1.0 < costs.decline_cost <= 1.0 + costs.draft_cost
     # 5 rows: the forwards are timed at the 6 generate runs (its batch bucket), as its rounds
-    from specjax import timing
     honest, rows = timing.forward_timer, []
     monkeypatch.setattr(timing, "forward_timer", lambda *a, batch, **kw: (
         rows.append(batch), honest(*a, batch=batch, **kw))[1])
     heads_only = adaptive.measure_costs(target, None, batch_size=5, gamma=2, context=16,
                                         repeats=1)
     assert heads_only.draft_cost == 0 and heads_only.round_cost == 0
+    assert heads_only.decline_cost is None and heads_only.cost(0) == 1.0
     assert rows == [6, 6, 6] == [engine.bucket(5, minimum=1)] * 3
+
+
+def test_round_costs_come_from_rounds_of_one_and_gamma_drafts():
+    """Rounds that cost o + c·g + v_g (g = 1 and γ) give back the c and o they were built of;
+    a slope below the draft's bare forward (noise) is charged the bare forward, o is never
+    negative, and with one chain only (γ = 1) c is the bare forward."""
+    verify = [1.0, 1.1, 1.15, 1.2, 1.3]
+    rounds = {g: 0.3 + 0.12 * g + verify[g] for g in (1, 4)}
+    assert adaptive.fit_round_costs(rounds, verify, 0.05) == pytest.approx((0.12, 0.3))
+    # the bare forward (0.05) with the rest of the γ round put into o, as until 2026-12-07,
+    # priced the round of one draft 0.21 steps above what it costs
+    o_before = rounds[4] - verify[4] - 4 * 0.05
+    assert o_before + 0.05 + verify[1] - rounds[1] == pytest.approx(0.21)
+    flat = {1: 1.5, 4: 1.5 + verify[4] - verify[1]}  # no cost per draft at all: noise
+    assert adaptive.fit_round_costs(flat, verify, 0.05) == pytest.approx((0.05, 1.5 - 0.05 - 1.1))
+    assert adaptive.fit_round_costs({1: 1.0, 4: 2.0}, verify, 0.05)[1] == 0.0
+    assert adaptive.fit_round_costs({1: 1.5}, verify[:2], 0.05) == pytest.approx(
+        (0.05, 1.5 - 0.05 - 1.1))
 
 
 def test_confidence_is_the_largest_probability():
