@@ -1,8 +1,9 @@
 """The verify budget costed by whole rounds of its own program, or by forwards and a fitted o.
 
-``adaptive.measure_costs`` times the target's bare forwards over 1 .. γ + 1 tokens and one
-draft forward, each at a small capacity, and fits a round's fixed part o as a whole static
-round less its forwards less a plain step's overhead ("fitted" below). The alternative here
+``adaptive.measure_costs`` times the target's bare forwards over 1 .. γ + 1 tokens, each at a
+small capacity, and fits the draft cost c and a round's fixed part o from whole static rounds
+of 1 and γ drafts less a plain step's overhead ("fitted" below; until 2026-12-07 c was the
+draft's bare forward and o a round of γ drafts less its forwards). The alternative here
 times a round of the adaptive program itself at each of its loop widths, each proposing the
 drafts its width holds, and one draft step inside its proposal ("rounds"). This runs the
 bundled pair at γ = 8 with the budget both ways, beside static chains and autoregressive
@@ -92,7 +93,8 @@ def main() -> None:
                          for g in args.static.split(",")})
         variants.update({f"budget, {name}": dict(
             num_speculative_tokens=G, verify_costs=b.verify_costs, draft_cost=b.draft_cost,
-            round_cost=b.round_cost) for name, b in budgets.items()})
+            round_cost=b.round_cost, decline_cost=b.decline_cost)
+            for name, b in budgets.items()})
         for T in (float(t) for t in args.temperatures.split(",")):
             sampling = sj.SamplingParams(temperature=T, max_new_tokens=args.max_new_tokens)
             seconds = {n: [] for n in variants}

@@ -88,9 +88,11 @@ def main() -> None:
         prompts = [texts[i % len(texts)] for i in range(B)]
         costs = adaptive.measure_costs(target, draft, batch_size=B, gamma=G)
         print(f"\nbatch {B}: forward costs {[round(c, 3) for c in costs.verify_costs]}, "
-              f"draft step {costs.draft_cost:.3f}, round's fixed part {costs.round_cost:.3f}")
+              f"a draft in a round {costs.draft_cost:.3f}, round's fixed part "
+              f"{costs.round_cost:.3f}, a round verifying none {costs.cost(0):.3f}")
         budget = dict(survival_threshold=args.threshold, verify_costs=costs.verify_costs,
-                      draft_cost=costs.draft_cost, round_cost=costs.round_cost)
+                      draft_cost=costs.draft_cost, round_cost=costs.round_cost,
+                      decline_cost=costs.decline_cost)
         variants = {"autoregressive": (None, False),
                     "static 2": (dict(num_speculative_tokens=2), False),
                     f"static {G}": (dict(num_speculative_tokens=G), False),

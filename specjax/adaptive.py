@@ -250,10 +250,12 @@ def loop_widths(gamma: int) -> tuple[int, ...]:
 class Budget:
     """What a round costs on this backend at this batch size, in one-token target steps:
     ``verify_costs[k]``, a target forward over k + 1 tokens (verifying k drafts; [0] is 1, the
-    plain decode step), ``draft_cost`` (c), one draft step, and ``round_cost`` (o), what a
-    round that drafts costs besides its forwards, beyond what a plain decode step costs besides
-    its forward. Numbers of a call, not of its program: ``generate`` passes them as data
-    (``Tuning``), so other costs run the same compiled program.
+    plain decode step), ``draft_cost`` (c), one draft as it costs inside a round (its step,
+    draw and writes), ``round_cost`` (o), what a round that drafts costs besides its forwards
+    and drafts, beyond what a plain decode step costs besides its forward, and
+    ``decline_cost``, a round that verifies none. Numbers of a call, not of its program:
+    ``generate`` passes them as data (``Tuning``), so other costs run the same compiled
+    program.
 
     A round verifying k >= 1 drafts costs o + c·min(k + 1, γ) + v_n, where n + 1 is the
     narrowest of ``loop_widths(γ)`` (1, 2, 3, 5, 9, ..., γ + 1) holding k + 1 tokens: the decode
@@ -264,7 +266,7 @@ class Budget:
     part runs in it: with ``idle_rounds`` the rounds after such rounds skip the draft too). A
     drafter that is not ``sequential`` (its drafting costs the same whatever the lengths:
     Medusa, MTP, the block drafter) pays c once a round, verifying none included: o + c + v_n
-    and 1 + c.
+    and 1 + c (or ``decline_cost``).
 
     The batch verifies as many draft positions as pay for themselves. Every row shares the
     forward's width (the verify forward is [B, width]), so the budget is a width. Before draft k
@@ -290,7 +292,7 @@ class Budget:
     verify_costs: tuple[float, ...]
     draft_cost: float = 0.0
     # what a round that drafts costs besides its forwards, beyond a plain decode step's own
-    # (sampling the drafts, verification, bookkeeping), in one-token target steps
+    # and drafts (verification, bookkeeping), in one-token target steps
     round_cost: float = 0.0
     # what a round that verifies no draft costs, in one-token target steps: its decode step and
     # the draft step that scored draft 1 (None: 1 + draft_cost). ``measure_costs`` gives it
@@ -539,8 +541,8 @@ def measure_costs(target, draft=None, *, batch_size: int = 1, gamma: int = 4,
     its bare forward on the project's CPU (it draws and writes as well, and runs after the
     target's forward has passed through the caches). Charged at its bare cost with the rest of
     a round of γ drafts put into o, as until 2026-12-07, the model priced rounds of 2 and 4
-    drafts 3-22% above what they cost and long rounds about right, so the budget drafted too
-    much (experiments/results/2026-12-07-budget-round-fit.md)."""
+    drafts 3-29% above what they cost and long rounds about right, so once it drafted it
+    favoured long rounds (experiments/results/2026-12-07-budget-round-fit.md)."""
     from . import timing
     from .config import SamplingParams, SpecConfig
     from .draft.draft_model import DraftModel

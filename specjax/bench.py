@@ -392,7 +392,7 @@ def run_bench(target: Model, prompts: list[list[int]], specs, *, draft: Model | 
             context=len(sorted(prompts, key=len)[len(prompts) // 2]) + max_new_tokens // 2)
         log(f"verify budget at batch {B}: forward costs {[round(c, 3) for c in costs.verify_costs]}"
             f" steps, a draft in a round {costs.draft_cost:.3f}, a round's fixed part "
-            f"{costs.round_cost:.3f}, a round verifying none {costs.decline_cost:.3f}")
+            f"{costs.round_cost:.3f}, a round verifying none {costs.cost(0):.3f}")
         specs += [dataclasses.replace(
             s, verify_costs=costs.verify_costs[:s.num_speculative_tokens + 1],
             draft_cost=costs.draft_cost if s.needs_draft_model else 0.0,

@@ -433,7 +433,7 @@ class SpecConfig:
     # forward, down to none at all. With or without survival_threshold; same methods.
     verify_costs: tuple[float, ...] | None = None
     draft_cost: float | None = None  # None: 0 (with verify_costs)
-    # what a round that drafts costs besides its forwards (sampling the drafts, verification,
+    # what a round that drafts costs besides its forwards and drafts (verification,
     # bookkeeping), beyond a plain decode step's own, in one-token steps; it makes wider rounds
     # relatively cheaper, and a round without drafts does not pay it. None: 0 (with
     # verify_costs)

@@ -436,6 +436,26 @@ def test_bench_adaptive_rows(model_folders, capsys, tmp_path):
     assert "no adaptive variants for ngram" in capsys.readouterr().err
 
 
+def test_bench_budget_costs_of_heads_are_logged(target, monkeypatch):
+    """The verify budget's costs line for heads alone (no draft model: measure_costs times no
+    draft, so its budget has no decline cost) names what a round verifying none costs."""
+    from specjax import adaptive
+
+    class Logged(Exception):
+        pass
+
+    def log(message):
+        if message.startswith("verify budget"):
+            raise Logged(message)
+    monkeypatch.setattr(adaptive, "measure_costs",
+                        lambda *a, **kw: adaptive.Budget.of([2.0, 2.4, 2.6]))
+    spec = sj.SpecConfig(method="eagle", num_speculative_tokens=2, survival_threshold=0.5)
+    with pytest.raises(Logged, match=r"costs \[1.0, 1.2, 1.3\] steps, a draft in a round 0.000, "
+                                     r"a round's fixed part 0.000, a round verifying none 1.000"):
+        bench.run_bench(target, [[1, 2, 3]], [spec], drafters={"eagle": None}, budget=True,
+                        log=log)
+
+
 def test_plot_series():
     """What the figures draw: speed-up against γ groups a method's static chains into one
     series per temperature (adaptive, budgeted and synthetic rows left out; a tree one point at
