@@ -85,7 +85,10 @@ def main() -> None:
     G = args.gamma
     print(f"γ {G}, threshold {args.threshold}, loop widths {adaptive.loop_widths(G)}")
     for B in (int(b) for b in args.batch_size.split(",")):
-        prompts = [texts[i % len(texts)] for i in range(B)]
+        # every prompt at least once, cycled to whole batches (until 2026-12-07 the first B
+        # prompts only: batch 1 ran the first prompt alone)
+        cycled = [texts[i % len(texts)] for i in range(-(-len(texts) // B) * B)]
+        groups = [cycled[i:i + B] for i in range(0, len(cycled), B)]
         costs = adaptive.measure_costs(target, draft, batch_size=B, gamma=G)
         print(f"\nbatch {B}: forward costs {[round(c, 3) for c in costs.verify_costs]}, "
               f"a draft in a round {costs.draft_cost:.3f}, round's fixed part "
@@ -100,26 +103,32 @@ def main() -> None:
                     before_name: (dict(num_speculative_tokens=G, **budget), True)}
         for T in (float(t) for t in args.temperatures.split(",")):
             sampling = sj.SamplingParams(temperature=T, max_new_tokens=args.max_new_tokens)
+            # per variant and repeat: decode seconds, tokens, rounds, drafts over every group
             runs = {name: [] for name in variants}
             for r in range(args.repeats + 1):  # the first: compiling
                 for name, (spec, old) in variants.items():
-                    with charged(charged_before, old):
-                        out = sj.generate(target, prompts, sampling=sampling, tokenizer=tok,
-                                          spec=spec, draft=None if spec is None else draft,
-                                          key=r)
+                    total = [0.0, 0, 0, 0]
+                    for prompts in groups:
+                        with charged(charged_before, old):
+                            out = sj.generate(target, prompts, sampling=sampling, tokenizer=tok,
+                                              spec=spec, draft=None if spec is None else draft,
+                                              key=r)
+                        s = out.stats
+                        for i, x in enumerate((s.decode_seconds, s.generated_tokens,
+                                               s.num_rounds, s.proposed_tokens)):
+                            total[i] += x
                     if r:
-                        runs[name].append(out)
-            ar = [o.stats.decode_seconds / o.stats.generated_tokens for o in runs["autoregressive"]]
+                        runs[name].append(total)
+            ar = [t[0] / t[1] for t in runs["autoregressive"]]
             print(f"  T {T}:")
-            for name, outs in runs.items():
-                ratios = [a / (o.stats.decode_seconds / o.stats.generated_tokens)
-                          for a, o in zip(ar, outs)]
-                s = outs[-1].stats
-                rounds = max(s.num_rounds, 1)
+            for name, totals in runs.items():
+                ratios = [a / (t[0] / t[1]) for a, t in zip(ar, totals)]
+                last = totals[-1]
+                rounds = max(last[2], 1)
                 print(f"    {name:24} {statistics.median(ratios):5.2f}x  "
                       f"(per repeat {', '.join(f'{x:.2f}' for x in ratios)})  "
-                      f"tokens a round {s.generated_tokens / rounds / B:5.2f}  "
-                      f"drafts a round {s.proposed_tokens / rounds / B:5.2f}")
+                      f"tokens a round {last[1] / rounds / B:5.2f}  "
+                      f"drafts a round {last[3] / rounds / B:5.2f}")
 
 
 if __name__ == "__main__":
