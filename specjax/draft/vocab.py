@@ -106,15 +106,16 @@ class DraftVocab:
 
         A gather, not a scatter: each of the V ids reads its slot of ``sub`` (M, a zero, for an
         id outside the vocabulary). XLA's CPU scatter of ``sub`` along its last axis
-        (``.at[..., ids].set``) walked the M ids across every row: 3.7 ms for a chain's q's at
-        batch 16, γ 8 (M 2,048, V 8,192) against 0.6 ms gathered, 0.46 against 0.09 ms at
-        batch 4, level at batch 1 (experiments/results/2026-12-07-widen-gather.md)."""
+        (``.at[..., ids].set``) walked the M ids across every row: 4.7 ms for a chain's q's at
+        batch 16, γ 8 (M 2,048, V 8,192) against 0.8 ms gathered, 0.68 against 0.13 ms at
+        batch 4, level at batch 1 (experiments/results/2026-12-07-widen-gather.md). Row by row
+        (vmapped): ``jnp.take`` over the last axis gave the result a transposed layout, which
+        the decode loop then copied back every round (1.2 ms a round at batch 16)."""
         M = self.ids.shape[0]
         slot = jnp.full((vocab_size,), M, jnp.int32).at[self.ids].set(
             jnp.arange(M, dtype=jnp.int32))
-        padded = jnp.concatenate([sub.astype(jnp.float32),
-                                  jnp.zeros(sub.shape[:-1] + (1,), jnp.float32)], axis=-1)
-        return jnp.take(padded, slot, axis=-1)
+        rows = jnp.pad(sub.astype(jnp.float32).reshape(-1, M), ((0, 0), (0, 1)))
+        return jax.vmap(lambda row: row[slot])(rows).reshape(sub.shape[:-1] + (vocab_size,))
 
 
 # -- the tokens two tokenizers share (token-level intersection) -------------------------------
