@@ -179,6 +179,8 @@ def test_widen_puts_each_probability_at_its_id_and_zeros_elsewhere():
     np.testing.assert_array_equal(np.asarray(vocab.widen(jnp.asarray(sub), 50)), want)
     np.testing.assert_array_equal(np.asarray(jax.jit(vocab.widen, static_argnums=1)(
         jnp.asarray(sub[0, 0]), 50)), want[0, 0])
+    with pytest.raises(ValueError, match=r"must end in its 12 ids, got shape \(3, 2, 11\)"):
+        vocab.widen(jnp.zeros((3, 2, 11)), 50)
 
 
 def _shifted_widen(self, sub, vocab_size):

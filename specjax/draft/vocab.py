@@ -110,8 +110,11 @@ class DraftVocab:
         batch 16, γ 8 (M 2,048, V 8,192) against 0.8 ms gathered, 0.68 against 0.13 ms at
         batch 4, level at batch 1 (experiments/results/2026-12-07-widen-gather.md). Row by row
         (vmapped): ``jnp.take`` over the last axis gave the result a transposed layout, which
-        the decode loop then copied back every round (1.2 ms a round at batch 16)."""
+        the decode loop then copied back every round (1.25 ms a round at batch 16)."""
         M = self.ids.shape[0]
+        if sub.ndim == 0 or sub.shape[-1] != M:
+            raise ValueError(f"DraftVocab.widen: q over the draft vocabulary must end in its {M} "
+                             f"ids, got shape {tuple(sub.shape)}")
         slot = jnp.full((vocab_size,), M, jnp.int32).at[self.ids].set(
             jnp.arange(M, dtype=jnp.int32))
         rows = jnp.pad(sub.astype(jnp.float32).reshape(-1, M), ((0, 0), (0, 1)))
