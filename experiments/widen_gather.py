@@ -4,9 +4,11 @@ A drafter with a draft vocabulary (the bundled draft's 2,048 of the target's 8,1
 from q over its own ids; at T > 0 the verifier reads q over the whole vocabulary, so each
 round widens the chain's q's [B, γ, M] to [B, γ, V]. This times both ways: (1) the widen alone,
 50 times inside one compiled loop (the sum of each result read, so none is skipped), at several
-batch sizes and γ; (2) one round of ``sj.generate``'s own program (``timing.round_timers``) for
-the bundled pair, a static chain at T = 0.8, with the draft's vocabulary widened each way (two
-pytree classes, so both programs live in one process), timed interleaved, median of repeats.
+batch sizes and γ, the two interleaved (it cannot see a layout copy: a profile of the decode
+program can, ``experiments/decode_profile.py``); (2) one round of ``sj.generate``'s own
+program (``timing.round_timers``) for the bundled pair, a static chain at T = 0.8, with the
+draft's vocabulary widened each way (two pytree classes, so both programs live in one
+process), timed interleaved, median of repeats.
 
     .venv/bin/python experiments/widen_gather.py [--batch-size 1,4,16] [--gamma 8] [--repeats 7]
 """
@@ -16,8 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,21 +39,17 @@ class ScatterVocab(DraftVocab):
         return full.at[..., self.ids].set(sub)
 
 
-def widen_alone(vocab: DraftVocab, V: int, shape: tuple[int, ...], repeats: int) -> float:
-    """Seconds per widen of q's of ``shape`` [..., M], 50 inside one compiled loop."""
+def widen_timer(vocab: DraftVocab, V: int, shape: tuple[int, ...]):
+    """A timer (``timing.median_seconds``) of one widen of q's of ``shape`` [..., M]: 50 inside
+    one compiled loop, seconds per widen. Compiles before returning."""
     def run(sub, vocab):
         def body(i, acc):
             return acc + vocab.widen(sub * (1.0 + i), V).sum()
         return jax.lax.fori_loop(0, 50, body, 0.0)
     f = jax.jit(run)
     sub = jax.random.uniform(jax.random.key(0), shape)
-    f(sub, vocab).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(sub, vocab).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) / 50
+    timing.timed(f, sub, vocab)
+    return lambda: timing.timed(f, sub, vocab)[1] / 50
 
 
 def main() -> None:
@@ -68,12 +64,14 @@ def main() -> None:
     old = ScatterVocab(v.ids, v.head, v.softcap)
     sizes = [int(b) for b in args.batch_size.split(",")]
     print(f"draft vocabulary {v.size} of {V} ids; jax {jax.__version__}, {jax.devices()[0]}")
-    print("\n(1) the widen alone, µs a call (50 in one compiled loop)")
+    print("\n(1) the widen alone, µs a call (50 in one compiled loop; median of interleaved "
+          "repeats)")
     print(f"{'batch':>6} {'γ':>3} {'scatter':>9} {'gather':>9} {'ratio':>6}")
     for B in sizes:
         for G in sorted({1, 4, args.gamma}):
-            s = widen_alone(old, V, (B, G, v.size), args.repeats)
-            g = widen_alone(v, V, (B, G, v.size), args.repeats)
+            t = timing.median_seconds({k: widen_timer(x, V, (B, G, v.size))
+                                       for k, x in (("s", old), ("g", v))}, args.repeats)
+            s, g = t["s"], t["g"]
             print(f"{B:>6} {G:>3} {s * 1e6:9.0f} {g * 1e6:9.0f} {s / g:6.2f}", flush=True)
     print(f"\n(2) one round of generate's program, bundled pair, static γ {args.gamma}, T 0.8, "
           f"ms (median of {args.repeats} interleaved)")
